@@ -1,0 +1,1 @@
+"""hybridkv: KV-cache management for hybrid sliding-window-attention LLMs."""
