@@ -1,0 +1,19 @@
+"""Transfer layer: page copy kernels (CUDA, C host, torch reference),
+layerwise prefetch and the NIXL agent.
+
+See docs/transfer.md for the buffer and staging layouts.
+"""
+
+from .api import copy_pages, pack_pages, page_nbytes, unpack_pages
+from .layerwise import LayerJob, LayerwiseLoader, PageCopy, model_layer_jobs
+
+__all__ = [
+    "LayerJob",
+    "LayerwiseLoader",
+    "PageCopy",
+    "copy_pages",
+    "model_layer_jobs",
+    "pack_pages",
+    "page_nbytes",
+    "unpack_pages",
+]

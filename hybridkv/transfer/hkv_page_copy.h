@@ -1,0 +1,63 @@
+/*
+ * hkv_page_copy.h - the one descriptor shared by the C host kernel
+ * (host_copy.c) and the CUDA kernels (src_cuda/page_copy.cu).
+ *
+ * A "page copy" moves, for every entry i of a page list, every layer in
+ * [layer_begin, layer_end) and both tensors t (0 = K, 1 = V), one contiguous
+ * run of run_bytes[t] bytes:
+ *
+ *   src[t] + layer * src_layer_stride[t] + src_idx[i] * src_page_stride[t]
+ *     -> dst[t] + layer * dst_layer_stride[t] + dst_idx[i] * dst_page_stride[t]
+ *
+ * A KV buffer [layers, slots, heads, dim] has layer stride slots*heads*dim*es
+ * and page stride = run = page_size*heads*dim*es; a page-major staging buffer
+ * has layer stride = run and page stride = bytes of one whole page (K and V
+ * of all layers).  Expressing copy, pack and unpack with one descriptor is
+ * what lets one kernel (per device kind) serve all three.
+ *
+ * The text between CDEF-BEGIN and CDEF-END is parsed by cffi at run time, so
+ * it must stay plain C declarations (no macros, no #if).
+ */
+#ifndef HKV_PAGE_COPY_H
+#define HKV_PAGE_COPY_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* CDEF-BEGIN */
+typedef struct {
+    int64_t n_pages;           /* entries in the page list */
+    const int64_t *src_idx;    /* NULL means identity: entry i reads page i */
+    const int64_t *dst_idx;    /* NULL means identity: entry i writes page i */
+    const uint8_t *mask;       /* NULL means all; else entry i only if mask[i] != 0 */
+    int64_t layer_begin;       /* absolute layer numbers, relative to src/dst bases */
+    int64_t layer_end;
+    int64_t src_limit;         /* src_idx values must lie in [0, src_limit) */
+    int64_t dst_limit;         /* dst_idx values must lie in [0, dst_limit) */
+    const char *src[2];        /* K base, V base */
+    char *dst[2];
+    int64_t run_bytes[2];
+    int64_t src_layer_stride[2];
+    int64_t src_page_stride[2];
+    int64_t dst_layer_stride[2];
+    int64_t dst_page_stride[2];
+} hkv_page_copy_t;
+
+int hkv_check_desc(const hkv_page_copy_t *desc);
+int hkv_host_copy_pages(const hkv_page_copy_t *desc, int num_threads);
+int hkv_host_openmp_enabled(void);
+/* CDEF-END */
+
+/* Return codes of the host functions (CUDA functions return cudaError_t). */
+#define HKV_OK 0
+#define HKV_ERR_INDEX (-1)
+#define HKV_ERR_ARG (-2)
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* HKV_PAGE_COPY_H */
