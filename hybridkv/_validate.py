@@ -1,0 +1,43 @@
+"""Input validation shared by the pools, the tree and the facade.
+
+Every public entry point converts its array arguments here first, so bad
+input raises a ``TypeError``/``ValueError`` naming the argument before any
+structure is touched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["as_int_array", "as_token_array"]
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def as_int_array(values: object, name: str) -> np.ndarray:
+    """``values`` (numpy, torch, list, tuple, range) as a 1-D int32 numpy array."""
+    if isinstance(values, np.ndarray):
+        arr = values
+    elif hasattr(values, "cpu") and hasattr(values, "numpy"):  # a torch tensor
+        arr = values.cpu().numpy()
+    elif isinstance(values, (list, tuple, range)):
+        arr = np.asarray(values)
+        if arr.size == 0:
+            arr = arr.astype(np.int32)
+    else:
+        raise TypeError(f"{name} must be a 1-D integer array, got {type(values).__name__}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < -1 or arr.max() > _INT32_MAX):
+        raise ValueError(f"{name} holds ids outside [-1, 2**31)")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def as_token_array(tokens: object, name: str = "tokens") -> np.ndarray:
+    """``tokens`` as 1-D int32 numpy; token ids must be in ``[0, 2**31)``."""
+    arr = as_int_array(tokens, name)
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"{name} must hold non-negative token ids, got {int(arr.min())}")
+    return arr

@@ -1,0 +1,124 @@
+"""Page allocator: hands out page ids of one pool in bulk.
+
+Pages are the unit of KV allocation.  A page id ``p`` owns token slots
+``p * page_size ... p * page_size + page_size - 1`` of the pool's buffers.
+The allocator only does accounting; it never touches KV memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._validate import as_int_array as as_page_array
+
+__all__ = ["PageAllocator"]
+
+_INITIAL = 1024
+
+
+class PageAllocator:
+    """Free-list allocator over page ids ``[0, capacity)``.
+
+    Pages are handed out lazily (ids never used before come last), so a pool
+    with a huge capacity costs memory only for the pages actually touched.
+    Freed pages are reused first.  Every free is checked against an
+    "allocated" bitmap: a double free or a foreign id raises ``ValueError``
+    and changes nothing.
+
+    Runtime complexity: ``alloc(n)`` and ``free(pages)`` are O(n) numpy work.
+    """
+
+    def __init__(self, capacity: int, name: str = "pool") -> None:
+        if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool):
+            raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.name = name
+        self.capacity = int(capacity)
+        self._high = 0  # ids [0, _high) have been handed out at least once
+        self._allocated = np.zeros(min(self.capacity, _INITIAL), dtype=bool)
+        self._free = np.empty(min(self.capacity, _INITIAL), dtype=np.int32)
+        self._nfree = 0  # recycled ids live in _free[:_nfree]
+        self._used = 0
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_used(self) -> int:
+        return self._used
+
+    @property
+    def num_free(self) -> int:
+        return self.capacity - self._used
+
+    def is_allocated(self, pages: np.ndarray) -> np.ndarray:
+        """Boolean mask: which of ``pages`` are currently allocated."""
+        pages = as_page_array(pages, "pages")
+        out = np.zeros(pages.shape, dtype=bool)
+        ok = (pages >= 0) & (pages < self._high)
+        out[ok] = self._allocated[pages[ok]]
+        return out
+
+    # -------------------------------------------------------------- mutation
+    def alloc(self, n: int) -> np.ndarray | None:
+        """Allocate ``n`` pages; returns int32 ids, or None (nothing changed) if short."""
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool):
+            raise TypeError(f"n must be an int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > self.num_free:
+            return None
+        take = min(n, self._nfree)
+        out = np.empty(n, dtype=np.int32)
+        if take:
+            out[:take] = self._free[self._nfree - take:self._nfree][::-1]
+            self._nfree -= take
+        fresh = n - take
+        if fresh:
+            self._grow_bitmap(self._high + fresh)
+            out[take:] = np.arange(self._high, self._high + fresh, dtype=np.int32)
+            self._high += fresh
+        self._allocated[out] = True
+        self._used += n
+        return out
+
+    def free(self, pages: object) -> None:
+        """Return ``pages`` to the free list.
+
+        Raises ValueError (and frees nothing) if any id is out of range, not
+        allocated, or repeated.
+        """
+        arr = as_page_array(pages, "pages")
+        if arr.size == 0:
+            return
+        if arr.min() < 0 or arr.max() >= self._high:
+            raise ValueError(f"pages contain ids outside the allocated range of pool {self.name!r}")
+        if not self._allocated[arr].all():
+            raise ValueError(f"pages contain ids that are not allocated in pool {self.name!r} (double free?)")
+        if arr.size > 1 and np.unique(arr).size != arr.size:
+            raise ValueError(f"pages contain repeated ids (pool {self.name!r})")
+        self._allocated[arr] = False
+        need = self._nfree + arr.size
+        if need > self._free.size:
+            grown = np.empty(max(need, 2 * self._free.size), dtype=np.int32)
+            grown[:self._nfree] = self._free[:self._nfree]
+            self._free = grown
+        self._free[self._nfree:need] = arr
+        self._nfree = need
+        self._used -= arr.size
+
+    def _grow_bitmap(self, high: int) -> None:
+        if high > self._allocated.size:
+            grown = np.zeros(min(self.capacity, max(high, 2 * self._allocated.size)), dtype=bool)
+            grown[:self._allocated.size] = self._allocated
+            self._allocated = grown
+
+    # ------------------------------------------------------------- checking
+    def check_invariants(self) -> None:
+        """Verify accounting; raises AssertionError on any inconsistency.  O(capacity touched)."""
+        alloc = self._allocated[:self._high]
+        assert int(alloc.sum()) == self._used, (self.name, int(alloc.sum()), self._used)
+        free = self._free[:self._nfree]
+        assert np.unique(free).size == free.size, f"{self.name}: free list has duplicates"
+        assert not alloc[free].any(), f"{self.name}: a free page is marked allocated"
+        assert self._used + self._nfree == self._high, (self.name, self._used, self._nfree, self._high)
+        assert 0 <= self._used <= self.capacity

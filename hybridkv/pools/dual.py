@@ -1,0 +1,143 @@
+"""Dual Full/SWA page pools with admission on both.
+
+SGLang vocabulary: the *full pool* holds KV of full-attention layers for every
+cached token; the *SWA pool* holds KV of sliding-window layers only where a
+window is needed.  The full page id is a sequence's logical identity; SWA
+pages are reached through the tree node or request that owns them, never
+through a global full->SWA table (a stale table is how peers freed live slots).
+
+Two budgeting modes:
+
+* **fixed split** (``full_pages`` and ``swa_pages``): each pool has its own
+  capacity, as when an engine pre-allocates two tensors;
+* **shared byte budget** (``budget_bytes``): both pools draw from one byte
+  budget, so memory flows to whichever kind the retention policy needs.  On a
+  real device this is the page-major arena of vLLM's hybrid allocator (one
+  block pool, a SWA page costs ``swa_page_bytes / full_page_bytes`` blocks);
+  on the ``meta`` device it is exact accounting without memory.
+
+Invariant: ``used_bytes() <= budget_bytes`` and each allocator within capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..spec import AttnKind, ModelSpec
+from .allocator import PageAllocator
+from .buffers import KVBuffers
+
+__all__ = ["DualPool", "PoolStats"]
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    full_used_pages: int
+    full_capacity_pages: int
+    swa_used_pages: int
+    swa_capacity_pages: int
+    used_bytes: int
+    budget_bytes: int
+
+
+class DualPool:
+    """A Full pool and a SWA pool for one model.
+
+    Args:
+        spec: model description (page size, bytes per page of each kind).
+        full_pages / swa_pages: capacities in pages (fixed split).  Optional
+            with ``budget_bytes``, where they default to what the budget could
+            hold of each kind.
+        budget_bytes: shared byte budget over both pools (None: sum of the two
+            fixed capacities).
+        device: where KV buffers live: ``"meta"`` (accounting only, the
+            default), ``"cpu"``, ``"cuda"``...; ``None`` allocates no buffers.
+    """
+
+    def __init__(self, spec: ModelSpec, *, full_pages: int | None = None,
+                 swa_pages: int | None = None, budget_bytes: int | None = None,
+                 device: str | torch.device | None = "meta") -> None:
+        if not isinstance(spec, ModelSpec):
+            raise TypeError(f"spec must be a ModelSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.full_page_bytes = spec.bytes_per_page(AttnKind.FULL)
+        self.swa_page_bytes = spec.bytes_per_page(AttnKind.SWA)
+        for name, value in (("full_pages", full_pages), ("swa_pages", swa_pages),
+                            ("budget_bytes", budget_bytes)):
+            if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if budget_bytes is None:
+            if full_pages is None or swa_pages is None:
+                raise ValueError("give budget_bytes, or both full_pages and swa_pages")
+            budget_bytes = full_pages * self.full_page_bytes + swa_pages * self.swa_page_bytes
+        if full_pages is None:
+            full_pages = budget_bytes // self.full_page_bytes if self.full_page_bytes else 0
+        if swa_pages is None:
+            swa_pages = budget_bytes // self.swa_page_bytes if self.swa_page_bytes else 0
+        self.budget_bytes = int(budget_bytes)
+        self.shared = self.budget_bytes < (full_pages * self.full_page_bytes
+                                           + swa_pages * self.swa_page_bytes)
+        self.full = PageAllocator(int(full_pages), "full")
+        self.swa = PageAllocator(int(swa_pages), "swa")
+        self.buffers: KVBuffers | None = None
+        if device is not None:
+            self.buffers = KVBuffers(spec, int(full_pages), int(swa_pages), device)
+
+    # ---------------------------------------------------------------- queries
+    def used_bytes(self) -> int:
+        return self.full.num_used * self.full_page_bytes + self.swa.num_used * self.swa_page_bytes
+
+    def free_bytes(self) -> int:
+        return self.budget_bytes - self.used_bytes()
+
+    def shortfall(self, n_full: int, n_swa: int) -> tuple[int, int, int]:
+        """What must be freed before ``alloc(n_full, n_swa)`` can succeed.
+
+        Returns ``(full_pages, swa_pages, bytes)``: pages missing in each
+        pool's capacity and bytes missing in the shared budget (all >= 0).
+        """
+        need_full = max(0, n_full - self.full.num_free)
+        need_swa = max(0, n_swa - self.swa.num_free)
+        need_bytes = max(0, n_full * self.full_page_bytes + n_swa * self.swa_page_bytes - self.free_bytes())
+        return need_full, need_swa, need_bytes
+
+    def can_alloc(self, n_full: int, n_swa: int) -> bool:
+        return self.shortfall(n_full, n_swa) == (0, 0, 0)
+
+    # -------------------------------------------------------------- mutation
+    def alloc(self, n_full: int, n_swa: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Allocate pages in both pools atomically; None (nothing changed) if short.  O(n)."""
+        for name, value in (("n_full", n_full), ("n_swa", n_swa)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if not self.can_alloc(n_full, n_swa):
+            return None
+        full = self.full.alloc(n_full)
+        swa = self.swa.alloc(n_swa)
+        assert full is not None and swa is not None
+        return full, swa
+
+    def free_full(self, pages: object) -> None:
+        """Free full pages (validated; raises ValueError and frees nothing on bad ids)."""
+        self.full.free(pages)
+
+    def free_swa(self, pages: object) -> None:
+        """Free SWA pages only (validated as for :meth:`free_full`)."""
+        self.swa.free(pages)
+
+    def stats(self) -> PoolStats:
+        return PoolStats(self.full.num_used, self.full.capacity, self.swa.num_used,
+                         self.swa.capacity, self.used_bytes(), self.budget_bytes)
+
+    def check_invariants(self) -> None:
+        """Verify both allocators and the byte budget; AssertionError on failure."""
+        self.full.check_invariants()
+        self.swa.check_invariants()
+        assert self.used_bytes() <= self.budget_bytes, (self.used_bytes(), self.budget_bytes)

@@ -1,0 +1,101 @@
+"""Tree nodes and the window-safe length computation.
+
+A node owns a page-aligned run of tokens and, per page, one full page id and
+one SWA page id (``-1`` where the SWA KV is not held).  Validity is per page,
+which is per token when ``page_size == 1``: a page is the smallest unit the
+pools can hold or free.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+__all__ = ["TreeNode", "window_safe_pages", "NO_PAGE"]
+
+NO_PAGE = -1
+_ids = itertools.count(1)
+
+
+class TreeNode:
+    """One edge of the radix tree.
+
+    Attributes:
+        key: int32 token ids, ``len(key) == n_pages * page_size``.
+        full: int32 full page ids, one per page.
+        swa: int32 SWA page ids, one per page, ``NO_PAGE`` where not held.
+        start: position of the node's first token in its sequence.
+        lock: requests holding this node's full KV (path lock: a lock on a
+            node also counts on all its ancestors, so ``parent.lock >= lock``).
+        swa_valid: number of pages with ``swa >= 0`` (kept in sync).
+    """
+
+    __slots__ = ("key", "full", "swa", "children", "parent", "start", "last_access",
+                 "lock", "swa_valid", "nid", "namespace")
+
+    def __init__(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
+                 parent: "TreeNode | None", start: int, namespace: str, tick: int) -> None:
+        self.key = key
+        self.full = full
+        self.swa = swa
+        self.children: dict[bytes, TreeNode] = {}
+        self.parent = parent
+        self.start = start
+        self.last_access = tick
+        self.lock = 0
+        self.swa_valid = int(np.count_nonzero(swa >= 0))
+        self.nid = next(_ids)
+        self.namespace = namespace
+
+    @property
+    def n_pages(self) -> int:
+        return len(self.full)
+
+    @property
+    def alive(self) -> bool:
+        return self.key is not None
+
+    def __lt__(self, other: "TreeNode") -> bool:  # heap tie-break, never used for order
+        return self.nid < other.nid
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(nid={self.nid}, start={self.start}, pages={self.n_pages}, "
+                f"swa_valid={self.swa_valid}, lock={self.lock}, children={len(self.children)})")
+
+
+def window_safe_pages(segments: list[np.ndarray], window_pages: int) -> int:
+    """Largest ``l`` (in pages) such that SWA pages ``[max(0, l - w), l)`` are all valid.
+
+    ``segments`` are the SWA page arrays along a matched path, in order; their
+    concatenation ``v`` has ``M`` pages.  ``l = 0`` is always safe.
+
+    Runtime complexity: O(w) when the tail window is valid (the common case),
+    O(M) numpy work otherwise.
+    """
+    total = 0
+    for seg in segments:
+        total += len(seg)
+    if total == 0:
+        return 0
+    need = min(window_pages, total)
+    got = 0
+    i = len(segments) - 1
+    tail_ok = True
+    while got < need:
+        seg = segments[i]
+        take = min(len(seg), need - got)
+        if take and (seg[len(seg) - take:] < 0).any():
+            tail_ok = False
+            break
+        got += take
+        i -= 1
+    if tail_ok:
+        return total
+    valid = np.concatenate(segments) >= 0
+    counts = np.zeros(total + 1, dtype=np.int64)
+    np.cumsum(valid, out=counts[1:])
+    ends = np.arange(1, total + 1)
+    starts = np.maximum(0, ends - window_pages)
+    good = np.flatnonzero(counts[ends] - counts[starts] == ends - starts)
+    return int(good[-1]) + 1 if good.size else 0

@@ -1,0 +1,657 @@
+"""The window-safe prefix tree.
+
+The tree decides what is a hit and what is evicted; it never touches KV
+tensors.  Pages it drops are returned to the pool through ``free_full`` /
+``free_swa``.
+
+Invariants (checked by :meth:`WindowSafeTree.check_invariants`):
+
+* every node's key is page aligned and its first page is its key in the
+  parent's ``children``; ``start`` equals the sum of ancestor lengths;
+* ``node.lock >= sum(child.lock)`` (path locks), root locks are never counted;
+* a SWA page is pinned only while valid; an unlocked node holds no pinned page;
+* no page id appears twice across the tree; counters equal the sums they cache;
+* namespaces have separate roots and never share a node.
+
+A hit of length ``L`` is *window safe* iff every page of ``[0, L)`` holds full
+KV (true for every node in the tree) and every page overlapping
+``[max(0, L - W), L)`` holds SWA KV.  :meth:`match` returns the largest
+page-aligned window-safe ``L`` not exceeding the token match.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from .._validate import as_int_array, as_token_array
+from .node import NO_PAGE, TreeNode, window_safe_pages
+
+__all__ = ["TreeConfig", "WindowSafeTree", "MatchResult", "LockHandle", "InsertResult",
+           "PagePool", "as_token_array"]
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+class PagePool(Protocol):
+    """What the tree needs from a pool: give pages back."""
+
+    def free_full(self, pages: np.ndarray) -> None: ...
+
+    def free_swa(self, pages: np.ndarray) -> None: ...
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Tree policy.
+
+    Attributes:
+        page_size: tokens per page (all keys are page aligned).
+        window: sliding window W in tokens.
+        swa_checkpoint: K; SWA pages in the W tokens before every multiple of
+            K are retention checkpoints (evicted last).  0 disables them.
+        swa_eviction: ``"page"`` (hybridkv: per-page SWA eviction, cheapest
+            SWA first), ``"node"`` (tombstone baseline: a node's SWA goes as a
+            whole, plain LRU) or ``"none"`` (naive baseline: SWA lives and
+            dies with full KV).
+        anchor_branch_points: treat the window before a branch point as a
+            checkpoint (shared system prompts end there).
+    """
+
+    page_size: int
+    window: int
+    swa_checkpoint: int = 0
+    swa_eviction: str = "page"
+    anchor_branch_points: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "window", "swa_checkpoint"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.swa_checkpoint < 0:
+            raise ValueError(f"swa_checkpoint must be >= 0, got {self.swa_checkpoint}")
+        if self.swa_eviction not in ("page", "node", "none"):
+            raise ValueError(f"swa_eviction must be 'page', 'node' or 'none', got {self.swa_eviction!r}")
+
+    @property
+    def window_pages(self) -> int:
+        return -(-self.window // self.page_size)
+
+    @property
+    def checkpoint_pages(self) -> int:
+        """Checkpoint interval in pages (K rounded up to a page multiple), 0 if off."""
+        return -(-self.swa_checkpoint // self.page_size) if self.swa_checkpoint else 0
+
+
+@dataclass
+class MatchResult:
+    """Result of :meth:`WindowSafeTree.match`.
+
+    ``length`` is the window-safe hit in tokens; ``raw_length`` the page-aligned
+    token match (for statistics: the gap is full KV without a usable window).
+    ``full_pages[i]`` / ``swa_pages[i]`` are the pages of ``[0, length)``
+    (``swa_pages`` is ``NO_PAGE`` where the tree holds no SWA).  ``node`` is
+    the node ending exactly at ``length`` when the match was split, else the
+    deepest node the hit touches.
+    """
+
+    length: int
+    raw_length: int
+    full_pages: np.ndarray
+    swa_pages: np.ndarray
+    node: TreeNode | None
+
+
+@dataclass
+class LockHandle:
+    """What :meth:`WindowSafeTree.lock` pinned; give it back to :meth:`unlock`."""
+
+    node: TreeNode | None
+    swa_pages: np.ndarray = field(default_factory=lambda: _EMPTY)
+    released: bool = False
+
+
+@dataclass
+class InsertResult:
+    """``node`` ends at the inserted key's end; ``new_pages`` pages were added."""
+
+    node: TreeNode | None
+    new_pages: int
+    adopted_swa_pages: int
+
+
+class WindowSafeTree:
+    """Radix tree over page-aligned token keys with dual full/SWA page ids.
+
+    Args:
+        config: :class:`TreeConfig`.
+        pool: receives freed pages (:class:`PagePool`).
+        full_page_bytes / swa_page_bytes: used to weigh byte-budget eviction.
+    """
+
+    def __init__(self, config: TreeConfig, pool: PagePool, *, full_page_bytes: int = 1,
+                 swa_page_bytes: int = 1) -> None:
+        if not isinstance(config, TreeConfig):
+            raise TypeError(f"config must be a TreeConfig, got {type(config).__name__}")
+        self.config = config
+        self.pool = pool
+        self.page_size = config.page_size
+        self.full_page_bytes = full_page_bytes
+        self.swa_page_bytes = swa_page_bytes
+        self._roots: dict[str, TreeNode] = {}
+        self._tick = 0
+        self._pins = np.zeros(1024, dtype=np.int32)  # SWA page id -> pin count
+        self._leaf_heap: list[tuple[int, int, TreeNode]] = []
+        self._swa_heap: list[tuple[int, int, TreeNode]] = []      # unanchored SWA first
+        self._anchor_heap: list[tuple[int, int, TreeNode]] = []   # then tails/checkpoints
+        self.num_nodes = 0
+        self.full_pages_cached = 0
+        self.swa_pages_cached = 0
+        self.protected_full_pages = 0
+        self.protected_swa_pages = 0
+        self.evicted_full_pages = 0
+        self.evicted_swa_pages = 0
+
+    # ================================================================ helpers
+    def _now(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def root(self, namespace: str) -> TreeNode:
+        """Root of ``namespace`` (created on first use).  O(1)."""
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+        node = self._roots.get(namespace)
+        if node is None:
+            node = TreeNode(_EMPTY, _EMPTY, _EMPTY, None, 0, namespace, 0)
+            node.lock = 1  # roots are never evicted
+            self._roots[namespace] = node
+        return node
+
+    def namespaces(self) -> list[str]:
+        return list(self._roots)
+
+    def _page_key(self, key: np.ndarray, pos: int) -> bytes:
+        return key[pos:pos + self.page_size].tobytes()
+
+    def _common_pages(self, node_key: np.ndarray, key: np.ndarray, pos: int, limit: int) -> int:
+        """Number of whole pages on which ``node_key`` equals ``key[pos:]`` (<= limit)."""
+        m = min(len(node_key), limit - pos)
+        a = node_key[:m]
+        b = key[pos:pos + m]
+        if np.array_equal(a, b):
+            return m // self.page_size
+        return int(np.argmax(a != b)) // self.page_size
+
+    def _walk(self, key: np.ndarray, namespace: str, limit: int) -> tuple[TreeNode, list[tuple[TreeNode, int]]]:
+        """Follow ``key[:limit]``; returns root and [(node, matched_pages)].  O(depth + L/P)."""
+        root = self._roots.get(namespace)
+        path: list[tuple[TreeNode, int]] = []
+        if root is None:
+            return self.root(namespace), path
+        node, pos, size = root, 0, self.page_size
+        while pos < limit:
+            child = node.children.get(key[pos:pos + size].tobytes())
+            if child is None:
+                break
+            k = self._common_pages(child.key, key, pos, limit)
+            if k == 0:
+                break
+            path.append((child, k))
+            pos += k * size
+            if k < child.n_pages:
+                break
+            node = child
+        return root, path
+
+    # ================================================================= match
+    def match(self, key: object, namespace: str = "default", *, max_len: int | None = None,
+              split: bool = False, touch: bool = True) -> MatchResult:
+        """Longest window-safe cached prefix of ``key`` in ``namespace``.
+
+        Args:
+            key: token ids (1-D ints); only whole pages can match.
+            max_len: cap on the match (e.g. ``len(key) - 1`` so one token is
+                left to compute).
+            split: split the last node so a node ends exactly at the hit
+                (needed before :meth:`lock`).
+            touch: refresh LRU recency of the matched path.
+
+        Runtime complexity: O(depth + L / page_size) plus numpy compares of the
+        matched tokens.  Mutates only recency (and node boundaries if ``split``).
+        """
+        key = as_token_array(key, "key")
+        if max_len is not None and (not isinstance(max_len, (int, np.integer)) or max_len < 0):
+            raise ValueError(f"max_len must be a non-negative int, got {max_len!r}")
+        limit = len(key) if max_len is None else min(len(key), int(max_len))
+        limit -= limit % self.page_size
+        _, path = self._walk(key, namespace, limit)
+        raw_pages = sum(k for _, k in path)
+        safe = window_safe_pages([n.swa[:k] for n, k in path], self.config.window_pages)
+        full_parts, swa_parts = [], []
+        node: TreeNode | None = None
+        left = safe
+        for n, k in path:
+            if left == 0:
+                break
+            take = min(k, left)
+            if take < n.n_pages and split:
+                self._split(n, take)
+                n = n.parent  # the upper half ends at the hit
+                assert n is not None
+            full_parts.append(n.full[:take])
+            swa_parts.append(n.swa[:take])
+            node = n
+            left -= take
+        if touch and path:
+            now = self._now()
+            for n, _ in path:
+                if n.alive:
+                    self._touch(n, now)
+            if node is not None:
+                self._touch(node, now)
+        full = np.concatenate(full_parts) if full_parts else _EMPTY
+        swa = np.concatenate(swa_parts) if swa_parts else _EMPTY
+        return MatchResult(safe * self.page_size, raw_pages * self.page_size, full, swa, node)
+
+    def _touch(self, node: TreeNode, now: int) -> None:
+        node.last_access = now
+        entry = (now, node.nid, node)
+        if not node.children and node.lock == 0:
+            heapq.heappush(self._leaf_heap, entry)
+        if node.swa_valid and self.config.swa_eviction != "none":
+            heapq.heappush(self._swa_heap, entry)
+            if self.config.swa_eviction == "page":
+                heapq.heappush(self._anchor_heap, entry)
+        if max(len(self._swa_heap), len(self._leaf_heap)) > 4 * self.num_nodes + 4096:
+            self._rebuild_heaps()
+
+    def _rebuild_heaps(self) -> None:
+        leaves, swa = [], []
+        for node in self.iter_nodes():
+            entry = (node.last_access, node.nid, node)
+            if not node.children and node.lock == 0:
+                leaves.append(entry)
+            if node.swa_valid:
+                swa.append(entry)
+        heapq.heapify(leaves)
+        heapq.heapify(swa)
+        self._leaf_heap = leaves
+        self._swa_heap = swa
+        self._anchor_heap = list(swa) if self.config.swa_eviction == "page" else []
+
+    # ================================================================= split
+    def _split(self, node: TreeNode, pages: int) -> None:
+        """Cut ``node`` after ``pages`` pages; the upper half becomes its parent.  O(n)."""
+        assert 0 < pages < node.n_pages
+        cut = pages * self.page_size
+        parent = node.parent
+        assert parent is not None
+        upper = TreeNode(node.key[:cut], node.full[:pages], node.swa[:pages], parent,
+                         node.start, node.namespace, node.last_access)
+        upper.lock = node.lock
+        node.key = node.key[cut:]
+        node.full = node.full[pages:]
+        node.swa = node.swa[pages:]
+        node.swa_valid -= upper.swa_valid
+        node.start += cut
+        parent.children[upper.key[:self.page_size].tobytes()] = upper
+        upper.children[node.key[:self.page_size].tobytes()] = node
+        node.parent = upper
+        self.num_nodes += 1  # a locked node's halves stay locked: protected count unchanged
+        if upper.swa_valid:
+            entry = (upper.last_access, upper.nid, upper)
+            heapq.heappush(self._swa_heap, entry)
+            if self.config.swa_eviction == "page":
+                heapq.heappush(self._anchor_heap, entry)
+
+    # ================================================================ insert
+    def insert(self, key: object, full_pages: object, swa_pages: object,
+               namespace: str = "default") -> InsertResult:
+        """Cache ``key`` with its pages; the tree takes ownership of all of them.
+
+        ``full_pages`` has one id per page of ``key`` (``len(key)`` must be a
+        multiple of the page size); ``swa_pages`` likewise with ``NO_PAGE``
+        where the caller holds no SWA.  Where the tree already caches a page,
+        the caller's duplicate ids are freed; where the tree's SWA was evicted
+        and the caller has it, the caller's SWA page is adopted (repair).
+
+        Runtime complexity: O(depth + len(key)/page_size) plus numpy work.
+        Raises ValueError/TypeError on bad input without changing anything.
+        """
+        key = as_token_array(key, "key")
+        full = as_int_array(full_pages, "full_pages")
+        swa = as_int_array(swa_pages, "swa_pages")
+        size = self.page_size
+        if len(key) % size:
+            raise ValueError(f"key length {len(key)} is not a multiple of page_size {size}")
+        n = len(key) // size
+        if len(full) != n or len(swa) != n:
+            raise ValueError(f"full_pages and swa_pages need {n} entries, got {len(full)} and {len(swa)}")
+        if n and full.min() < 0:
+            raise ValueError("full_pages must be valid page ids (>= 0)")
+        if n and swa.min() < NO_PAGE:
+            raise ValueError("swa_pages must be page ids or -1")
+        root = self.root(namespace)
+        node, pi, now = root, 0, self._now()
+        drop_full: list[np.ndarray] = []
+        drop_swa: list[np.ndarray] = []
+        adopted = 0
+        while pi < n:
+            child = node.children.get(key[pi * size:(pi + 1) * size].tobytes())
+            if child is None:
+                break
+            k = self._common_pages(child.key, key, pi * size, len(key))
+            if k < child.n_pages:
+                self._split(child, k)
+                child = child.parent
+            ours_f, ours_s = full[pi:pi + k], swa[pi:pi + k]
+            drop_full.append(ours_f[ours_f != child.full])
+            have = child.swa >= 0
+            mine = ours_s >= 0
+            adopt = ~have & mine
+            if adopt.any():
+                child.swa = child.swa.copy()
+                child.swa[adopt] = ours_s[adopt]
+                got = int(adopt.sum())
+                child.swa_valid += got
+                self.swa_pages_cached += got
+                adopted += got
+            drop_swa.append(ours_s[have & mine & (ours_s != child.swa)])
+            self._touch(child, now)
+            node = child
+            pi += k
+        new_pages = n - pi
+        if new_pages:
+            leaf = TreeNode(key[pi * size:].copy(), full[pi:].copy(), swa[pi:].copy(), node,
+                            pi * size, namespace, now)
+            node.children[leaf.key[:size].tobytes()] = leaf
+            self.num_nodes += 1
+            self.full_pages_cached += new_pages
+            self.swa_pages_cached += leaf.swa_valid
+            self._touch(leaf, now)
+            node = leaf
+        if drop_full:
+            self.pool.free_full(np.concatenate(drop_full))
+        if drop_swa:
+            self.pool.free_swa(np.concatenate(drop_swa))
+        return InsertResult(node if node is not root else None, new_pages, adopted)
+
+    # ================================================================= locks
+    def lock(self, node: TreeNode | None) -> LockHandle:
+        """Protect the path to ``node`` (full KV) and the SWA window ending at it.
+
+        The window pages must hold SWA (true for a node returned by a split
+        :meth:`match`).  Runtime complexity: O(depth).
+        """
+        if node is None or node.parent is None:
+            return LockHandle(None)
+        if not node.alive:
+            raise ValueError("node was evicted; match again before locking")
+        pages = self._window_pages(node)
+        if (pages < 0).any():
+            raise ValueError("the SWA window ending at node is not held (not window safe)")
+        n: TreeNode | None = node
+        while n is not None and n.parent is not None:
+            if n.lock == 0:
+                self.protected_full_pages += n.n_pages
+            n.lock += 1
+            n = n.parent
+        self._pin(pages, +1)
+        return LockHandle(node, pages)
+
+    def unlock(self, handle: LockHandle) -> None:
+        """Undo :meth:`lock`.  O(depth).  Raises ValueError on a second release."""
+        if not isinstance(handle, LockHandle):
+            raise TypeError(f"handle must be a LockHandle, got {type(handle).__name__}")
+        if handle.released:
+            raise ValueError("lock handle already released")
+        handle.released = True
+        node = handle.node
+        if node is None:
+            return
+        self._pin(handle.swa_pages, -1)
+        n: TreeNode | None = node
+        while n is not None and n.parent is not None:
+            n.lock -= 1
+            assert n.lock >= 0
+            if n.lock == 0:
+                self.protected_full_pages -= n.n_pages
+                if not n.children:
+                    heapq.heappush(self._leaf_heap, (n.last_access, n.nid, n))
+            if n.swa_valid and self.config.swa_eviction != "none":
+                entry = (n.last_access, n.nid, n)
+                heapq.heappush(self._swa_heap, entry)
+                if self.config.swa_eviction == "page":
+                    heapq.heappush(self._anchor_heap, entry)
+            n = n.parent
+
+    def _window_pages(self, node: TreeNode) -> np.ndarray:
+        """SWA page ids of the last ``window_pages`` pages ending at ``node``."""
+        need = self.config.window_pages
+        parts = []
+        n: TreeNode | None = node
+        while need > 0 and n is not None and n.parent is not None:
+            take = min(need, n.n_pages)
+            parts.append(n.swa[n.n_pages - take:])
+            need -= take
+            n = n.parent
+        return np.concatenate(parts[::-1]) if parts else _EMPTY
+
+    def _pin(self, pages: np.ndarray, delta: int) -> None:
+        if pages.size == 0:
+            return
+        top = int(pages.max()) + 1
+        if top > self._pins.size:
+            grown = np.zeros(max(top, 2 * self._pins.size), dtype=np.int32)
+            grown[:self._pins.size] = self._pins
+            self._pins = grown
+        before = self._pins[pages]
+        after = before + delta
+        assert (after >= 0).all()
+        self._pins[pages] = after
+        if delta > 0:
+            self.protected_swa_pages += int(np.count_nonzero(before == 0))
+        else:
+            self.protected_swa_pages -= int(np.count_nonzero(after == 0))
+
+    def _pinned(self, pages: np.ndarray) -> np.ndarray:
+        out = np.zeros(pages.shape, dtype=bool)
+        ok = (pages >= 0) & (pages < self._pins.size)
+        out[ok] = self._pins[pages[ok]] > 0
+        return out
+
+    # ============================================================== eviction
+    def evictable_full_pages(self) -> int:
+        return self.full_pages_cached - self.protected_full_pages
+
+    def evictable_swa_pages(self) -> int:
+        return self.swa_pages_cached - self.protected_swa_pages
+
+    def evict(self, full_pages: int = 0, swa_pages: int = 0, nbytes: int = 0) -> tuple[int, int]:
+        """Free at least ``full_pages`` full pages, ``swa_pages`` SWA pages and
+        ``nbytes`` bytes (weighted by page bytes), as far as unlocked data allows.
+
+        Order: SWA that ends no hit (not a tail, checkpoint or branch window),
+        LRU first; then whole leaves, LRU; then the remaining unpinned SWA.
+        Locked full KV and pinned SWA are never touched.  Returns the pages
+        freed ``(full, swa)``.  Runtime: O(k log n) for k nodes visited.
+        """
+        for name, value in (("full_pages", full_pages), ("swa_pages", swa_pages), ("nbytes", nbytes)):
+            if not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        freed_f: list[np.ndarray] = []
+        freed_s: list[np.ndarray] = []
+        nf = ns = 0
+        fb, sb = self.full_page_bytes, self.swa_page_bytes
+        while True:
+            short_full = nf < full_pages
+            short_swa = ns < swa_pages
+            short_bytes = nf * fb + ns * sb < nbytes
+            if not (short_full or short_swa or short_bytes):
+                break
+            got = (0, 0)
+            if short_full:
+                got = self._evict_leaf(freed_f, freed_s)
+            elif short_swa:
+                got = self._evict_swa(freed_s, anchored=False)
+                if got == (0, 0):
+                    got = self._evict_swa(freed_s, anchored=True)
+            else:
+                got = self._evict_swa(freed_s, anchored=False)
+                if got == (0, 0):
+                    got = self._evict_leaf(freed_f, freed_s)
+                if got == (0, 0):
+                    got = self._evict_swa(freed_s, anchored=True)
+            if got == (0, 0):
+                break
+            nf += got[0]
+            ns += got[1]
+        if freed_f:
+            self.pool.free_full(np.concatenate(freed_f))
+        if freed_s:
+            self.pool.free_swa(np.concatenate(freed_s))
+        self.evicted_full_pages += nf
+        self.evicted_swa_pages += ns
+        return nf, ns
+
+    def _evict_leaf(self, freed_f: list, freed_s: list) -> tuple[int, int]:
+        heap = self._leaf_heap
+        while heap:
+            t, _, node = heapq.heappop(heap)
+            if (not node.alive or node.children or node.lock or t != node.last_access
+                    or node.parent is None):
+                continue
+            parent = node.parent
+            freed_f.append(node.full)
+            swa = node.swa[node.swa >= 0]
+            if swa.size:
+                freed_s.append(swa)
+            del parent.children[node.key[:self.page_size].tobytes()]
+            self.full_pages_cached -= node.n_pages
+            self.swa_pages_cached -= node.swa_valid
+            self.num_nodes -= 1
+            got = (node.n_pages, int(swa.size))
+            node.key = None  # type: ignore[assignment]
+            node.parent = None
+            if parent.parent is not None and not parent.children and parent.lock == 0:
+                heapq.heappush(heap, (parent.last_access, parent.nid, parent))
+            return got
+        return 0, 0
+
+    def _evict_swa(self, freed_s: list, anchored: bool) -> tuple[int, int]:
+        mode = self.config.swa_eviction
+        if mode == "none" or (anchored and mode != "page"):
+            return 0, 0
+        heap = self._anchor_heap if anchored else self._swa_heap
+        while heap:
+            t, _, node = heapq.heappop(heap)
+            if not node.alive or not node.swa_valid or t != node.last_access:
+                continue
+            valid = node.swa >= 0
+            pinned = self._pinned(node.swa)
+            if mode == "node":
+                if pinned.any():
+                    continue
+                drop = valid
+            else:
+                drop = valid & ~pinned
+                if not anchored:
+                    drop &= ~self._anchored(node)
+            count = int(drop.sum())
+            if count == 0:
+                continue
+            freed_s.append(node.swa[drop])
+            node.swa = node.swa.copy()
+            node.swa[drop] = NO_PAGE
+            node.swa_valid -= count
+            self.swa_pages_cached -= count
+            return 0, count
+        return 0, 0
+
+    def _anchored(self, node: TreeNode) -> np.ndarray:
+        """Pages of ``node`` whose SWA ends a likely hit: tail, checkpoint, branch window."""
+        n = node.n_pages
+        wp = self.config.window_pages
+        out = np.zeros(n, dtype=bool)
+        kp = self.config.checkpoint_pages
+        if kp:
+            absolute = np.arange(node.start // self.page_size, node.start // self.page_size + n)
+            out |= (absolute % kp) >= kp - wp if wp < kp else True
+        tail = 0
+        if not node.children or (self.config.anchor_branch_points and len(node.children) > 1):
+            tail = wp
+        for child in node.children.values():
+            if not child.children and child.n_pages < wp:
+                tail = max(tail, wp - child.n_pages)
+        if tail:
+            out[max(0, n - tail):] = True
+        return out
+
+    # ============================================================= inspection
+    def iter_nodes(self, namespace: str | None = None) -> Iterator[TreeNode]:
+        """All non-root nodes (of one namespace or all).  O(n)."""
+        roots = [self._roots[namespace]] if namespace is not None else list(self._roots.values())
+        stack = [c for r in roots if r is not None for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def cached_tokens(self) -> int:
+        return self.full_pages_cached * self.page_size
+
+    def check_invariants(self) -> None:
+        """Verify every invariant listed in the module docstring.  O(n)."""
+        size = self.page_size
+        full_seen: list[np.ndarray] = []
+        swa_seen: list[np.ndarray] = []
+        n_nodes = swa_valid = prot_full = 0
+        for ns, root in self._roots.items():
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                for first, child in node.children.items():
+                    assert child.alive and child.parent is node
+                    assert child.namespace == ns
+                    assert first == child.key[:size].tobytes()
+                    assert len(child.key) == child.n_pages * size > 0
+                    assert len(child.swa) == child.n_pages
+                    assert child.start == node.start + (len(node.key) if node.parent is not None else 0)
+                    stack.append(child)
+                if node.parent is None:
+                    continue
+                n_nodes += 1
+                assert node.lock >= sum(c.lock for c in node.children.values())
+                valid = node.swa >= 0
+                assert node.swa_valid == int(valid.sum())
+                swa_valid += node.swa_valid
+                if node.lock:
+                    prot_full += node.n_pages
+                else:
+                    assert not self._pinned(node.swa).any(), f"pinned SWA in unlocked {node}"
+                full_seen.append(node.full)
+                swa_seen.append(node.swa[valid])
+        assert n_nodes == self.num_nodes, (n_nodes, self.num_nodes)
+        assert swa_valid == self.swa_pages_cached
+        assert prot_full == self.protected_full_pages, (prot_full, self.protected_full_pages)
+        full = np.concatenate(full_seen) if full_seen else _EMPTY
+        swa = np.concatenate(swa_seen) if swa_seen else _EMPTY
+        assert full.size == self.full_pages_cached
+        assert np.unique(full).size == full.size, "a full page is cached twice"
+        assert np.unique(swa).size == swa.size, "a SWA page is cached twice"
+        pinned_total = int(np.count_nonzero(self._pins))
+        assert pinned_total == self.protected_swa_pages, (pinned_total, self.protected_swa_pages)
+        if pinned_total:
+            pinned_ids = np.flatnonzero(self._pins)
+            assert np.isin(pinned_ids, swa).all(), "a pinned SWA page is not held by the tree"
+
+
