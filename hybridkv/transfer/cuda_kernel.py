@@ -136,6 +136,12 @@ def load_cuda_kernel() -> CudaKernel:
         )
 
 
+def reset_cuda_kernel_cache() -> None:
+    """Forget the loaded library so the next use searches again (for tests)."""
+    with _lock:
+        _cache.clear()
+
+
 def stream_handle(stream: StreamLike, device: torch.device) -> int:
     """``cudaStream_t`` as an int: None = torch's current stream on ``device``."""
     if stream is None:
