@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -35,7 +34,6 @@ __all__ = ["FileBackend"]
 _TMP_SUFFIX = ".tmp"
 _STALE_TMP_S = 3600.0      # temp files older than this are debris from a crash
 _UTIME_GRANULARITY_S = 1.0  # skip the utime syscall when mtime is already this fresh
-_LEN = struct.Struct("<Q")  # payload length at header offset 24 (see framing)
 
 
 class FileBackend(BaseBackend):
@@ -180,20 +178,38 @@ class FileBackend(BaseBackend):
             if size is not None:
                 self._total -= size
 
+    # I/O hooks: the NIXL POSIX backend replaces these two with agent transfers.
+    def _write_file(self, fd: int, header: bytes, payload: memoryview) -> None:
+        """Write ``header`` then ``payload`` at offset 0 of ``fd``."""
+        _write_full(fd, [memoryview(header), payload])
+
+    def _read_file(self, fd: int, views: list[memoryview]) -> int:
+        """Fill ``views`` back to back from offset 0 of ``fd``; bytes read (short at EOF)."""
+        return _preadv_full(fd, views)
+
+    def _open_read(self, key: bytes) -> tuple[str, str, int] | None:
+        name = self._name(key)
+        path = self._path(name)
+        try:
+            return name, path, os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(name)
+            return None
+
     def _get(self, keys: list[bytes]) -> list[Any]:
         out: list[Any] = []
         for key in keys:
-            name = self._name(key)
-            path = self._path(name)
-            try:
-                with open(path, "rb", buffering=0) as f:
-                    st = os.fstat(f.fileno())
-                    blob = bytearray(st.st_size)
-                    n = _read_full(f, memoryview(blob))
-            except FileNotFoundError:
-                self._forget(name)
+            opened = self._open_read(key)
+            if opened is None:
                 out.append(None)
                 continue
+            name, path, fd = opened
+            try:
+                st = os.fstat(fd)
+                blob = bytearray(st.st_size)
+                n = self._read_file(fd, [memoryview(blob)])
+            finally:
+                os.close(fd)
             out.append(memoryview(blob)[:n])
             self._note(name, st.st_size)
             self._refresh_mtime(path, st.st_mtime)
@@ -202,26 +218,28 @@ class FileBackend(BaseBackend):
     def _get_into(self, keys: list[bytes], buffers: list[memoryview]) -> list[tuple[bytes, int] | None]:
         out: list[tuple[bytes, int] | None] = []
         for key, buf in zip(keys, buffers):
-            name = self._name(key)
-            path = self._path(name)
-            try:
-                with open(path, "rb", buffering=0) as f:
-                    st = os.fstat(f.fileno())
-                    header = f.read(HEADER_SIZE)
-                    stored = st.st_size - HEADER_SIZE
-                    if len(header) < HEADER_SIZE or stored < 0:
-                        out.append((header, 0))  # truncated: verification rejects it
-                        continue
-                    (announced,) = _LEN.unpack_from(header, 24)
-                    if stored != announced or announced > buf.nbytes:
-                        out.append((header, stored))  # base reports mismatch / too big
-                        continue
-                    n = _read_full(f, buf[:announced])
-            except FileNotFoundError:
-                self._forget(name)
+            opened = self._open_read(key)
+            if opened is None:
                 out.append(None)
                 continue
-            out.append((header, n))
+            name, path, fd = opened
+            header = bytearray(HEADER_SIZE)
+            try:
+                st = os.fstat(fd)
+                stored = st.st_size - HEADER_SIZE
+                if stored < 0:
+                    self._read_file(fd, [memoryview(header)[:st.st_size]])
+                    out.append((bytes(header[:st.st_size]), 0))  # truncated: rejected by the base
+                    continue
+                if stored > buf.nbytes:  # read the header only; the base reports "too big"
+                    self._read_file(fd, [memoryview(header)])
+                    out.append((bytes(header), stored))
+                    continue
+                # Header to a scratch area, payload straight into the caller's buffer.
+                n = self._read_file(fd, [memoryview(header), buf[:stored]]) - HEADER_SIZE
+            finally:
+                os.close(fd)
+            out.append((bytes(header), n))
             self._note(name, st.st_size)
             self._refresh_mtime(path, st.st_mtime)
         return out
@@ -257,7 +275,7 @@ class FileBackend(BaseBackend):
                                       f"{next(self._tmp_ids)}{_TMP_SUFFIX}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _write_full(fd, [memoryview(header), payload])
+            self._write_file(fd, header, payload)
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -304,14 +322,20 @@ def _unlink_quiet(path: str) -> int:
         return 0
 
 
-def _read_full(f: Any, view: memoryview) -> int:
-    """readinto until ``view`` is full or EOF; bytes read."""
+def _preadv_full(fd: int, views: list[memoryview]) -> int:
+    """preadv from offset 0 until ``views`` are full or EOF; bytes read."""
     got = 0
-    while got < view.nbytes:
-        n = f.readinto(view[got:])
-        if not n:
+    views = [v for v in views if v.nbytes]
+    while views:
+        n = os.preadv(fd, views, got)
+        if n <= 0:
             break
         got += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views = views[1:]
+        if views and n:
+            views[0] = views[0][n:]
     return got
 
 

@@ -1,0 +1,190 @@
+"""Trace replay: hit rate of hybridkv and two baselines at one byte budget.
+
+Each request is driven the way an engine drives the cache: match and lock,
+chunked prefill (allocate, commit; out-of-window SWA released at chunk
+ends), finish (insert the prompt, unlock).  Traces carry no output tokens,
+so prompts are what gets cached.  One request runs at a time.
+
+Systems, all on the same token sequences and the same budget in bytes:
+
+* ``hybridkv``: shared byte budget over the dual pools, adaptive retention,
+  per-page SWA eviction, checkpoints every K tokens.
+* ``naive``: one pool, every layer stores every token (SWA never released,
+  evicted only with its full KV): what a plain prefix cache does.
+* ``tombstone``: the peers' SWA tree: fixed pools with SWA:full token ratio
+  0.8 (SGLang's default), SWA freed per whole node, no checkpoints.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from .cache import CacheConfig, CacheFullError, HybridKVCache
+from .spec import ModelSpec
+from .traces import PrefixBound, TokenMaterializer, TraceRequest
+
+__all__ = ["system_config", "replay", "run_request", "ReplayStats", "SYSTEMS", "stderr_progress"]
+
+SYSTEMS = ("hybridkv", "naive", "tombstone")
+TOMBSTONE_SWA_RATIO = 0.8
+
+
+def system_config(system: str, spec: ModelSpec, budget_bytes: int, *, swa_checkpoint: int = 16384,
+                  device: str | None = "meta") -> CacheConfig:
+    """The :class:`CacheConfig` of ``system`` at ``budget_bytes``."""
+    if system == "hybridkv":
+        return CacheConfig(budget_bytes=budget_bytes, device=device, swa_checkpoint=swa_checkpoint)
+    if system == "naive":
+        return CacheConfig(budget_bytes=budget_bytes, device=device, swa_checkpoint=0,
+                           retention="none", swa_eviction="none", anchor_branch_points=False)
+    if system == "tombstone":
+        fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
+        full = int(budget_bytes // (fpb + TOMBSTONE_SWA_RATIO * spb))
+        return CacheConfig(full_pages=full, swa_pages=int(full * TOMBSTONE_SWA_RATIO), device=device,
+                           swa_checkpoint=0, retention="none", swa_eviction="node",
+                           anchor_branch_points=False)
+    raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
+
+
+@dataclass
+class ReplayStats:
+    """Per-system results of a replay."""
+
+    system: str
+    hit_tokens: int = 0
+    raw_match_tokens: int = 0
+    rejected: int = 0
+    match_us: list[float] = field(default_factory=list)
+    request_us: list[float] = field(default_factory=list)
+    cache: HybridKVCache | None = None
+
+    def summary(self, input_tokens: int) -> dict[str, Any]:
+        st = self.cache.stats() if self.cache else {}
+        m = np.asarray(self.match_us) if self.match_us else np.zeros(1)
+        r = np.asarray(self.request_us) if self.request_us else np.zeros(1)
+        return {
+            "hit_tokens": self.hit_tokens,
+            "token_hit_rate": self.hit_tokens / max(1, input_tokens),
+            "raw_match_tokens": self.raw_match_tokens,
+            "rejected_requests": self.rejected,
+            "full_pool_tokens": st.get("full_pool_tokens", 0),
+            "swa_pool_tokens": st.get("swa_pool_tokens", 0),
+            "cached_tokens": st.get("cached_tokens", 0),
+            "cached_swa_tokens": st.get("cached_swa_tokens", 0),
+            "evicted_tokens": st.get("evicted_tokens", 0),
+            "evicted_swa_tokens": st.get("evicted_swa_tokens", 0),
+            "match_us_p50": float(np.percentile(m, 50)),
+            "match_us_p99": float(np.percentile(m, 99)),
+            "request_ops_us_p50": float(np.percentile(r, 50)),
+            "request_ops_us_p99": float(np.percentile(r, 99)),
+        }
+
+
+def run_request(cache: HybridKVCache, tokens: np.ndarray, namespace: str, chunk: int,
+                stats: ReplayStats) -> None:
+    """Drive one prompt through ``cache`` as an engine would (prompt only)."""
+    t0 = time.perf_counter()
+    req = cache.begin(tokens, namespace)
+    t1 = time.perf_counter()
+    try:
+        while req.computed < len(tokens):
+            n = min(chunk, len(tokens) - req.computed)
+            cache.allocate(req, n)
+            cache.commit(req, n)
+        cache.finish(req)
+        stats.hit_tokens += req.prefix_len
+        stats.raw_match_tokens += req.raw_match_len
+    except CacheFullError:
+        cache.abort(req)
+        stats.rejected += 1
+    t2 = time.perf_counter()
+    stats.match_us.append((t1 - t0) * 1e6)
+    stats.request_us.append((t2 - t0) * 1e6)
+
+
+def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int, *,
+           systems: Iterable[str] = SYSTEMS, swa_checkpoint: int = 16384, chunk: int = 8192,
+           extension_rule: bool = True, progress: Callable[[int, int], None] | None = None,
+           check_every: int = 0) -> dict[str, Any]:
+    """Replay ``requests`` through each system in lockstep; returns a JSON-able dict.
+
+    ``check_every > 0`` runs every cache's ``check_invariants()`` that often.
+    """
+    if not isinstance(budget_bytes, (int, np.integer)) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    systems = list(systems)
+    caches = {s: HybridKVCache(spec, system_config(s, spec, budget_bytes, swa_checkpoint=swa_checkpoint))
+              for s in systems}
+    stats = {s: ReplayStats(s, cache=caches[s]) for s in systems}
+    mat = TokenMaterializer(extension_rule=extension_rule)
+    bound = PrefixBound(spec.page_size)
+    input_tokens = bound_tokens = 0
+    t0 = time.perf_counter()
+    total = len(requests)
+    for i, r in enumerate(requests):
+        tokens = mat.tokens(r)
+        if len(tokens) == 0:
+            continue
+        input_tokens += len(tokens)
+        bound_tokens += bound.hits(tokens, r.namespace, len(tokens) - 1)
+        for s in systems:
+            run_request(caches[s], tokens, r.namespace, chunk, stats[s])
+            if check_every and (i + 1) % check_every == 0:
+                caches[s].check_invariants()
+        if progress is not None:
+            progress(i + 1, total)
+    elapsed = time.perf_counter() - t0
+    out: dict[str, Any] = {
+        "model": spec.name, "page_size": spec.page_size, "budget_bytes": int(budget_bytes),
+        "swa_checkpoint": swa_checkpoint, "chunk": chunk,
+        "extension_rule": "on" if extension_rule else "off",
+        "requests": total, "input_tokens": input_tokens,
+        "prefix_bound_hit_tokens": bound_tokens,
+        "prefix_bound_hit_rate": bound_tokens / max(1, input_tokens),
+        "elapsed_s": elapsed,
+    }
+    out["systems"] = {s: stats[s].summary(input_tokens) for s in systems}
+    if "hybridkv" in caches:
+        out["metadata_bytes_per_cached_token"] = metadata_bytes_per_token(caches["hybridkv"])
+    return out
+
+
+def metadata_bytes_per_token(cache: HybridKVCache) -> float:
+    """Host bytes of tree metadata per cached token (arrays + node objects + heap entries)."""
+    nodes = 0
+    arrays = 0
+    for n in cache.tree.iter_nodes():
+        nodes += 1
+        arrays += n.key.nbytes + n.full.nbytes + n.swa.nbytes
+    tokens = cache.tree.cached_tokens()
+    if not tokens:
+        return 0.0
+    t = cache.tree
+    per_node = (sys.getsizeof(next(iter(t.iter_nodes()), None)) + 3 * 112 + 232 + 3 * 80 + 100) if nodes else 0
+    heap = (len(t._leaf_heap) + len(t._swa_heap) + len(t._anchor_heap)) * 72
+    return (arrays + nodes * per_node + heap) / tokens
+
+
+def stderr_progress(label: str = "replay") -> Callable[[int, int], None]:
+    """A minimal progress bar on stderr (updates every 1%)."""
+    state = {"last": -1, "t0": time.perf_counter()}
+
+    def report(done: int, total: int) -> None:
+        pct = done * 100 // max(1, total)
+        if pct != state["last"] or done == total:
+            state["last"] = pct
+            bar = "#" * (pct // 4) + "." * (25 - pct // 4)
+            el = time.perf_counter() - state["t0"]
+            sys.stderr.write(f"\r{label} [{bar}] {pct:3d}% {done}/{total} {el:5.1f}s")
+            if done == total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    return report

@@ -1,0 +1,243 @@
+"""Request traces: Mooncake jsonl and kv-cache-tester (json / json.gz) sessions.
+
+Traces carry chained block hashes, not tokens.  :class:`TokenMaterializer`
+expands each block id into a deterministic block of token ids, so equal
+hash prefixes become equal token prefixes.
+
+**The partial-block extension rule.**  A prompt whose last block is partial
+is usually extended by a later prompt, whose block at that position then has
+a *new* id (the block filled up).  Read literally, the two prompts diverge at
+that block boundary, and a cache could never hit the end of the first one.
+We treat it as an extension instead: when a block id is seen for the first
+time at position ``k`` after the same prefix (namespace, id of block
+``k - 1``) as the most recent earlier prompt whose block ``k`` was partial
+with ``r`` tokens, the new block's first ``r`` tokens are that partial
+block's tokens.  For kv-cache-tester traces, whose ``hash_ids`` cover
+complete blocks only, the partial tail gets a synthetic id first.  Every
+report states whether the rule was on (``extension_rule``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+__all__ = ["TraceRequest", "TokenMaterializer", "PrefixBound", "load_trace", "bundled_sample", "default_shared_traces"]
+
+_SYNTHETIC = 1 << 62
+_MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One prompt of a trace.
+
+    ``blocks`` are namespaced block ids; ``input_length <= len(blocks) * block_size``
+    (the last block may be partial).
+    """
+
+    namespace: str
+    timestamp: float
+    input_length: int
+    output_length: int
+    blocks: tuple[int, ...]
+    block_size: int
+
+
+def bundled_sample() -> Path:
+    """The Mooncake conversation sample shipped with the package (first 2,000 requests)."""
+    return Path(__file__).resolve().parent / "data" / "mooncake_conversation_sample.jsonl"
+
+
+def default_shared_traces() -> Path | None:
+    """``shared/traces`` beside the checkout (or ``$HYBRIDKV_TRACES``), if present."""
+    env = os.environ.get("HYBRIDKV_TRACES")
+    candidates = [Path(env)] if env else []
+    here = Path(__file__).resolve().parent
+    candidates += [p / "shared" / "traces" for p in (here.parent.parent, here.parent.parent.parent)]
+    candidates.append(Path.cwd().parent / "shared" / "traces")
+    for c in candidates:
+        if c.is_dir():
+            return c
+    return None
+
+
+def load_trace(path: str | os.PathLike, *, limit: int | None = None) -> list[TraceRequest]:
+    """Load a trace file or a folder of kv-cache-tester sessions.
+
+    A folder is replayed as interleaved tenants: each session is its own
+    namespace and requests are merged by timestamp.  Mooncake traces use the
+    namespace ``"default"``.  Raises ValueError for unknown formats.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"trace path {str(p)!r} does not exist")
+    if p.is_dir():
+        files = sorted([f for f in p.iterdir() if f.name.endswith((".json", ".json.gz", ".jsonl"))])
+        if not files:
+            raise ValueError(f"trace folder {str(p)!r} holds no .json/.json.gz/.jsonl files")
+        reqs: list[TraceRequest] = []
+        for i, f in enumerate(files):
+            reqs.extend(_load_file(f, session=i))
+        reqs.sort(key=lambda r: r.timestamp)
+    else:
+        reqs = _load_file(p, session=0)
+    return reqs[:limit] if limit is not None else reqs
+
+
+def _load_file(p: Path, session: int) -> list[TraceRequest]:
+    opener = gzip.open if p.name.endswith(".gz") else open
+    with opener(p, "rt") as fh:  # type: ignore[operator]
+        if p.name.endswith(".jsonl"):
+            return [_mooncake(json.loads(line)) for line in fh if line.strip()]
+        data = json.load(fh)
+    if isinstance(data, dict) and "requests" in data:
+        name = str(data.get("id") or p.name.split(".")[0])
+        return list(_session(data, name, session, 0.0, int(data.get("block_size", 64))))
+    raise ValueError(f"trace file {p.name!r} is neither Mooncake jsonl nor a kv-cache-tester session")
+
+
+def _mooncake(row: dict) -> TraceRequest:
+    return TraceRequest("default", float(row["timestamp"]) / 1000.0, int(row["input_length"]),
+                        int(row.get("output_length", 0)), tuple(int(h) for h in row["hash_ids"]), 512)
+
+
+def _session(data: dict, name: str, session: int, t0: float, block: int) -> Iterator[TraceRequest]:
+    base = (session + 1) << 40
+    for r in data["requests"]:
+        t = t0 + float(r.get("t", 0.0))
+        if r.get("type") == "subagent" and "requests" in r:
+            yield from _session(r, name, session, t, block)
+            continue
+        if "hash_ids" not in r:
+            continue
+        ids = tuple(base | int(h) for h in r["hash_ids"])
+        yield TraceRequest(name, t, int(r["in"]), int(r.get("out", 0)), ids, block)
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finaliser on a Python int."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+class TokenMaterializer:
+    """Turns trace requests into token arrays, applying the extension rule.
+
+    Call :meth:`tokens` in replay order (the rule depends on what came before).
+    Runtime: O(input_length) numpy work per request; a bounded cache of
+    expanded blocks makes repeated prefixes cheap.
+    """
+
+    def __init__(self, *, extension_rule: bool = True, seed: int = 0, cache_blocks: int = 20_000) -> None:
+        self.extension_rule = extension_rule
+        self.seed = np.uint64(seed)
+        self._derived: dict[int, tuple[int, int]] = {}
+        self._seen: set[int] = set()
+        self._pending: dict[tuple[str, int, int], tuple[int, int]] = {}
+        self._cache: dict[int, np.ndarray] = {}
+        self._cache_cap = cache_blocks
+        self._synthetic = _SYNTHETIC
+        self._blocks_of: dict[int, int] = {}
+
+    def _blocks(self, bids: list[int], size: int) -> list[np.ndarray]:
+        """Tokens of each block: ``top31(base + j * step)`` with per-block hashed
+        ``base`` and odd ``step`` (two blocks collide only if both match), then
+        the extension rule's inherited prefix.  Missing blocks are made in one
+        numpy pass."""
+        cache = self._cache
+        rows: dict[int, np.ndarray] = {}
+        missing = []
+        for b in dict.fromkeys(bids):
+            row = cache.get(b)
+            if row is None:
+                missing.append(b)
+            else:
+                rows[b] = row
+        if missing:
+            seed = int(self.seed)
+            base = np.array([_mix64(b ^ seed) for b in missing], dtype=np.uint64)
+            step = np.array([_mix64(b ^ 0x5DEECE66D) | 1 for b in missing], dtype=np.uint64)
+            with np.errstate(over="ignore"):
+                made = ((np.arange(size, dtype=np.uint64)[None, :] * step[:, None] + base[:, None])
+                        >> np.uint64(33)).astype(np.int32)
+            if len(cache) + len(missing) > self._cache_cap:
+                cache.clear()
+            for b, row in zip(missing, made):
+                cache[b] = rows[b] = row
+            for b in missing:  # inherited prefixes (sources were seen earlier, or just made)
+                src = self._derived.get(b)
+                if src is not None:
+                    rows[b][:src[1]] = self._blocks([src[0]], size)[0][:src[1]]
+        return [rows[b] for b in bids]
+
+    def tokens(self, req: TraceRequest) -> np.ndarray:
+        """Token ids of ``req`` (int32, length ``input_length``)."""
+        size = req.block_size
+        blocks = list(req.blocks)
+        full_blocks, rem = divmod(req.input_length, size)
+        if rem and len(blocks) == full_blocks:  # kv-cache-tester: the partial tail has no id
+            self._synthetic += 1
+            blocks.append(self._synthetic)
+        blocks = blocks[:full_blocks + (1 if rem else 0)]
+        if self.extension_rule:
+            prev = -1
+            for k, bid in enumerate(blocks):
+                if bid not in self._seen:
+                    self._seen.add(bid)
+                    src = self._pending.pop((req.namespace, prev, k), None)
+                    if src is not None and src[0] != bid:
+                        self._derived[bid] = src
+                prev = bid
+            if rem:
+                before = blocks[-2] if len(blocks) > 1 else -1
+                self._pending[(req.namespace, before, len(blocks) - 1)] = (blocks[-1], rem)
+        parts = self._blocks(blocks, size)
+        out = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        return out[:req.input_length]
+
+
+class PrefixBound:
+    """Hits of an unlimited page-aligned prefix cache (the upper bound).
+
+    Uses 64-bit chained page hashes (a statistic only: a collision could
+    only overstate the bound, never affect the cache's own hits).
+    """
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._seen: dict[str, set[int]] = {}
+        rng = np.random.default_rng(12345)
+        self._mult = rng.integers(1, 2**63, size=page_size, dtype=np.uint64) | np.uint64(1)
+
+    def hits(self, tokens: np.ndarray, namespace: str, max_len: int) -> int:
+        """Record ``tokens``; return the cached prefix length an unlimited cache gives."""
+        p = self.page_size
+        n = len(tokens) // p
+        seen = self._seen.setdefault(namespace, set())
+        if n == 0:
+            return 0
+        pages = tokens[:n * p].astype(np.uint64).reshape(n, p)
+        with np.errstate(over="ignore"):
+            ph = (pages * self._mult).sum(axis=1, dtype=np.uint64).tolist()
+        out = []
+        a = 0x12345
+        for v in ph:
+            a = (a * 0x100000001B3 + v + 0x9E3779B9) & 0xFFFFFFFFFFFFFFFF
+            out.append(a)
+        cap = max_len // p
+        hit = 0
+        for v in out[:cap]:
+            if v not in seen:
+                break
+            hit += 1
+        seen.update(out)
+        return hit * p
