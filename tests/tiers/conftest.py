@@ -160,6 +160,18 @@ def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moonca
     master.stop()
 
 
+@pytest.fixture(scope="session")
+def mooncake_store(mooncake_master: MooncakeMaster) -> Iterator[Any]:
+    """One set-up Mooncake client shared by the tests' backends."""
+    from mooncake.store import MooncakeDistributedStore
+    store = MooncakeDistributedStore()
+    rc = store.setup("127.0.0.1", f"http://127.0.0.1:{mooncake_master.http_port}/metadata",
+                     128 << 20, 64 << 20, "tcp", "", f"127.0.0.1:{mooncake_master.rpc_port}")
+    assert rc == 0, f"mooncake setup returned {rc}"
+    yield store
+    store.close()
+
+
 def _need_nixl() -> None:
     try:
         import nixl._api  # noqa: F401
@@ -188,6 +200,8 @@ def make_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cal
             backend = open_backend(server.url, key_prefix=f"t{uuid.uuid4().hex[:8]}:", **opts)
         elif kind == "mooncake":
             master = request.getfixturevalue("mooncake_master")
+            if "store" not in opts:  # share one client: closing a client costs ~2 s
+                opts["store"] = request.getfixturevalue("mooncake_store")
             backend = open_backend(master.url, key_prefix=f"t{uuid.uuid4().hex[:8]}:", **opts)
         else:
             raise ValueError(kind)

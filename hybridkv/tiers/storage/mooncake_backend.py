@@ -73,6 +73,8 @@ class MooncakeBackend(BaseBackend):
             see the module docstring.
         staging_bytes: initial size of the registered staging buffer.
         connect_timeout_s: TCP probe timeout before ``setup()``.
+        store: an already set-up ``MooncakeDistributedStore`` to share (e.g.
+            the engine's own); it is borrowed, so :meth:`close` leaves it open.
         **base: see :class:`BaseBackend`.
     """
 
@@ -82,7 +84,8 @@ class MooncakeBackend(BaseBackend):
     def __init__(self, master: str, *, metadata: str, protocol: str = "tcp", device: str = "",
                  local_host: str = "127.0.0.1", segment_bytes: int = 256 << 20,
                  buffer_bytes: int = 64 << 20, key_prefix: str = "hkv:",
-                 staging_bytes: int = 16 << 20, connect_timeout_s: float = 1.0, **base: Any) -> None:
+                 staging_bytes: int = 16 << 20, connect_timeout_s: float = 1.0,
+                 store: Any = None, **base: Any) -> None:
         if not isinstance(master, str) or ":" not in master:
             raise ValueError(f"master must be 'host:rpc_port', got {master!r}")
         if not isinstance(metadata, str) or not metadata:
@@ -99,9 +102,14 @@ class MooncakeBackend(BaseBackend):
         self._connect_timeout = float(connect_timeout_s)
         self._lock = threading.Lock()  # guards setup, the staging buffer and registrations
         self._store: Any = None
+        self._borrowed = store is not None
         self._staging = np.empty(0, dtype=np.uint8)
         self._staging_want = staging_bytes
         self._registered: list[tuple[int, int]] = []  # caller regions (addr, size)
+        if store is not None:
+            self._store = store
+            self._grow_staging(staging_bytes)
+            return
         try:
             self._ensure()
         except ConnectionError as exc:
@@ -252,9 +260,16 @@ class MooncakeBackend(BaseBackend):
 
     def _close(self) -> None:
         with self._lock:
-            if self._store is not None:
-                self._store.close()
-                self._store = None
+            store, self._store = self._store, None
+            if store is None:
+                return
+            if self._borrowed:  # leave a shared client open, but drop our registrations
+                if self._staging.nbytes:
+                    store.unregister_buffer(int(self._staging.ctypes.data))
+                for addr, _ in self._registered:
+                    store.unregister_buffer(addr)
+            else:
+                store.close()
 
     # --------------------------------------------------------- registrations
     def _is_registered(self, view: memoryview) -> bool:
