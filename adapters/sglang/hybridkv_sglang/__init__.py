@@ -1,0 +1,13 @@
+"""hybridkv for SGLang 0.5.23.
+
+* ``--radix-cache-backend hybridkv``: :class:`~hybridkv_sglang.radix_cache.HybridKVRadixCache`,
+  hybridkv's window-safe prefix tree driving SGLang's own SWA pools
+  (registered through the ``sglang.srt.plugins`` entry point, see :mod:`.plugin`).
+* ``--hicache-storage-backend dynamic`` with ``module_path=hybridkv_sglang.storage``,
+  ``class_name=HybridKVStorage``: hybridkv's L3 backends as a ``HiCacheStorage``.
+
+Importing this package does not import SGLang; the submodules do.
+"""
+
+__version__ = "0.1.0"
+__all__ = ["__version__"]

@@ -1,0 +1,322 @@
+"""hybridkv's window-safe tree as SGLang 0.5.23's prefix cache for hybrid SWA models.
+
+Selected with ``--radix-cache-backend hybridkv`` (registered by
+:mod:`hybridkv_sglang.plugin` through SGLang's ``sglang.srt.plugins`` entry
+point).  SGLang keeps its own pools and its ``SWATokenToKVPoolAllocator``; the
+tree decides what is a hit and what is evicted, and gives pages back through
+:class:`~hybridkv_sglang.pool.SGLangPagePool`.
+
+How the SGLang contract maps onto the tree (SGLang 0.5.23 names):
+
+=============================  ==============================================
+SGLang call                    here
+=============================  ==============================================
+``match_prefix``               ``tree.match(split=True)``: the largest
+                               page-aligned *window-safe* prefix; the node ends
+                               exactly there so the scheduler can lock it
+``lock`` / ``inc_lock_ref``    ``tree.lock``: path lock on full KV + pin of the
+                               W-token SWA window ending at the node
+``checkpoint(req, up_to)``     ``tree.insert`` of ``[0, up_to)`` with the SWA
+                               pages SGLang still maps (released SWA is -1),
+                               row rewritten onto the tree's pages, lock moved
+                               (0.5.23's replacement for ``cache_unfinished_req``
+                               and, when ``req.finished()``, ``cache_finished_req``)
+``evict(num_tokens, swa_num_tokens)``  ``tree.evict(full_pages, swa_pages)``
+``evict_sliding_windows``      SGLang's own out-of-window release of the
+                               request's private SWA (base class)
+sizes                          tree counters x page size
+=============================  ==============================================
+
+Differences from SGLang's ``UnifiedRadixCache`` SWA component, by design:
+SWA of cached prompts stays in the tree after the request moved on (evictable,
+cheapest-first: SWA that ends no hit goes before tails, retention checkpoints
+and branch windows, and all of it before full KV), so full KV is kept broadly
+while SWA is kept where hits end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from hybridkv.radix import LockHandle, TreeConfig, TreeNode, WindowSafeTree
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+from .pool import SGLangPagePool
+
+__all__ = ["HybridKVRadixCache", "namespace_of"]
+
+logger = logging.getLogger(__name__)
+
+_EMPTY64 = torch.zeros(0, dtype=torch.int64)
+
+
+def namespace_of(extra_key: Optional[str], cache_salt: Optional[str]) -> str:
+    """Tree namespace of a RadixKey: LoRA/extra key and cache salt never share nodes."""
+    return f"{extra_key!r}/{cache_salt!r}"
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an int, got {raw!r}") from None
+
+
+class HybridKVRadixCache(BasePrefixCache):
+    """SGLang ``BasePrefixCache`` on hybridkv's :class:`WindowSafeTree`.
+
+    Args:
+        params: SGLang's ``CacheInitParams``; ``token_to_kv_pool_allocator``
+            must be an ``SWATokenToKVPoolAllocator`` and ``sliding_window_size``
+            set.  EAGLE bigram keys are not supported.
+        swa_checkpoint: K, tokens between SWA retention checkpoints (0: off);
+            default ``$HYBRIDKV_SWA_CHECKPOINT`` or 16384.
+        swa_eviction: ``"page"`` (hybridkv), ``"node"`` or ``"none"``
+            (baselines); default ``$HYBRIDKV_SWA_EVICTION`` or ``"page"``.
+
+    Node handles are hybridkv ``TreeNode`` objects; each namespace has its own
+    root.  Not thread-safe (SGLang's scheduler is single-threaded).
+    """
+
+    def __init__(self, params: CacheInitParams, *, swa_checkpoint: int | None = None,
+                 swa_eviction: str | None = None) -> None:
+        if not isinstance(params, CacheInitParams):
+            raise TypeError(f"params must be SGLang's CacheInitParams, got {type(params).__name__}")
+        if params.sliding_window_size is None or params.sliding_window_size < 1:
+            raise ValueError("params.sliding_window_size must be set: hybridkv's SGLang backend is for "
+                             f"hybrid SWA models, got {params.sliding_window_size!r}")
+        if params.is_eagle:
+            raise ValueError("params.is_eagle: EAGLE bigram keys are not supported by the hybridkv backend")
+        self.disable = bool(params.disable)
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = int(params.page_size)
+        self.sliding_window_size = int(params.sliding_window_size)
+        self.draft_swa_window = int(params.draft_swa_window or 0)
+        self.pool = SGLangPagePool(self.token_to_kv_pool_allocator)
+        if self.pool.page_size != self.page_size:
+            raise ValueError(f"allocator page size {self.pool.page_size} != params.page_size {self.page_size}")
+        checkpoint = _env_int("HYBRIDKV_SWA_CHECKPOINT", 16384) if swa_checkpoint is None else swa_checkpoint
+        eviction = os.environ.get("HYBRIDKV_SWA_EVICTION", "page") if swa_eviction is None else swa_eviction
+        # The tree's window is what every reader of the SWA pool needs (a fused
+        # draft may read further back than the model's own window).
+        self.tree_config = TreeConfig(self.page_size, max(self.sliding_window_size, self.draft_swa_window),
+                                      checkpoint, eviction)
+        if params.enable_metrics:
+            self.init_metrics_collector()
+        self.counters = {"match_calls": 0, "hit_tokens": 0, "raw_match_tokens": 0,
+                         "checkpoints": 0, "unsafe_tail_locks": 0}
+        self.reset()
+
+    # ================================================================ basics
+    def reset(self) -> None:
+        """Forget everything (SGLang clears its allocator alongside).  O(1)."""
+        self.tree = WindowSafeTree(self.tree_config, self.pool)
+        self.pool.reset()
+        self._locks: dict[int, list[LockHandle]] = {}
+        self.root_node = self.tree.root(namespace_of(None, None))
+
+    def supports_swa(self) -> bool:
+        return True
+
+    def supports_prefix_sharing(self) -> bool:
+        return not self.disable
+
+    def is_root(self, node: Any) -> bool:
+        return node is None or node.parent is None
+
+    def root_node_handle(self, extra_key: Optional[str] = None) -> Any:
+        return self.tree.root(namespace_of(extra_key, None))
+
+    def _key_tokens(self, key: Any) -> tuple[np.ndarray, str]:
+        if getattr(key, "is_bigram", False):
+            raise ValueError("key: bigram (EAGLE) RadixKeys are not supported")
+        raw = key.raw_token_ids()
+        tokens = np.frombuffer(raw, dtype=np.int64) if raw.itemsize == 8 else np.asarray(raw, dtype=np.int64)
+        return tokens, namespace_of(key.extra_key, key.cache_salt)
+
+    # ================================================================= match
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """Largest page-aligned window-safe prefix of ``params.key``.
+
+        Splits the last node so one ends exactly at the hit (the scheduler locks
+        it).  Runtime: that of :meth:`WindowSafeTree.match`.
+        """
+        key = params.key
+        tokens, ns = self._key_tokens(key)
+        if self.disable or len(tokens) < self.page_size:
+            root = self.tree.root(ns)
+            return MatchResult(0, root, root, root)
+        m = self.tree.match(tokens, ns, split=True)
+        node = m.node if m.node is not None else self.tree.root(ns)
+        self.counters["match_calls"] += 1
+        self.counters["hit_tokens"] += m.length
+        self.counters["raw_match_tokens"] += m.raw_length
+        return MatchResult(device_prefix_len=m.length, last_device_node=node, last_host_node=node,
+                           best_match_node=node, full_kv_hit_length=m.raw_length)
+
+    def touch_prefix(self, key: Any) -> None:
+        tokens, ns = self._key_tokens(key)
+        if not self.disable and len(tokens) >= self.page_size:
+            self.tree.match(tokens, ns, touch=True)
+
+    def path_device_indices(self, node: Any) -> torch.Tensor:
+        """Full-pool token slots of the path root -> ``node`` (int64).  O(depth + L)."""
+        full, _ = self._path_pages(node)
+        return self.pool.tokens(full) if full.size else _EMPTY64
+
+    @staticmethod
+    def _path_pages(node: Any) -> tuple[np.ndarray, np.ndarray]:
+        fulls, swas = [], []
+        while node is not None and node.parent is not None:
+            fulls.append(node.full)
+            swas.append(node.swa)
+            node = node.parent
+        if not fulls:
+            return np.zeros(0, np.int32), np.zeros(0, np.int32)
+        return np.concatenate(fulls[::-1]), np.concatenate(swas[::-1])
+
+    # ================================================================= locks
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        """Lock the path to ``node`` and pin its SWA window.  O(depth)."""
+        if self.disable or self.is_root(node):
+            return IncLockRefResult(delta=0)
+        before = self.tree.protected_full_pages
+        handle = self.tree.lock(node)
+        self._locks.setdefault(node.nid, []).append(handle)
+        return IncLockRefResult(delta=-(self.tree.protected_full_pages - before) * self.page_size)
+
+    def dec_lock_ref(self, node: Any, params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
+        """Release one lock taken on ``node``.  O(depth)."""
+        if self.disable or self.is_root(node):
+            return DecLockRefResult(delta=0)
+        handles = self._locks.get(node.nid)
+        if not handles:
+            raise ValueError(f"node {node.nid} holds no lock taken through this cache")
+        before = self.tree.protected_full_pages
+        self.tree.unlock(handles.pop())
+        if not handles:
+            del self._locks[node.nid]
+        return DecLockRefResult(delta=(before - self.tree.protected_full_pages) * self.page_size)
+
+    # ============================================================ checkpoint
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        """Insert the request's page-aligned ``[0, up_to)`` and move its lock.
+
+        SWA pages the request already released (mapping 0) go in as missing;
+        pages the tree already caches replace the request's duplicates in its
+        row (the tree frees the duplicates).  Sets ``req.kv.cache_protected_len``
+        to the inserted length.  Runtime: O(depth + up_to / page_size).
+        """
+        if self.disable:
+            return
+        kv = req.kv
+        n_pages = min(int(up_to), len(req.full_untruncated_fill_ids)) // self.page_size
+        protected = kv.cache_protected_len // self.page_size
+        if n_pages <= protected:
+            return
+        length = n_pages * self.page_size
+        tokens = np.asarray(req.full_untruncated_fill_ids[:length], dtype=np.int64)
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :length:self.page_size]
+        full = (row.to(torch.int64) // self.page_size).numpy().astype(np.int32)
+        swa = self.pool.swa_pages_of(full)
+        ns = namespace_of(req.extra_key, req.cache_salt)
+        # Record owners before the insert: the tree may free duplicates right away.
+        self.pool.adopt(full[protected:], swa[protected:])
+        result = self.tree.insert(tokens, full, swa, ns)
+        path_full, path_swa = self._path_pages(result.node)
+        assert path_full.size == n_pages, (path_full.size, n_pages)
+        # Duplicates and adopted SWA: make the mapping and the row follow the tree.
+        self.pool.adopt(path_full[protected:], path_swa[protected:])
+        self.req_to_token_pool.write((kv.req_pool_idx, slice(protected * self.page_size, length)),
+                                     self.pool.tokens(path_full[protected:]).to(torch.int32))
+        self.unlock(req.lock)
+        req.lock = self._lock_checkpoint(result.node, req)
+        kv.cache_protected_len = length
+        kv.cache_inserted_len = max(kv.cache_inserted_len, length)
+        req.last_node = result.node
+        self.counters["checkpoints"] += 1
+
+    def _lock_checkpoint(self, node: TreeNode, req: Any) -> Any:
+        """Lock ``node``; if its SWA window is gone (only possible for a finished
+        request whose tail window was released) lock nothing: the request is
+        released right after and the tree owns the pages either way."""
+        try:
+            return self.lock(node)
+        except ValueError:
+            if not req.finished():
+                raise
+            self.counters["unsafe_tail_locks"] += 1
+            return None
+
+    # ============================================================== eviction
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Free at least ``num_tokens`` full and ``swa_num_tokens`` SWA tokens if
+        unlocked data allows (SWA that ends no hit first).  O(k log n)."""
+        if self.disable:
+            return EvictResult()
+        start = time.perf_counter()
+        ps = self.page_size
+        full_pages = -(-max(0, int(params.num_tokens)) // ps)
+        swa_pages = -(-max(0, int(params.swa_num_tokens)) // ps)
+        nf, ns = self.tree.evict(full_pages=full_pages, swa_pages=swa_pages)
+        self.update_eviction_metrics(nf * ps, start)
+        return EvictResult(num_tokens_evicted=nf * ps, swa_num_tokens_evicted=ns * ps)
+
+    # ================================================================= sizes
+    def evictable_size(self) -> int:
+        return self.full_evictable_size()
+
+    def full_evictable_size(self) -> int:
+        return self.tree.evictable_full_pages() * self.page_size
+
+    def swa_evictable_size(self) -> int:
+        return self.tree.evictable_swa_pages() * self.page_size
+
+    def protected_size(self) -> int:
+        return self.full_protected_size()
+
+    def full_protected_size(self) -> int:
+        return self.tree.protected_full_pages * self.page_size
+
+    def swa_protected_size(self) -> int:
+        return self.tree.protected_swa_pages * self.page_size
+
+    def total_size(self) -> int:
+        return self.tree.full_pages_cached * self.page_size
+
+    def dfs_weight_order(self, node_handles: Sequence[Any]) -> list[int]:
+        # Namespaces have separate roots; keep arrival order (LPM scheduling
+        # still sorts by prefix length on its own).
+        return list(range(len(node_handles)))
+
+    def pretty_print(self) -> None:
+        print(f"hybridkv tree: {self.tree.num_nodes} nodes, {self.total_size()} full tokens, "
+              f"{self.tree.swa_pages_cached * self.page_size} SWA tokens, namespaces {self.tree.namespaces()}")
+
+    def sanity_check(self) -> None:
+        """Tree invariants plus: SGLang's full->SWA mapping equals the tree's SWA
+        pages on every cached page.  O(cached pages)."""
+        self.tree.check_invariants()
+        for node in self.tree.iter_nodes():
+            got = self.pool.swa_pages_of(node.full)
+            assert np.array_equal(got, node.swa), f"full->SWA mapping disagrees with the tree at {node}"

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Create (or refresh) the adapter's own virtual environment and run its tests.
+#
+#   adapters/sglang/run-tests.sh [pytest args...]
+#
+# SGLang 0.5.23 pins a CUDA torch, so it is installed with --no-deps and its
+# pure-Python dependencies are installed under a constraint that keeps the
+# CPU torch==2.13.0.  The venv lives in adapters/sglang/.venv (gitignored, or
+# $HYBRIDKV_SGLANG_VENV); a stamp file makes a second run skip all installs.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+VENV="${HYBRIDKV_SGLANG_VENV:-$HERE/.venv}"
+PYTHON="${PYTHON:-python3}"
+STAMP="$VENV/.hybridkv-sglang-stamp"
+# Bump the suffix whenever the dependency list below changes.
+WANT="sglang==0.5.23 torch==2.13.0 deps-2 root=$ROOT"
+SGLANG_DEPS=(numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec
+             pydantic pyzmq tqdm IPython aiohttp apache-tvm-ffi transformers dill sentencepiece
+             compressed-tensors gguf openai partial_json_parser)
+CORE_DEPS=(sortedcontainers cffi pytest hypothesis)
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[run-tests] creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
+    echo "[run-tests] installing sglang 0.5.23 and deps into $VENV (first run: ~2-3 min)"
+    CONSTRAINT="$VENV/torch-constraint.txt"
+    echo "torch==2.13.0" > "$CONSTRAINT"
+    "${PIP[@]}" install -c "$CONSTRAINT" "torch==2.13.0"
+    "${PIP[@]}" install --no-deps "sglang==0.5.23"
+    "${PIP[@]}" install -c "$CONSTRAINT" "${SGLANG_DEPS[@]}" "${CORE_DEPS[@]}"
+    # The core and the adapter, editable, without letting pip touch torch again.
+    "${PIP[@]}" install -c "$CONSTRAINT" --no-deps --no-build-isolation -e "$ROOT" -e "$HERE"
+    echo "$WANT" > "$STAMP"
+fi
+cd "$HERE"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests "$@"

@@ -1,0 +1,267 @@
+"""Scheduler-like driver of an SGLang prefix cache on CPU, with a content oracle.
+
+The driver builds SGLang's real SWA KV pool, SWA allocator and request-to-token
+pool, creates real ``Req`` objects and moves them through the same helpers the
+0.5.23 scheduler uses: ``Req.init_next_round_input`` (match), ``tree_cache.lock``,
+allocation with ``evict_to_free_tokens`` under pressure, ``checkpoint_kv_cache``
+between prefill chunks, ``evict_sliding_windows`` during decode and
+``release_kv_cache(checkpoint=True)`` at the end.
+
+Content oracle: every slot written gets the value ``prefix_hash(tokens[:pos+1])``
+in a shadow array (one for the full pool, one for the SWA pool).  A hit of
+length L is correct iff the full slots of ``[0, L)`` and the SWA slots (through
+the allocator's full->SWA mapping) of ``[L - W, L)`` all hold the right values.
+A stale, freed or reused slot shows up as a wrong value, so a pseudo-hit cannot
+pass.  After every step the pool accounting of SGLang's own invariant checker is
+checked (available + evictable + protected + request-private == capacity).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+from sglang.srt.managers.scheduler_components.pool_stats_observer import (
+    kv_private_swa_tokens,
+    kv_private_tokens,
+)
+from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+_MULT = np.random.default_rng(12345).integers(1, 2**62, size=1 << 18, dtype=np.uint64) | np.uint64(1)
+
+
+def prefix_hashes(tokens: np.ndarray) -> np.ndarray:
+    """``h[i]`` identifies ``tokens[:i+1]`` (sum of token * per-position odd multiplier, mod 2**64)."""
+    n = len(tokens)
+    assert n <= _MULT.size, "sequence longer than the oracle's multiplier table"
+    with np.errstate(over="ignore"):
+        h = np.cumsum(tokens.astype(np.uint64) * _MULT[:n], dtype=np.uint64)
+    h[h == 0] = 1  # 0 means "never written"
+    return h.view(np.int64)
+
+
+@dataclass
+class Pools:
+    """SGLang's CPU pools for a 2-layer hybrid model (layer 0 full, layer 1 SWA)."""
+
+    full_tokens: int
+    swa_tokens: int
+    page_size: int = 1
+    max_reqs: int = 16
+    max_context: int = 1 << 17
+
+    def __post_init__(self) -> None:
+        self.kv = SWAKVPool(size=self.full_tokens, size_swa=self.swa_tokens, page_size=self.page_size,
+                            dtype=torch.float16, head_num=1, head_dim=2, swa_attention_layer_ids=[1],
+                            full_attention_layer_ids=[0], device="cpu", enable_memory_saver=False)
+        self.allocator = SWATokenToKVPoolAllocator(self.full_tokens, self.swa_tokens, self.page_size,
+                                                   torch.float16, "cpu", self.kv, need_sort=False)
+        self.req_to_token = ReqToTokenPool(self.max_reqs, self.max_context, "cpu", False)
+
+    def init_params(self, window: int) -> CacheInitParams:
+        return CacheInitParams(disable=False, req_to_token_pool=self.req_to_token,
+                               token_to_kv_pool_allocator=self.allocator, page_size=self.page_size,
+                               sliding_window_size=window)
+
+
+@dataclass
+class FlowStats:
+    requests: int = 0
+    input_tokens: int = 0
+    hit_tokens: int = 0
+    rejected: int = 0
+    checks: int = 0
+    hits: list = field(default_factory=list)
+
+
+class PseudoHitError(AssertionError):
+    """A hit whose KV (full, or SWA inside the window) is not the request's."""
+
+
+@dataclass
+class _Live:
+    req: Req
+    tokens: np.ndarray        # prompt + outputs (the outputs are decided up front)
+    hashes: np.ndarray
+    prompt_len: int
+    chunk: int
+    phase: str = "prefill"
+
+
+class Driver:
+    """Runs requests through ``cache`` the way SGLang's scheduler does.
+
+    Args:
+        cache: a ``BasePrefixCache`` over ``pools``.
+        pools: the SGLang pools.
+        window: sliding window W.
+        chunk: chunked-prefill size.
+        max_live: requests running at once (round-robin steps).
+        check_every_step: run the accounting check after each step.
+    """
+
+    def __init__(self, cache: BasePrefixCache, pools: Pools, window: int, chunk: int = 1024,
+                 max_live: int = 3, check_every_step: bool = True) -> None:
+        self.cache = cache
+        self.pools = pools
+        self.alloc: SWATokenToKVPoolAllocator = pools.allocator
+        self.window = window
+        self.chunk = chunk
+        self.max_live = max_live
+        self.check_every_step = check_every_step
+        self.full_content = np.zeros(pools.full_tokens + 2 * pools.page_size + 1, np.int64)
+        self.swa_content = np.zeros(pools.swa_tokens + 2 * pools.page_size + 1, np.int64)
+        self.stats = FlowStats()
+        self._live: list[_Live] = []
+        self._rid = 0
+        self.after_step: Callable[["Driver"], None] | None = None
+
+    # ------------------------------------------------------------ public
+    def run(self, sequences: Iterable[tuple[np.ndarray, int, str | None]]) -> FlowStats:
+        """Run ``(prompt, n_output, extra_key)`` requests, ``max_live`` at a time."""
+        pending = list(sequences)[::-1]
+        while pending or self._live:
+            while pending and len(self._live) < self.max_live:
+                prompt, n_out, extra_key = pending.pop()
+                self._admit(prompt, n_out, extra_key)
+            for live in list(self._live):
+                self._step(live)
+                if self.check_every_step:
+                    self.check_accounting()
+                if self.after_step is not None:
+                    self.after_step(self)
+        return self.stats
+
+    # ------------------------------------------------------------ steps
+    def _admit(self, prompt: np.ndarray, n_out: int, extra_key: str | None) -> None:
+        self._rid += 1
+        outputs = (prefix_hashes(prompt)[-1:] + np.arange(1, n_out + 1)) % 50000 + 7 if n_out else np.zeros(0)
+        tokens = np.concatenate([prompt, outputs.astype(np.int64)]).astype(np.int64)
+        req = Req(f"r{self._rid}", "", array("q", prompt.astype(np.int64).tolist()),
+                  SamplingParams(max_new_tokens=max(1, n_out)), extra_key=extra_key)
+        req.init_next_round_input(self.cache)
+        live = _Live(req, tokens, prefix_hashes(tokens), len(prompt), self.chunk)
+        self._verify_hit(live)
+        req.lock = self.cache.lock(req.last_node)
+        self.stats.requests += 1
+        self.stats.input_tokens += len(prompt)
+        self.stats.hit_tokens += req.prefix_len
+        self.stats.hits.append(req.prefix_len)
+        self._live.append(live)
+
+    def _verify_hit(self, live: _Live) -> None:
+        req = live.req
+        hit = req.prefix_len
+        if hit == 0:
+            return
+        full = self.cache.prefix_device_indices(req)[:hit].to(torch.int64)
+        want = live.hashes[:hit]
+        got_full = self.full_content[full.numpy()]
+        if not np.array_equal(got_full, want):
+            bad = int(np.argmax(got_full != want))
+            raise PseudoHitError(f"{req.rid}: full KV of position {bad} of a {hit}-token hit is not its own")
+        lo = max(0, hit - self.window)
+        swa = self.alloc.translate_loc_from_full_to_swa(full[lo:hit]).to(torch.int64).numpy()
+        got_swa = np.where(swa > 0, self.swa_content[np.maximum(swa, 0)], 0)
+        if not np.array_equal(got_swa, want[lo:hit]):
+            bad = lo + int(np.argmax(got_swa != want[lo:hit]))
+            raise PseudoHitError(f"{req.rid}: SWA KV of position {bad} inside the window of a {hit}-token hit "
+                                 f"is {'freed' if swa[bad - lo] <= 0 else 'not its own'}")
+
+    def _alloc(self, req: Req, n: int) -> torch.Tensor | None:
+        self.alloc.evict_to_free_tokens(self.cache, n)
+        return self.alloc.alloc(n)
+
+    def _write(self, live: _Live, start: int, slots: torch.Tensor) -> None:
+        req = live.req
+        end = start + len(slots)
+        self.pools.req_to_token.write((req.kv.req_pool_idx, slice(start, end)), slots.to(torch.int32))
+        self.full_content[slots.numpy()] = live.hashes[start:end]
+        swa = self.alloc.translate_loc_from_full_to_swa(slots.to(torch.int64)).numpy()
+        assert (swa > 0).all(), "a fresh allocation must map to SWA slots"
+        self.swa_content[swa] = live.hashes[start:end]
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = end
+
+    def _step(self, live: _Live) -> None:
+        req = live.req
+        if live.phase == "prefill":
+            start = req.prefix_len
+            end = min(start + live.chunk, live.prompt_len)
+            if not req.kv.holds_kv:
+                self.pools.req_to_token.alloc([req])
+                if start:
+                    prefix = self.cache.prefix_device_indices(req)[:start]
+                    self.pools.req_to_token.write((req.kv.req_pool_idx, slice(0, start)), prefix.to(torch.int32))
+                req.kv.kv_allocated_len = req.kv.kv_committed_len = start
+            req.extend_end = end
+            slots = self._alloc(req, end - start)
+            if slots is None:
+                return self._reject(live)
+            self._write(live, start, slots)
+            if end < live.prompt_len:
+                checkpoint_kv_cache(req, self.cache)  # SGLang's "cache_unfinished_req"
+            else:
+                req.prefix_len = end
+                live.phase = "decode"
+                req.decode_batch_idx = 0
+            return None
+        # decode: one token per step; the window slides first, as in maybe_evict_swa
+        pos = req.seqlen
+        if pos >= len(live.tokens):
+            return self._finish(live)
+        if req.decode_batch_idx >= 1:
+            due = req.seqlen - 1 - self.cache.swa_retain_window >= req.kv.get_evicted_seqlen(ComponentType.SWA) + 1
+            if due:
+                self.cache.evict_sliding_windows(req, req.seqlen - 1)
+        slots = self._alloc(req, 1)
+        if slots is None:
+            return self._reject(live)
+        req.output_ids.append(int(live.tokens[pos]))
+        self._write(live, pos, slots)
+        req.decode_batch_idx += 1
+        return None
+
+    def _finish(self, live: _Live) -> None:
+        req = live.req
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+        release_kv_cache(req, self.cache, checkpoint=True)
+        self._live.remove(live)
+
+    def _reject(self, live: _Live) -> None:
+        """Out of memory even after eviction: abort without caching (a retraction)."""
+        req = live.req
+        self.stats.rejected += 1
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+        release_kv_cache(req, self.cache, checkpoint=False)
+        self._live.remove(live)
+
+    # ------------------------------------------------------------ checks
+    def check_accounting(self) -> None:
+        """SGLang's busy-time conservation check for both pools (see invariant_checker)."""
+        ps = self.pools.page_size
+        alloc, cache = self.alloc, self.cache
+        full_private = sum(kv_private_tokens(l.req.kv, ps) for l in self._live if l.req.kv.holds_kv)
+        swa_private = sum(kv_private_swa_tokens(l.req.kv, ps) for l in self._live if l.req.kv.holds_kv)
+        full = alloc.full_available_size() + cache.full_evictable_size() + cache.full_protected_size() + full_private
+        swa = (alloc.swa_available_size() + cache.swa_evictable_size() + cache.swa_protected_size()
+               + swa_private + cache.swa_transient_size())
+        assert full == self.pools.full_tokens, (
+            f"full pool: available {alloc.full_available_size()} + evictable {cache.full_evictable_size()} + "
+            f"protected {cache.full_protected_size()} + private {full_private} != {self.pools.full_tokens}")
+        assert swa == self.pools.swa_tokens, (
+            f"swa pool: available {alloc.swa_available_size()} + evictable {cache.swa_evictable_size()} + "
+            f"protected {cache.swa_protected_size()} + private {swa_private} + transient "
+            f"{cache.swa_transient_size()} != {self.pools.swa_tokens}")
+        self.stats.checks += 1
