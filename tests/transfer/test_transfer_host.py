@@ -108,6 +108,26 @@ def test_large_copy_uses_threads_and_matches(kernel: hk.HostKernel, dtype: torch
     assert_bitwise_equal(packed, pack_pages(sk, sv, src, 16, backend="torch"))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_streaming_store_path_with_odd_alignment(kernel: hk.HostKernel, threads: int,
+                                                gen: torch.Generator) -> None:
+    # > 4 MiB per call switches the kernel to non-temporal stores; runs of
+    # 250*3*7*2 = 10500 bytes (not a multiple of 16 or 32) put odd pages at
+    # unaligned addresses, exercising the head/body/tail split of the loop.
+    sk, sv = kv_pair(2, 250 * 300, 3, 7, 5, torch.float16, gen)
+    dk, dv = kv_pair(2, 250 * 260, 3, 7, 5, torch.float16, gen)
+    src = torch.randperm(300, generator=gen)[:250]
+    dst = torch.randperm(260, generator=gen)[:250]
+    assert 2 * 250 * (10500 + 7500) >= 4 << 20
+    rk, rv = dk.clone(), dv.clone()
+    copy_pages(sk, sv, dk, dv, src, dst, 250, backend="host", num_threads=threads)
+    copy_pages(sk, sv, rk, rv, src, dst, 250, backend="torch")
+    assert_bitwise_equal(dk, rk)
+    assert_bitwise_equal(dv, rv)
+    packed = pack_pages(sk, sv, src, 250, backend="host", num_threads=threads)
+    assert_bitwise_equal(packed, pack_pages(sk, sv, src, 250, backend="torch"))
+
+
 def test_auto_picks_host_for_cpu_and_accepts_numpy(kernel: hk.HostKernel,
                                                    gen: torch.Generator) -> None:
     sk, sv = kv_pair(1, 8, 1, 2, 2, torch.float32, gen)
