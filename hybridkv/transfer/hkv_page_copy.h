@@ -48,6 +48,8 @@ typedef struct {
 
 int hkv_check_desc(const hkv_page_copy_t *desc);
 int hkv_host_copy_pages(const hkv_page_copy_t *desc, int num_threads);
+int hkv_host_copy_pages_mode(const hkv_page_copy_t *desc, int num_threads, int mode);
+int hkv_host_stream_supported(int mode);
 int hkv_host_openmp_enabled(void);
 /* CDEF-END */
 

@@ -137,7 +137,19 @@ static inline void copy_one_run(const hkv_page_copy_t *d, int t, int64_t layer,
     memcpy(dst, src, (size_t)d->run_bytes[t]);
 }
 
+int hkv_host_stream_supported(int mode) {
+#if HKV_HAVE_STREAM
+    if (mode == 1) return 1;
+    if (mode == 2) return __builtin_cpu_supports("avx") ? 1 : 0;
+#endif
+    return mode == 0;
+}
+
 int hkv_host_copy_pages(const hkv_page_copy_t *d, int num_threads) {
+    return hkv_host_copy_pages_mode(d, num_threads, -1);
+}
+
+int hkv_host_copy_pages_mode(const hkv_page_copy_t *d, int num_threads, int mode) {
     const int rc = hkv_check_desc(d);
     if (rc != HKV_OK) return rc;
     const int64_t n = d->n_pages;
@@ -152,10 +164,15 @@ int hkv_host_copy_pages(const hkv_page_copy_t *d, int num_threads) {
     const int64_t bytes = n_layers * n * (d->run_bytes[0] + d->run_bytes[1]);
     if (num_threads < 1) num_threads = 1;
     const int parallel = num_threads > 1 && bytes >= HKV_PARALLEL_MIN_BYTES;
-    int stream = bytes >= HKV_STREAM_MIN_BYTES;
-#if HKV_HAVE_STREAM
-    if (stream && __builtin_cpu_supports("avx")) stream = 2;
-#endif
+    /* mode -1 = choose (streaming for large calls, AVX when present);
+     * 0 = memcpy, 1 = SSE2 streaming, 2 = AVX streaming (tests pin these). */
+    int stream = mode;
+    if (mode < 0) {
+        stream = bytes >= HKV_STREAM_MIN_BYTES;
+        if (stream && hkv_host_stream_supported(2)) stream = 2;
+    } else if (!hkv_host_stream_supported(mode)) {
+        return HKV_ERR_ARG;
+    }
     (void)parallel;
 
 #ifdef _OPENMP

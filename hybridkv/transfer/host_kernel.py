@@ -69,11 +69,15 @@ class HostKernel:
         self.path = path
         self.openmp = bool(self.lib.hkv_host_openmp_enabled())
 
-    def run(self, plan: CopyPlan, num_threads: Optional[int] = None) -> None:
+    def run(self, plan: CopyPlan, num_threads: Optional[int] = None,
+            store_mode: int = -1) -> None:
         """Execute ``plan`` on host memory.  Releases the GIL for the copy.
 
-        Raises ``RuntimeError`` if the C side rejects the plan (it re-checks
-        every index before writing, as a second line of defence).
+        ``store_mode``: -1 = automatic (streaming stores for calls of 4 MiB
+        and more), 0 = memcpy, 1 = SSE2 streaming, 2 = AVX streaming; tests
+        pin each path.  Raises ``RuntimeError`` if the C side rejects the
+        plan (it re-checks every index before writing, as a second line of
+        defence) or the mode is unsupported here.
         """
         ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
         d = fill_desc(
@@ -81,7 +85,7 @@ class HostKernel:
             src_idx_ptr=ptr(plan.src_idx), dst_idx_ptr=ptr(plan.dst_idx),
             mask_ptr=ptr(plan.mask), src_base=plan.src.base, dst_base=plan.dst.base,
         )
-        rc = self.lib.hkv_host_copy_pages(d, num_threads or default_threads())
+        rc = self.lib.hkv_host_copy_pages_mode(d, num_threads or default_threads(), store_mode)
         if rc != 0:
             raise RuntimeError(f"host page copy rejected its arguments (code {rc})")
 

@@ -128,6 +128,26 @@ def test_streaming_store_path_with_odd_alignment(kernel: hk.HostKernel, threads:
     assert_bitwise_equal(packed, pack_pages(sk, sv, src, 250, backend="torch"))
 
 
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_every_store_mode_matches_reference(kernel: hk.HostKernel, mode: int,
+                                            gen: torch.Generator) -> None:
+    if not kernel.lib.hkv_host_stream_supported(mode):
+        pytest.skip(f"store mode {mode} (AVX) not supported by this CPU")
+    # Small odd-sized runs: head/tail handling of each store variant.
+    sk, sv = kv_pair(2, 5 * 12, 3, 5, 3, torch.float16, gen)
+    dk, dv = kv_pair(2, 5 * 9, 3, 5, 3, torch.float16, gen)
+    rk, rv = dk.clone(), dv.clone()
+    src, dst = torch.tensor([11, 0, 7, 3, 5]), torch.tensor([8, 1, 2, 0, 5])
+    run = (5 * 3 * 5 * 2, 5 * 3 * 3 * 2)
+    plan = CopyPlan(n_pages=5, src_idx=src, dst_idx=dst, mask=None, layer_begin=0,
+                    layer_end=2, run_bytes=run, src=buffer_side(sk, sv, 5, 12),
+                    dst=buffer_side(dk, dv, 5, 9))
+    kernel.run(plan, 2, store_mode=mode)
+    copy_pages(sk, sv, rk, rv, src, dst, 5, backend="torch")
+    assert_bitwise_equal(dk, rk)
+    assert_bitwise_equal(dv, rv)
+
+
 def test_auto_picks_host_for_cpu_and_accepts_numpy(kernel: hk.HostKernel,
                                                    gen: torch.Generator) -> None:
     sk, sv = kv_pair(1, 8, 1, 2, 2, torch.float32, gen)
