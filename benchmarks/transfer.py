@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -201,7 +202,8 @@ def bench_cuda(args: argparse.Namespace) -> dict:
     gk2, gv2 = torch.zeros_like(gk), torch.zeros_like(gv)
     perm = torch.randperm(n, generator=gen)
     res["cuda_d2d_gbps"] = gbps(timed(lambda: copy_pages(gk, gv, gk2, gv2, perm, dst, PAGE, backend="cuda")))
-    res["cudamemcpy_d2d_gbps"] = gbps(timed(lambda: gk2.view(-1).copy_(gk.view(-1)) and gv2.view(-1).copy_(gv.view(-1))))
+    res["cudamemcpy_d2d_gbps"] = gbps(timed(
+        lambda: (gk2.view(-1).copy_(gk.view(-1)), gv2.view(-1).copy_(gv.view(-1)))))
     staging = torch.empty(n, layers * PAGE * HEADS * (K_DIM + V_DIM), dtype=DTYPE).pin_memory()
     res["cuda_pack_d2h_gbps"] = gbps(timed(lambda: pack_pages(gk, gv, dst, PAGE, out=staging, backend="cuda")))
     for d in ("h2d", "d2h", "d2d"):
@@ -225,10 +227,11 @@ def main() -> int:
     ap.add_argument("--cuda-copy-pages", type=int, default=1024)
     args = ap.parse_args()
     t0 = time.perf_counter()
+    load_start = os.getloadavg()[0]
     res = {"shape": {"heads": HEADS, "k_dim": K_DIM, "v_dim": V_DIM, "page_size": PAGE,
                      "dtype": str(DTYPE), "layers": args.layers, "pool_pages": args.pool_pages,
                      "copy_pages": args.copy_pages}, "repeats": args.repeats,
-           "statistic": "median"}
+           "statistic": "median", "loadavg_1min_start": load_start}
     res.update(bench_host(args))
     res.update(bench_layerwise(args))
     if args.cuda:
@@ -237,6 +240,10 @@ def main() -> int:
             return 2
         res.update(bench_cuda(args))
     res["wall_s"] = time.perf_counter() - t0
+    # Overlap needs two idle cores; the 1-minute load average tells a reader
+    # whether other work shared them during the run.
+    res["loadavg_1min_end"] = os.getloadavg()[0]
+    res["cpu_count"] = os.cpu_count()
     if args.json:
         print(json.dumps(res, sort_keys=True))
         return 0

@@ -76,7 +76,7 @@ cudaError_t launch(const hkv_page_copy_t &d, cudaStream_t stream) {
 
 }  // namespace
 
-extern "C" int hkv_cuda_copy_pages(const hkv_page_copy_t *desc, void *stream,
+extern "C" int hkv_cuda_copy_pages(const hkv_page_copy_t *desc, int device, void *stream,
                                    int *vec_bytes) {
     if (desc == nullptr || desc->n_pages < 0 || desc->layer_end < desc->layer_begin) {
         return (int)cudaErrorInvalidValue;
@@ -88,6 +88,10 @@ extern "C" int hkv_cuda_copy_pages(const hkv_page_copy_t *desc, void *stream,
     const int w = common_alignment(desc);
     if (vec_bytes != nullptr) *vec_bytes = w;
     if (desc->n_pages == 0 || desc->layer_end == desc->layer_begin) return (int)cudaSuccess;
+    // This library's (static) runtime has its own current device; launch on
+    // the device that owns the caller's stream.
+    const cudaError_t set = cudaSetDevice(device);
+    if (set != cudaSuccess) return (int)set;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     switch (w) {
         case 16: return (int)launch<uint4>(*desc, s);
@@ -102,8 +106,10 @@ extern "C" int hkv_cuda_device_count(int *count) {
     return (int)cudaGetDeviceCount(count);
 }
 
-extern "C" int hkv_cuda_host_device_pointer(void *host, void **device) {
-    return (int)cudaHostGetDevicePointer(device, host, 0);
+extern "C" int hkv_cuda_host_device_pointer(int device, void *host, void **device_ptr) {
+    const cudaError_t set = cudaSetDevice(device);
+    if (set != cudaSuccess) return (int)set;
+    return (int)cudaHostGetDevicePointer(device_ptr, host, 0);
 }
 
 extern "C" const char *hkv_cuda_error_string(int err) {

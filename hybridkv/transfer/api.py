@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 import torch
 
 from . import _layout as L
-from .cuda_kernel import StreamLike, load_cuda_kernel, run_cuda
+from .cuda_kernel import StreamLike, load_cuda_kernel, resolve_stream, run_cuda
 from .host_kernel import load_host_kernel
 from .reference import ref_copy_pages, ref_pack_pages, ref_unpack_pages
 
@@ -102,8 +102,7 @@ def _torch_stream(stream: StreamLike, named: dict[str, torch.Tensor]) -> Iterato
     if stream is None or dev is None:
         yield
         return
-    s = stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.ExternalStream(int(stream))
-    with torch.cuda.stream(s):
+    with torch.cuda.stream(resolve_stream(stream, dev)):
         yield
 
 

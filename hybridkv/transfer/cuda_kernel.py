@@ -31,9 +31,9 @@ ABI_VERSION = 1
 # Must equal the CDEF block of src_cuda/hkv_transfer_cuda.h (tested); kept
 # inline because src_cuda/ is not part of the installed package.
 CUDA_CDEF = """
-int hkv_cuda_copy_pages(const hkv_page_copy_t *desc, void *stream, int *vec_bytes);
+int hkv_cuda_copy_pages(const hkv_page_copy_t *desc, int device, void *stream, int *vec_bytes);
 int hkv_cuda_device_count(int *count);
-int hkv_cuda_host_device_pointer(void *host, void **device);
+int hkv_cuda_host_device_pointer(int device, void *host, void **device_ptr);
 const char *hkv_cuda_error_string(int err);
 int hkv_cuda_abi_version(void);
 """
@@ -89,16 +89,16 @@ class CudaKernel:
         self.check(self.lib.hkv_cuda_device_count(n), "cudaGetDeviceCount")
         return int(n[0])
 
-    def device_address(self, t: torch.Tensor) -> int:
-        """Address of ``t``'s data as seen by kernels (mapped for pinned host)."""
+    def device_address(self, t: torch.Tensor, device: int) -> int:
+        """Address of ``t``'s data as seen by kernels on ``device`` (mapped for pinned host)."""
         if t.device.type == "cuda":
             return t.data_ptr()
         out = self.ffi.new("void **")
         self.check(self.lib.hkv_cuda_host_device_pointer(
-            self.ffi.cast("void *", t.data_ptr()), out), "cudaHostGetDevicePointer")
+            device, self.ffi.cast("void *", t.data_ptr()), out), "cudaHostGetDevicePointer")
         return int(self.ffi.cast("uintptr_t", out[0]))
 
-    def launch(self, plan: CopyPlan, stream: int, *, src_base: tuple[int, int],
+    def launch(self, plan: CopyPlan, device: int, stream: int, *, src_base: tuple[int, int],
                dst_base: tuple[int, int], src_idx: Optional[torch.Tensor],
                dst_idx: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> int:
         """Launch one page copy; returns the vector width used (bytes).
@@ -110,7 +110,7 @@ class CudaKernel:
         d = fill_desc(self.ffi, plan, src_idx_ptr=ptr(src_idx), dst_idx_ptr=ptr(dst_idx),
                       mask_ptr=ptr(mask), src_base=src_base, dst_base=dst_base)
         vec = self.ffi.new("int *")
-        code = self.lib.hkv_cuda_copy_pages(d, self.ffi.cast("void *", stream), vec)
+        code = self.lib.hkv_cuda_copy_pages(d, device, self.ffi.cast("void *", stream), vec)
         self.check(code, "page copy kernel launch")
         return int(vec[0])
 
@@ -142,20 +142,21 @@ def reset_cuda_kernel_cache() -> None:
         _cache.clear()
 
 
-def stream_handle(stream: StreamLike, device: torch.device) -> int:
-    """``cudaStream_t`` as an int: None = torch's current stream on ``device``."""
+def resolve_stream(stream: StreamLike, device: torch.device) -> "torch.cuda.Stream":
+    """The torch stream to launch on: None = current stream of ``device``.
+
+    Accepts a ``torch.cuda.Stream`` (including ``ExternalStream``) or a raw
+    ``cudaStream_t`` handle as int (wrapped in ``ExternalStream``).
+    """
     if stream is None:
-        return int(torch.cuda.current_stream(device).cuda_stream)
-    if isinstance(stream, bool):
-        raise TypeError("stream must be None, an int handle or a torch.cuda.Stream")
-    if isinstance(stream, int):
+        return torch.cuda.current_stream(device)
+    if isinstance(stream, torch.cuda.Stream):
         return stream
-    handle = getattr(stream, "cuda_stream", None)
-    if not isinstance(handle, int):
-        raise TypeError(
-            f"stream must be None, an int handle or a torch.cuda.Stream, got {type(stream).__name__}"
-        )
-    return handle
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return torch.cuda.ExternalStream(stream, device=device)
+    raise TypeError(
+        f"stream must be None, an int handle or a torch.cuda.Stream, got {type(stream).__name__}"
+    )
 
 
 def run_cuda(plan: CopyPlan, src: tuple[torch.Tensor, ...], dst: tuple[torch.Tensor, ...],
@@ -168,7 +169,9 @@ def run_cuda(plan: CopyPlan, src: tuple[torch.Tensor, ...], dst: tuple[torch.Ten
     """
     kernel = load_cuda_kernel()
     device = next(t.device for t in src + dst if t.device.type == "cuda")
-    handle = stream_handle(stream, device)
+    torch_stream = resolve_stream(stream, device)
+    handle = int(torch_stream.cuda_stream)
+    index = device.index if device.index is not None else torch.cuda.current_device()
 
     def translate(tensors: tuple[torch.Tensor, ...], base: tuple[int, int]) -> tuple[int, int]:
         # Host buffers are reached through their mapped device address; the
@@ -176,18 +179,17 @@ def run_cuda(plan: CopyPlan, src: tuple[torch.Tensor, ...], dst: tuple[torch.Ten
         if tensors[0].device.type == "cuda":
             return base
         anchors = tensors if len(tensors) == 2 else (tensors[0], tensors[0])
-        k_addr, v_addr = (kernel.device_address(a) + b - a.data_ptr()
+        k_addr, v_addr = (kernel.device_address(a, index) + b - a.data_ptr()
                           for a, b in zip(anchors, base))
         return k_addr, v_addr
 
     src_base = translate(src, plan.src.base)
     dst_base = translate(dst, plan.dst.base)
     with torch.cuda.device(device):
-        torch_stream = torch.cuda.ExternalStream(handle, device=device)
         with torch.cuda.stream(torch_stream):
             on_dev = [None if t is None else t.to(device, non_blocking=True)
                       for t in (plan.src_idx, plan.dst_idx, plan.mask)]
-            vec = kernel.launch(plan, handle, src_base=src_base, dst_base=dst_base,
+            vec = kernel.launch(plan, index, handle, src_base=src_base, dst_base=dst_base,
                                 src_idx=on_dev[0], dst_idx=on_dev[1], mask=on_dev[2])
             # The index copies are freed by the caching allocator only after
             # the stream has passed this point.

@@ -99,7 +99,7 @@ def test_launch_without_driver_raises_and_writes_nothing(cuda_lib: Path,
                     layer_end=2, run_bytes=run, src=buffer_side(sk, sv, 2, 4),
                     dst=buffer_side(dk, dv, 2, 4))
     with pytest.raises(RuntimeError, match="page copy kernel launch failed with CUDA error"):
-        kernel.launch(plan, 0, src_base=plan.src.base, dst_base=plan.dst.base,
+        kernel.launch(plan, 0, 0, src_base=plan.src.base, dst_base=plan.dst.base,
                       src_idx=None, dst_idx=None, mask=None)
     assert not dk.any() and not dv.any()
 
@@ -111,9 +111,9 @@ def test_cuda_backend_rejects_cpu_only_tensors(gen: torch.Generator) -> None:
 
 
 def test_stream_argument_is_type_checked() -> None:
-    with pytest.raises(TypeError, match="stream must be"):
-        ck.stream_handle("s0", torch.device("cpu"))  # type: ignore[arg-type]
-    assert ck.stream_handle(1234, torch.device("cpu")) == 1234
+    for bad in ("s0", True, 1.5):
+        with pytest.raises(TypeError, match="stream must be"):
+            ck.resolve_stream(bad, torch.device("cuda"))  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------
@@ -191,21 +191,26 @@ def test_cuda_pack_unpack_match_reference(cuda_lib: Path, dtype: torch.dtype,
 
 
 @needs_gpu
-def test_vector_width_falls_back_when_misaligned(cuda_lib: Path, gen: torch.Generator) -> None:
+@pytest.mark.parametrize("dim, ps, want", [(64, 2, 16), (3, 2, 4), (3, 1, 2)])
+def test_vector_width_falls_back_when_misaligned(cuda_lib: Path, dim: int, ps: int, want: int,
+                                                 gen: torch.Generator) -> None:
+    # fp16, 1 head: a run is ps*dim*2 bytes -> 256 (16-byte access), 12 (4), 6 (2).
     kernel = ck.load_cuda_kernel()
-    for dim, want in ((64, 16), (3, 2)):  # fp16: 3*2 bytes per head row -> 2-byte access
-        sk, sv = (t.cuda() for t in kv_pair(1, 8, 1, dim, dim, torch.float16, gen))
-        dk, dv = torch.zeros_like(sk), torch.zeros_like(sv)
-        run = (2 * dim * 2,) * 2
-        plan = CopyPlan(n_pages=1, src_idx=None, dst_idx=None, mask=None, layer_begin=0,
-                        layer_end=1, run_bytes=run, src=buffer_side(sk, sv, 2, 4),
-                        dst=buffer_side(dk, dv, 2, 4))
-        vec = kernel.launch(plan, torch.cuda.current_stream().cuda_stream,
-                            src_base=plan.src.base, dst_base=plan.dst.base,
-                            src_idx=None, dst_idx=None, mask=None)
-        torch.cuda.synchronize()
-        assert vec == want
-        assert_bitwise_equal(dk[:, :2], sk[:, :2])
+    sk, sv = (t.cuda() for t in kv_pair(1, 8, 1, dim, dim, torch.float16, gen))
+    dk, dv = torch.zeros_like(sk), torch.zeros_like(sv)
+    run = (ps * dim * 2,) * 2
+    limit = 8 // ps
+    plan = CopyPlan(n_pages=2, src_idx=None, dst_idx=None, mask=None, layer_begin=0,
+                    layer_end=1, run_bytes=run, src=buffer_side(sk, sv, ps, limit),
+                    dst=buffer_side(dk, dv, ps, limit))
+    vec = kernel.launch(plan, torch.cuda.current_device(),
+                        torch.cuda.current_stream().cuda_stream,
+                        src_base=plan.src.base, dst_base=plan.dst.base,
+                        src_idx=None, dst_idx=None, mask=None)
+    torch.cuda.synchronize()
+    assert vec == want
+    assert_bitwise_equal(dk[:, : 2 * ps], sk[:, : 2 * ps])
+    assert not dk[:, 2 * ps:].any()
 
 
 @needs_gpu
