@@ -14,7 +14,7 @@ import pytest
 
 from hybridkv.tiers.storage import FileBackend, open_backend
 
-from .conftest import FAST, RedisServer, _need_redis, wait_port
+from .conftest import FAST, RedisServer, _need_redis, free_port
 
 
 def _k(i: int) -> bytes:
@@ -106,7 +106,8 @@ def test_redis_ttl_and_touch(redis_server):
 def redis_cluster_node(tmp_path):
     """A one-node Redis Cluster owning all 16384 slots (exercises CROSSSLOT rules)."""
     _need_redis()
-    server = RedisServer(tmp_path, extra=("--cluster-enabled", "yes",
+    # explicit bus port: the default (port + 10000) may be above 65535 or taken
+    server = RedisServer(tmp_path, extra=("--cluster-enabled", "yes", "--cluster-port", str(free_port()),
                                           "--cluster-config-file", str(tmp_path / "nodes.conf")))
     server.start()
     import redis
@@ -141,13 +142,13 @@ def test_redis_cluster_batches_span_slots(redis_cluster_node):
 
 # --------------------------------------------------------------- mooncake
 def test_mooncake_own_client_and_zero_copy(mooncake_master):
-    b = open_backend(mooncake_master.url, key_prefix="own:", **FAST)
+    b = open_backend(mooncake_master.url, key_prefix="own:", staging_bytes=4096, **FAST)
     try:
+        size = 65536
         keys = [_k(i) for i in range(4)]
-        values = [np.random.default_rng(i).integers(0, 256, 65536, dtype=np.uint8).tobytes() for i in range(4)]
-        assert b.put(keys, values) == [True] * 4
-        arena = np.zeros(4 * 65536 + 100, dtype=np.uint8)
-        assert b.register_buffer(arena)
+        src = np.random.default_rng(0).integers(0, 256, 4 * size, dtype=np.uint8)
+        assert b.register_buffer(src)
+        values = [memoryview(src[i * size:(i + 1) * size]) for i in range(4)]
         calls: list[str] = []
         store = b._store
 
@@ -157,14 +158,21 @@ def test_mooncake_own_client_and_zero_copy(mooncake_master):
                 return getattr(store, name)
 
         b._store = Spy()
-        views = [memoryview(arena[i * 65536:(i + 1) * 65536]) for i in range(4)]
-        assert b.get_into(keys, views) == [65536] * 4
-        assert [bytes(v) for v in views] == values
-        assert calls == ["batch_get_into_multi_buffers"]  # exact size: scattered straight in
+        assert b.put(keys, values) == [True] * 4  # payloads sent from registered memory
+        assert b._staging.nbytes == 4096  # ... so nothing was staged but the headers
+        arena = np.zeros(4 * size + 100, dtype=np.uint8)
+        assert b.register_buffer(arena)
+        views = [memoryview(arena[i * size:(i + 1) * size]) for i in range(3)]
+        views.append(memoryview(arena[3 * size:]))  # larger than the payload: fine too
+        assert b.get_into(keys, views) == [size] * 4
+        assert [bytes(v[:size]) for v in views] == [bytes(v) for v in values]
+        assert [c for c in calls if c != "register_buffer"] == ["batch_upsert_from", "batch_get_into"]
         b._store = store
-        odd = memoryview(arena[4 * 65536:])  # registered but not exactly sized: staging path
-        assert b.get_into([b"missing-key-0000"], [odd]) == [-1]
         assert b.stats()["errors"] == 0 and b.stats()["corrupt"] == 0
+        # Half a pair (header evicted) is a miss, not corrupt data.
+        store.remove(b._names([keys[0]])[1][0], True)
+        assert b.get(keys[:1]) == [None] and b.get_into(keys[:1], views[:1]) == [-1]
+        assert b.stats()["corrupt"] == 0
     finally:
         b.close()
 

@@ -182,7 +182,7 @@ class BaseBackend(ABC):
 
     @abstractmethod
     def _get(self, keys: list[bytes]) -> list[Any]:
-        """Raw framed values (bytes-like) or ``None`` per key."""
+        """Per key: the framed value (bytes-like), ``(header, payload)``, or ``None``."""
 
     @abstractmethod
     def _put(self, keys: list[bytes], headers: list[bytes], payloads: list[memoryview]) -> list[bool]:
@@ -304,6 +304,14 @@ class BaseBackend(ABC):
 
     def _verify(self, key: bytes, blob: Any) -> memoryview | None:
         try:
+            if isinstance(blob, tuple):  # backends that store header and payload apart
+                header, payload = blob
+                algo, length, csum = framing.parse_header(key, header)
+                if memoryview(header).nbytes != framing.HEADER_SIZE:
+                    raise FrameError("length-mismatch", "header has trailing bytes")
+                view = memoryview(payload).cast("B")
+                framing.verify_payload(view, algo, length, csum)
+                return view
             return framing.unframe(key, blob)
         except FrameError as exc:
             self._corrupt(key, exc)

@@ -7,14 +7,16 @@ on, default ``127.0.0.1``), ``segment_bytes`` (memory this client contributes
 to the distributed pool, default 256 MiB), ``buffer_bytes`` (client transfer
 buffer, default 64 MiB) and ``key_prefix`` (default ``hkv:``).
 
-Data path: values are staged in a host buffer registered with the store once
-(grown on demand) and written with ``batch_upsert_from`` (insert or
-overwrite); :meth:`get_into` reads with ``batch_get_into`` into the staging
-buffer and copies each verified payload out, so it costs one memcpy instead of
-a Python ``bytes`` allocation.  When the caller registered its buffers with
-:meth:`register_buffer` and a buffer is exactly the payload size (fixed-size
-KV pages), the object is scattered straight into it (header to a scratch
-area, payload to the buffer) with ``batch_get_into_multi_buffers``: zero-copy.
+Layout: the frame is split over two objects, ``<prefix><key hex>`` (the
+payload) and ``<prefix><key hex>:h`` (the 40-byte header), written and read in
+one batch call.  That lets the payload move straight between Mooncake and the
+caller's memory: headers live in a staging buffer registered once, payloads
+in memory the caller registered with :meth:`register_buffer` (e.g. the L2
+host pool) are sent/received in place (``batch_upsert_from`` /
+``batch_get_into``: zero-copy); other payloads are copied through the staging
+buffer (one memcpy).  The header's length and checksum bind the pair: a torn
+pair (one half evicted, or a read racing an overwrite) is a miss, never wrong
+bytes.  :meth:`get` (no buffers) uses ``get_batch``.
 
 Mooncake specifics: a read grants the reader a lease during which a plain
 remove fails, so :meth:`delete` removes with ``force=True``.  The master
@@ -27,7 +29,6 @@ setup is retried on the circuit breaker's next probe.
 
 from __future__ import annotations
 
-import ctypes
 import socket
 import threading
 from typing import Any
@@ -58,6 +59,11 @@ def _port_open(host: str, port: int, timeout: float) -> bool:
         return False
 
 
+def _announced(header: bytes) -> int:
+    """Payload length field of a (possibly bad) header; -1 if too short."""
+    return int.from_bytes(header[24:32], "little") if len(header) >= 32 else -1
+
+
 def _address(view: memoryview) -> int:
     """Address of a contiguous buffer (writable or not) without copying."""
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
@@ -72,6 +78,7 @@ class MooncakeBackend(BaseBackend):
         protocol, device, local_host, segment_bytes, buffer_bytes, key_prefix:
             see the module docstring.
         staging_bytes: initial size of the registered staging buffer.
+        max_staging_bytes: batches needing more staging are split (bounds memory).
         connect_timeout_s: TCP probe timeout before ``setup()``.
         store: an already set-up ``MooncakeDistributedStore`` to share (e.g.
             the engine's own); it is borrowed, so :meth:`close` leaves it open.
@@ -79,12 +86,13 @@ class MooncakeBackend(BaseBackend):
     """
 
     scheme = "mooncake"
-    zero_copy = True  # for registered, exactly-sized buffers (see module doc)
+    zero_copy = True  # for memory registered with register_buffer (see module doc)
 
     def __init__(self, master: str, *, metadata: str, protocol: str = "tcp", device: str = "",
                  local_host: str = "127.0.0.1", segment_bytes: int = 256 << 20,
                  buffer_bytes: int = 64 << 20, key_prefix: str = "hkv:",
-                 staging_bytes: int = 16 << 20, connect_timeout_s: float = 1.0,
+                 staging_bytes: int = 1 << 20, max_staging_bytes: int = 256 << 20,
+                 connect_timeout_s: float = 1.0,
                  store: Any = None, **base: Any) -> None:
         if not isinstance(master, str) or ":" not in master:
             raise ValueError(f"master must be 'host:rpc_port', got {master!r}")
@@ -105,6 +113,7 @@ class MooncakeBackend(BaseBackend):
         self._borrowed = store is not None
         self._staging = np.empty(0, dtype=np.uint8)
         self._staging_want = staging_bytes
+        self._max_staging = max_staging_bytes
         self._registered: list[tuple[int, int]] = []  # caller regions (addr, size)
         if store is not None:
             self._store = store
@@ -151,112 +160,142 @@ class MooncakeBackend(BaseBackend):
         if rc != 0:
             raise ConnectionError(f"mooncake register_buffer(staging) returned {rc}")
 
-    def _names(self, keys: list[bytes]) -> list[str]:
-        return [self._prefix + k.hex() for k in keys]
+    def _names(self, keys: list[bytes]) -> tuple[list[str], list[str]]:
+        """(payload object names, header object names)."""
+        names = [self._prefix + k.hex() for k in keys]
+        return names, [n + ":h" for n in names]
 
     def _code(self, op: str, rc: int) -> None:
         self._count("errors")
         self._warn(f"{op}:{rc}", f"{op} returned error code {rc}; treated as a miss")
 
+    def _torn(self, name: str) -> None:
+        self._warn("torn", f"only one half of {name[:24]}... is stored (evicted or being "
+                           "overwritten); miss")
+
     # ------------------------------------------------------------ operations
     def _exists(self, keys: list[bytes]) -> list[bool]:
-        res = self._ensure().batch_is_exist(self._names(keys))
+        pn, hn = self._names(keys)
+        res = self._ensure().batch_is_exist(pn + hn)
         for rc in res:
             if rc < 0:
                 self._code("batch_is_exist", rc)
-        return [rc == 1 for rc in res]
+        n = len(keys)
+        return [res[i] == 1 and res[n + i] == 1 for i in range(n)]
 
     def _get(self, keys: list[bytes]) -> list[Any]:
-        # get_batch returns b"" for a missing key; a framed value is never empty.
-        return [v if v else None for v in self._ensure().get_batch(self._names(keys))]
+        pn, hn = self._names(keys)
+        vals = self._ensure().get_batch(pn + hn)  # b"" for a missing object
+        n = len(keys)
+        out: list[Any] = []
+        for i in range(n):
+            payload, header = vals[i], vals[n + i]
+            if not header:
+                if payload:
+                    self._torn(pn[i])
+                out.append(None)
+            elif _announced(header) == 0 and len(payload) == 1:
+                out.append((header, b""))  # empty payloads are stored as 1 dummy byte
+            else:  # a header without payload object verifies as truncated
+                out.append((header, payload))
+        return out
 
     def _put(self, keys: list[bytes], headers: list[bytes], payloads: list[memoryview]) -> list[bool]:
         store = self._ensure()
-        sizes = [HEADER_SIZE + p.nbytes for p in payloads]
-        out: list[bool] = []
+        n = len(keys)
+        direct = [self._is_registered(p) for p in payloads]
+        need = n * HEADER_SIZE + sum(p.nbytes for p, d in zip(payloads, direct) if not d)
+        if n > 1 and need > self._max_staging:  # split: staging memory stays bounded
+            h = n // 2
+            return (self._put(keys[:h], headers[:h], payloads[:h]) +
+                    self._put(keys[h:], headers[h:], payloads[h:]))
+        pn, hn = self._names(keys)
         with self._lock:
-            self._grow_staging(max(sizes))
-            base = int(self._staging.ctypes.data)
-            cap = self._staging.nbytes
-            start = 0
-            while start < len(keys):  # chunks that fit the staging buffer
-                end, used, ptrs = start, 0, []
-                while end < len(keys) and used + sizes[end] <= cap:
+            self._grow_staging(need)
+            stage = self._staging
+            base = int(stage.ctypes.data)
+            stage[:n * HEADER_SIZE] = np.frombuffer(b"".join(headers), np.uint8)
+            ptrs, used = [], n * HEADER_SIZE
+            for p, d in zip(payloads, direct):
+                if d:
+                    ptrs.append(_address(p))
+                else:  # not registered: one copy into the staging buffer
+                    stage[used:used + p.nbytes] = np.frombuffer(p, np.uint8)
                     ptrs.append(base + used)
-                    self._staging[used:used + HEADER_SIZE] = np.frombuffer(headers[end], np.uint8)
-                    self._staging[used + HEADER_SIZE:used + sizes[end]] = np.frombuffer(payloads[end], np.uint8)
-                    used += sizes[end]
-                    end += 1
-                rcs = store.batch_upsert_from(self._names(keys[start:end]), ptrs, sizes[start:end])
-                for rc in rcs:
-                    if rc != 0:
-                        self._code("batch_upsert_from", rc)
-                out.extend(rc == 0 for rc in rcs)
-                start = end
-        return out
+                    used += p.nbytes
+            # Mooncake refuses 0-byte objects: an empty payload is stored as one
+            # dummy byte, which readers drop because the header announces 0.
+            sizes = [max(1, p.nbytes) for p in payloads]
+            ptrs = [ptr if p.nbytes else base for ptr, p in zip(ptrs, payloads)]
+            rcs = store.batch_upsert_from(pn + hn, ptrs + [base + i * HEADER_SIZE for i in range(n)],
+                                          sizes + [HEADER_SIZE] * n)
+        for rc in rcs:
+            if rc != 0:
+                self._code("batch_upsert_from", rc)
+        return [rcs[i] == 0 and rcs[n + i] == 0 for i in range(n)]
 
     def _get_into(self, keys: list[bytes], buffers: list[memoryview]) -> list[tuple[bytes, int] | None]:
         store = self._ensure()
-        names = self._names(keys)
-        out: list[tuple[bytes, int] | None] = [None] * len(keys)
+        n = len(keys)
+        direct = [self._is_registered(b) for b in buffers]
+        slot = [b.nbytes + 1 for b in buffers]  # +1: empty payloads are 1-byte objects (see _put)
+        need = n * HEADER_SIZE + sum(s for s, d in zip(slot, direct) if not d)
+        if n > 1 and need > self._max_staging:  # split: staging memory stays bounded
+            h = n // 2
+            return self._get_into(keys[:h], buffers[:h]) + self._get_into(keys[h:], buffers[h:])
+        pn, hn = self._names(keys)
         with self._lock:
-            slots = [HEADER_SIZE + b.nbytes for b in buffers]
-            self._grow_staging(sum(slots))
-            base = int(self._staging.ctypes.data)
-            offsets = np.concatenate(([0], np.cumsum(slots)[:-1])).astype(np.int64).tolist()
-            direct = [i for i, b in enumerate(buffers) if self._is_registered(b)]
-            retry = self._get_direct(store, names, buffers, direct, base, offsets, out)
-            staged = [i for i in range(len(keys)) if i not in set(direct)] + retry
-            if staged:
-                rcs = store.batch_get_into([names[i] for i in staged],
-                                           [base + offsets[i] for i in staged],
-                                           [slots[i] for i in staged])
-                for i, n in zip(staged, rcs):
-                    out[i] = self._take_staged(names[i], buffers[i], offsets[i], n)
+            self._grow_staging(need)
+            stage = self._staging
+            base = int(stage.ctypes.data)
+            ptrs, offs, used = [], [], n * HEADER_SIZE
+            for b, d, s in zip(buffers, direct, slot):
+                offs.append(used)
+                if d and b.nbytes:
+                    ptrs.append(_address(b))
+                else:
+                    ptrs.append(base + used)
+                    used += s
+            sizes = [b.nbytes if (d and b.nbytes) else s for b, d, s in zip(buffers, direct, slot)]
+            rcs = store.batch_get_into(pn + hn, ptrs + [base + i * HEADER_SIZE for i in range(n)],
+                                       sizes + [HEADER_SIZE] * n)
+            out = [self._take(i, pn[i], buffers[i], direct[i], offs[i], rcs[i], rcs[n + i])
+                   for i in range(n)]
         return out
 
-    def _get_direct(self, store: Any, names: list[str], buffers: list[memoryview], idx: list[int],
-                    base: int, offsets: list[int], out: list[tuple[bytes, int] | None]) -> list[int]:
-        """Scatter objects into registered caller buffers; indices to retry via staging."""
-        if not idx:
-            return []
-        rcs = store.batch_get_into_multi_buffers(
-            [names[i] for i in idx],
-            [[base + offsets[i], _address(buffers[i])] for i in idx],
-            [[HEADER_SIZE, buffers[i].nbytes] for i in idx])
-        retry = []
-        for i, n in zip(idx, rcs):
-            if n == _NOT_FOUND:
-                continue
-            if n < HEADER_SIZE:  # size differs from the buffer: fall back to the staging path
-                retry.append(i)
-                continue
-            o = offsets[i]
-            out[i] = (self._staging[o:o + HEADER_SIZE].tobytes(), n - HEADER_SIZE)
-        return retry
-
-    def _take_staged(self, name: str, buf: memoryview, offset: int, n: int) -> tuple[bytes, int] | None:
-        if n == _NOT_FOUND:
+    def _take(self, i: int, name: str, buf: memoryview, direct: bool, off: int,
+              rp: int, rh: int) -> tuple[bytes, int] | None:
+        """Result of one key of :meth:`_get_into` (staging lock held)."""
+        if rh == _NOT_FOUND:
+            if rp != _NOT_FOUND:
+                self._torn(name)
             return None
-        if n == _BUFFER_TOO_SMALL:
-            self._warn("too-big", f"value for {name[:24]}... does not fit a {buf.nbytes}-byte buffer; miss")
+        if rh < 0:
+            self._code("batch_get_into", rh)
             return None
-        if n < 0:
-            self._code("batch_get_into", n)
+        header = self._staging[i * HEADER_SIZE:i * HEADER_SIZE + rh].tobytes()
+        if rp == _NOT_FOUND:
+            return (header, 0)  # header without payload: verification reports truncation
+        if rp == _BUFFER_TOO_SMALL:
+            return (header, buf.nbytes + 1)  # the base reports "does not fit"
+        if rp < 0:
+            self._code("batch_get_into", rp)
             return None
-        header = self._staging[offset:offset + HEADER_SIZE].tobytes()
-        payload = max(0, n - HEADER_SIZE)
-        if payload <= buf.nbytes:
-            np.frombuffer(buf, np.uint8)[:payload] = self._staging[offset + HEADER_SIZE:offset + n]
-        return header, payload
+        if rp == 1 and _announced(header) == 0:
+            return (header, 0)  # empty payloads are stored as 1 dummy byte
+        if not (direct and buf.nbytes) and 0 < rp <= buf.nbytes:
+            np.frombuffer(buf, np.uint8)[:rp] = self._staging[off:off + rp]
+        return (header, rp)
 
     def _touch(self, keys: list[bytes]) -> None:
-        self._ensure().batch_is_exist(self._names(keys))
+        pn, hn = self._names(keys)
+        self._ensure().batch_is_exist(pn + hn)
 
     def _delete(self, keys: list[bytes]) -> int:
+        pn, hn = self._names(keys)
         # force=True: a recent reader's lease would otherwise block the removal.
-        rcs = self._ensure().batch_remove(self._names(keys), True)
-        return sum(1 for rc in rcs if rc == 0)
+        rcs = self._ensure().batch_remove(pn + hn, True)
+        return sum(1 for rc in rcs[:len(keys)] if rc == 0)
 
     def _close(self) -> None:
         with self._lock:
@@ -285,6 +324,8 @@ class MooncakeBackend(BaseBackend):
         view = memoryview(buffer).cast("B")
         addr, size = _address(view), view.nbytes
         with self._lock:
+            if (addr, size) in self._registered:  # idempotent: a second registration slows the store
+                return True
             if self._store is not None and self._store.register_buffer(addr, size) != 0:
                 return False
             self._registered.append((addr, size))

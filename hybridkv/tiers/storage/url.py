@@ -51,7 +51,8 @@ _FILE = {"max_bytes": _opt_int, "fsync": _bool}
 _REDIS = {"ttl_s": _opt_float, "key_prefix": str, "socket_timeout": float,
           "socket_connect_timeout": float, "retries": int, "max_connections": _opt_int}
 _MOONCAKE = {"metadata": str, "protocol": str, "local_host": str, "device": str,
-             "segment_bytes": int, "buffer_bytes": int, "key_prefix": str}
+             "segment_bytes": int, "buffer_bytes": int, "key_prefix": str,
+             "staging_bytes": int, "max_staging_bytes": int}
 _NIXL = {"agent_name": str, "staging_bytes": int}
 
 SCHEMES = ("file", "redis", "rediss", "redis+cluster", "mooncake", "nixl+posix")
