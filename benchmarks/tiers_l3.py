@@ -300,9 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hkv-l3-bench-") as tmp, \
             contextlib.redirect_stdout(sys.stderr):
         for name in names:
+            workdir = Path(tmp) / name
+            workdir.mkdir()
             try:
-                result["backends"][name] = BENCHES[name](Path(tmp) / name if (Path(tmp) / name).mkdir() is None
-                                                         else Path(tmp), keys, values, args.repeats)
+                result["backends"][name] = BENCHES[name](workdir, keys, values, args.repeats)
             except ImportError as exc:
                 result["backends"][name] = {"skipped": f"client not installed: {exc}"}
     result["l3_overhead_ratio"] = {n: r.get("l3_overhead_ratio") for n, r in result["backends"].items()}
