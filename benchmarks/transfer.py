@@ -36,7 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybridkv.transfer import LayerwiseLoader, copy_pages, model_layer_jobs, pack_pages, unpack_pages  # noqa: E402
+from hybridkv.transfer import (  # noqa: E402
+    LayerwiseLoader, copy_pages, model_layer_jobs, pack_pages, unpack_pages)
 from hybridkv.transfer.host_kernel import default_threads, load_host_kernel  # noqa: E402
 
 HEADS, K_DIM, V_DIM, PAGE = 8, 192, 128, 64
@@ -112,7 +113,8 @@ def bench_layerwise(args: argparse.Namespace) -> dict:
     dk, dv = pool(layers, pages, 0.0)
     src = torch.randperm(pages * 2, generator=gen)[:pages]
     dst = torch.arange(pages)
-    jobs = model_layer_jobs(["swa"] * layers, {"swa": (sk, sv, dk, dv)}, {"swa": (src, dst)}, PAGE)
+    jobs = model_layer_jobs(["swa"] * layers, {"swa": (sk, sv, dk, dv)},
+                            {"swa": (src, dst)}, PAGE)
     a = torch.randn(args.mm, args.mm)
     b = torch.randn(args.mm, args.mm)
     prev_threads = torch.get_num_threads()
@@ -194,18 +196,22 @@ def bench_cuda(args: argparse.Namespace) -> dict:
 
     gbps = lambda t: nbytes / t / 1e9  # noqa: E731
     res = {
-        "cuda_h2d_gbps": gbps(timed(lambda: copy_pages(hk, hv, gk, gv, src, dst, PAGE, backend="cuda"))),
-        "cuda_d2h_gbps": gbps(timed(lambda: copy_pages(gk, gv, hk, hv, dst, src, PAGE, backend="cuda"))),
+        "cuda_h2d_gbps": gbps(timed(
+            lambda: copy_pages(hk, hv, gk, gv, src, dst, PAGE, backend="cuda"))),
+        "cuda_d2h_gbps": gbps(timed(
+            lambda: copy_pages(gk, gv, hk, hv, dst, src, PAGE, backend="cuda"))),
         "cudamemcpy_h2d_gbps": gbps(timed(lambda: flat_d.copy_(flat_h, non_blocking=True))),
         "cudamemcpy_d2h_gbps": gbps(timed(lambda: flat_h.copy_(flat_d, non_blocking=True))),
     }
     gk2, gv2 = torch.zeros_like(gk), torch.zeros_like(gv)
     perm = torch.randperm(n, generator=gen)
-    res["cuda_d2d_gbps"] = gbps(timed(lambda: copy_pages(gk, gv, gk2, gv2, perm, dst, PAGE, backend="cuda")))
+    res["cuda_d2d_gbps"] = gbps(timed(
+        lambda: copy_pages(gk, gv, gk2, gv2, perm, dst, PAGE, backend="cuda")))
     res["cudamemcpy_d2d_gbps"] = gbps(timed(
         lambda: (gk2.view(-1).copy_(gk.view(-1)), gv2.view(-1).copy_(gv.view(-1)))))
     staging = torch.empty(n, layers * PAGE * HEADS * (K_DIM + V_DIM), dtype=DTYPE).pin_memory()
-    res["cuda_pack_d2h_gbps"] = gbps(timed(lambda: pack_pages(gk, gv, dst, PAGE, out=staging, backend="cuda")))
+    res["cuda_pack_d2h_gbps"] = gbps(timed(
+        lambda: pack_pages(gk, gv, dst, PAGE, out=staging, backend="cuda")))
     for d in ("h2d", "d2h", "d2d"):
         res[f"cuda_{d}_ratio_vs_memcpy"] = res[f"cuda_{d}_gbps"] / res[f"cudamemcpy_{d}_gbps"]
     res["cuda_device"] = torch.cuda.get_device_name(dev)
@@ -213,7 +219,8 @@ def bench_cuda(args: argparse.Namespace) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--cuda", action="store_true", help="also benchmark the CUDA kernels")
     ap.add_argument("--repeats", type=int, default=7)

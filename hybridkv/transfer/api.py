@@ -41,7 +41,8 @@ def _check_threads(num_threads: Optional[int]) -> None:
     if num_threads is None:
         return
     if isinstance(num_threads, bool) or not isinstance(num_threads, int):
-        raise TypeError(f"num_threads must be None or an int, got {type(num_threads).__name__}")
+        raise TypeError(
+            f"num_threads must be None or an int, got {type(num_threads).__name__}")
     if num_threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {num_threads}")
 
@@ -76,7 +77,8 @@ def _resolve(backend: str, named: dict[str, torch.Tensor]) -> str:
     if backend == "host" or (backend == "auto" and not cuda):
         if cuda:
             name = next(n for n, k in kinds.items() if k == "cuda")
-            raise ValueError(f"backend='host' needs CPU tensors but {name} is on {named[name].device}")
+            raise ValueError(
+                f"backend='host' needs CPU tensors but {name} is on {named[name].device}")
         if load_host_kernel() is not None:
             return "host"
         if backend == "host":

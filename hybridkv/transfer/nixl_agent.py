@@ -95,8 +95,10 @@ def run_descriptors(local: PoolLayout, remote: PoolLayout, local_pages: np.ndarr
     loc, rem, lens = [], [], []
     for lt, rt in ((local.k, remote.k), (local.v, remote.v)):
         layers = np.arange(local.layers, dtype=np.int64)[:, None]
-        loc.append((lt.addr + layers * lt.layer_stride + local_pages[None, :] * lt.run_bytes).ravel())
-        rem.append((rt.addr + layers * rt.layer_stride + remote_pages[None, :] * rt.run_bytes).ravel())
+        loc.append((lt.addr + layers * lt.layer_stride
+                    + local_pages[None, :] * lt.run_bytes).ravel())
+        rem.append((rt.addr + layers * rt.layer_stride
+                    + remote_pages[None, :] * rt.run_bytes).ravel())
         lens.append(np.full(loc[-1].size, lt.run_bytes, dtype=np.int64))
     la, ra, ln = (np.concatenate(x) if x else np.empty(0, np.int64) for x in (loc, rem, lens))
     if la.size == 0:
