@@ -236,30 +236,45 @@ def check_layers(layers: object, num_layers: int) -> tuple[int, int]:
     return b, e
 
 
-def _ranges_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device.type == "meta" or b.device.type == "meta" or a.device != b.device:
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last)`` byte addresses that ``t``'s elements occupy."""
+    es = t.element_size()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    return t.data_ptr(), t.data_ptr() + (last + 1) * es
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or a.device.type == "meta" or a.numel() == 0 or b.numel() == 0:
         return False
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    a0 = a.untyped_storage().data_ptr()
-    b0 = b.untyped_storage().data_ptr()
-    a1 = a0 + a.untyped_storage().nbytes()
-    b1 = b0 + b.untyped_storage().nbytes()
+    a0, a1 = _byte_span(a)
+    b0, b1 = _byte_span(b)
     return a0 < b1 and b0 < a1
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.device == b.device and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.stride() == b.stride())
 
 
 def check_no_alias(
     src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
     src_idx: torch.Tensor, dst_idx: torch.Tensor,
 ) -> None:
-    """Copying within one buffer is allowed only between disjoint page sets."""
-    if not any(_ranges_overlap(s, d) for s in src for d in dst):
-        return
-    if src_idx.numel() and dst_idx.numel() and bool(torch.isin(dst_idx, src_idx).any()):
-        raise ValueError(
-            "dst_pages overlap src_pages within the same buffer; the result "
-            "would depend on copy order"
-        )
+    """Source and destination must not overlap, except one buffer copied
+    onto itself between disjoint page sets (e.g. compaction)."""
+    for s, d in zip(src, dst):
+        for other in src:
+            if other is not s and _overlap(other, d):
+                raise ValueError("a destination buffer overlaps a different source buffer")
+        if not _overlap(s, d):
+            continue
+        if not _same_view(s, d):
+            raise ValueError("source and destination buffers partially overlap in memory")
+        if src_idx.numel() and dst_idx.numel() and bool(torch.isin(dst_idx, src_idx).any()):
+            raise ValueError(
+                "dst_pages overlap src_pages within the same buffer; the result "
+                "would depend on copy order"
+            )
 
 
 def buffer_side(k: torch.Tensor, v: torch.Tensor, page_size: int, limit: int) -> Side:
