@@ -17,7 +17,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from conftest import DTYPES, assert_bitwise_equal, kv_pair
+from _transfer_helpers import DTYPES, assert_bitwise_equal, kv_pair
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from conftest import DTYPES, assert_bitwise_equal, bits, kv_pair, random_bits
+from _transfer_helpers import DTYPES, assert_bitwise_equal, bits, kv_pair, random_bits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import assert_bitwise_equal, bits, kv_pair
+from _transfer_helpers import assert_bitwise_equal, bits, kv_pair
 
 from hybridkv.transfer import LayerJob, LayerwiseLoader, PageCopy, copy_pages, model_layer_jobs
 
