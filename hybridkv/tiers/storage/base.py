@@ -182,7 +182,7 @@ class BaseBackend(ABC):
 
     @abstractmethod
     def _get(self, keys: list[bytes]) -> list[Any]:
-        """Per key: the framed value (bytes-like), ``(header, payload)``, or ``None``."""
+        """Per key: the framed value (bytes-like), ``(header, payload[, checksum])``, or ``None``."""
 
     @abstractmethod
     def _put(self, keys: list[bytes], headers: list[bytes], payloads: list[memoryview]) -> list[bool]:
@@ -198,13 +198,15 @@ class BaseBackend(ABC):
     @abstractmethod
     def _close(self) -> None: ...
 
-    def _get_into(self, keys: list[bytes], buffers: list[memoryview]) -> list[tuple[bytes, int] | None] | None:
+    def _get_into(self, keys: list[bytes], buffers: list[memoryview]) -> list[tuple[Any, ...] | None] | None:
         """Zero-copy read hook: payload i into ``buffers[i]``.
 
         Return ``None`` to use the generic get-and-copy path, else per key
         ``None`` (miss) or ``(header, n)``: the raw header and the payload bytes
-        now in ``buffers[i][:n]``.  If the header announces more bytes than the
-        buffer holds, return ``(header, announced_len)`` without reading.
+        now in ``buffers[i][:n]``, optionally ``(header, n, checksum)`` with the
+        checksum (header's algorithm) streamed over exactly those bytes.  If
+        the header announces more bytes than the buffer holds, return
+        ``(header, announced_len)`` without reading.
         """
         return None
 
@@ -304,13 +306,13 @@ class BaseBackend(ABC):
 
     def _verify(self, key: bytes, blob: Any) -> memoryview | None:
         try:
-            if isinstance(blob, tuple):  # backends that store header and payload apart
-                header, payload = blob
+            if isinstance(blob, tuple):  # (header, payload[, checksum computed while reading])
+                header, payload = blob[0], blob[1]
                 algo, length, csum = framing.parse_header(key, header)
                 if memoryview(header).nbytes != framing.HEADER_SIZE:
                     raise FrameError("length-mismatch", "header has trailing bytes")
                 view = memoryview(payload).cast("B")
-                framing.verify_payload(view, algo, length, csum)
+                framing.verify_payload(view, algo, length, csum, blob[2] if len(blob) > 2 else None)
                 return view
             return framing.unframe(key, blob)
         except FrameError as exc:
@@ -348,11 +350,12 @@ class BaseBackend(ABC):
             return self._get_into_by_copy(ks, views)
         return [self._check_direct(k, v, r) for k, v, r in zip(ks, views, direct)]
 
-    def _check_direct(self, key: bytes, view: memoryview, res: tuple[bytes, int] | None) -> int:
+    def _check_direct(self, key: bytes, view: memoryview, res: tuple[Any, ...] | None) -> int:
         if res is None:
             self._count("misses")
             return -1
-        header, n = res
+        header, n = res[0], res[1]
+        computed = res[2] if len(res) > 2 else None  # checksum streamed by the backend
         try:
             algo, length, csum = framing.parse_header(key, header)
             if length > view.nbytes:
@@ -360,7 +363,7 @@ class BaseBackend(ABC):
                 return -1
             if n != length:  # stored bytes differ from the announced length
                 raise FrameError("truncated" if n < length else "length-mismatch", f"{n} != {length}")
-            framing.verify_payload(view[:n], algo, length, csum)
+            framing.verify_payload(view[:n], algo, length, csum, computed)
         except FrameError as exc:
             self._corrupt(key, exc)
             self._count("misses")

@@ -26,6 +26,9 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
+
+from . import framing
 from .base import BaseBackend
 from .framing import HEADER_SIZE
 
@@ -34,6 +37,7 @@ __all__ = ["FileBackend"]
 _TMP_SUFFIX = ".tmp"
 _STALE_TMP_S = 3600.0      # temp files older than this are debris from a crash
 _UTIME_GRANULARITY_S = 1.0  # skip the utime syscall when mtime is already this fresh
+_CHUNK = 256 << 10          # read+hash granularity: each chunk is hashed while still in L2
 
 
 class FileBackend(BaseBackend):
@@ -178,14 +182,37 @@ class FileBackend(BaseBackend):
             if size is not None:
                 self._total -= size
 
-    # I/O hooks: the NIXL POSIX backend replaces these two with agent transfers.
+    # I/O hooks: the NIXL POSIX backend replaces these with agent transfers.
     def _write_file(self, fd: int, header: bytes, payload: memoryview) -> None:
         """Write ``header`` then ``payload`` at offset 0 of ``fd``."""
         _write_full(fd, [memoryview(header), payload])
 
     def _read_file(self, fd: int, views: list[memoryview]) -> int:
         """Fill ``views`` back to back from offset 0 of ``fd``; bytes read (short at EOF)."""
-        return _preadv_full(fd, views)
+        return _preadv_full(fd, views, 0)
+
+    def _read_framed(self, fd: int, header: memoryview, payload: memoryview) -> tuple[int, int | None]:
+        """Read the header, then the payload in chunks, hashing each chunk while
+        it is still in cache (one pass over memory instead of two).
+
+        Returns ``(payload bytes read, streamed checksum or None)``.
+        """
+        if _preadv_full(fd, [header], 0) < HEADER_SIZE:
+            return 0, None
+        try:
+            hasher = framing.new_hasher(header[5])
+        except framing.FrameError:
+            hasher = None  # unknown algorithm: verification rejects the header anyway
+        got = 0
+        while got < payload.nbytes:
+            chunk = payload[got:got + _CHUNK]
+            n = _preadv_full(fd, [chunk], HEADER_SIZE + got)
+            if hasher is not None:
+                hasher.update(chunk[:n])
+            got += n
+            if n < chunk.nbytes:
+                break
+        return got, (hasher.intdigest() if hasher is not None else None)
 
     def _open_read(self, key: bytes) -> tuple[str, str, int] | None:
         name = self._name(key)
@@ -206,40 +233,42 @@ class FileBackend(BaseBackend):
             name, path, fd = opened
             try:
                 st = os.fstat(fd)
-                blob = bytearray(st.st_size)
-                n = self._read_file(fd, [memoryview(blob)])
+                # np.empty: no zero-fill of memory that the read overwrites anyway
+                blob = memoryview(np.empty(max(st.st_size, HEADER_SIZE), dtype=np.uint8))
+                n, computed = self._read_framed(fd, blob[:HEADER_SIZE], blob[HEADER_SIZE:])
             finally:
                 os.close(fd)
-            out.append(memoryview(blob)[:n])
+            if st.st_size < HEADER_SIZE:
+                out.append(blob[:st.st_size])  # truncated: rejected by the base
+                continue
+            out.append((blob[:HEADER_SIZE], blob[HEADER_SIZE:HEADER_SIZE + n], computed))
             self._note(name, st.st_size)
             self._refresh_mtime(path, st.st_mtime)
         return out
 
-    def _get_into(self, keys: list[bytes], buffers: list[memoryview]) -> list[tuple[bytes, int] | None]:
-        out: list[tuple[bytes, int] | None] = []
+    def _get_into(self, keys: list[bytes], buffers: list[memoryview]) -> list[tuple[Any, ...] | None]:
+        out: list[tuple[Any, ...] | None] = []
         for key, buf in zip(keys, buffers):
             opened = self._open_read(key)
             if opened is None:
                 out.append(None)
                 continue
             name, path, fd = opened
-            header = bytearray(HEADER_SIZE)
+            header = memoryview(bytearray(HEADER_SIZE))
             try:
                 st = os.fstat(fd)
                 stored = st.st_size - HEADER_SIZE
-                if stored < 0:
-                    self._read_file(fd, [memoryview(header)[:st.st_size]])
-                    out.append((bytes(header[:st.st_size]), 0))  # truncated: rejected by the base
-                    continue
-                if stored > buf.nbytes:  # read the header only; the base reports "too big"
-                    self._read_file(fd, [memoryview(header)])
-                    out.append((bytes(header), stored))
+                if stored < 0 or stored > buf.nbytes:
+                    # truncated, or too big for the buffer: the header alone lets the
+                    # base report it (truncation / "does not fit")
+                    got = self._read_file(fd, [header[:min(st.st_size, HEADER_SIZE)]])
+                    out.append((header[:got].tobytes(), max(stored, 0)))
                     continue
                 # Header to a scratch area, payload straight into the caller's buffer.
-                n = self._read_file(fd, [memoryview(header), buf[:stored]]) - HEADER_SIZE
+                n, computed = self._read_framed(fd, header, buf[:stored])
             finally:
                 os.close(fd)
-            out.append((bytes(header), n))
+            out.append((header.tobytes(), n, computed))
             self._note(name, st.st_size)
             self._refresh_mtime(path, st.st_mtime)
         return out
@@ -322,12 +351,12 @@ def _unlink_quiet(path: str) -> int:
         return 0
 
 
-def _preadv_full(fd: int, views: list[memoryview]) -> int:
-    """preadv from offset 0 until ``views`` are full or EOF; bytes read."""
+def _preadv_full(fd: int, views: list[memoryview], offset: int) -> int:
+    """preadv from ``offset`` until ``views`` are full or EOF; bytes read."""
     got = 0
     views = [v for v in views if v.nbytes]
     while views:
-        n = os.preadv(fd, views, got)
+        n = os.preadv(fd, views, offset + got)
         if n <= 0:
             break
         got += n

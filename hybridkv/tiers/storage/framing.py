@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from typing import Callable
+from typing import Any, Callable
 
 try:  # optional fast checksum
     import xxhash as _xxhash
@@ -35,8 +35,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
 
 __all__ = ["MAGIC", "VERSION", "HEADER_SIZE", "ALGO_CRC32", "ALGO_XXH3", "DEFAULT_ALGO",
-           "FrameError", "key_digest", "checksum", "frame_header", "frame", "parse_header",
-           "verify_payload", "unframe"]
+           "FrameError", "key_digest", "checksum", "new_hasher", "frame_header", "frame",
+           "parse_header", "verify_payload", "unframe"]
 
 MAGIC = b"HKVP"
 VERSION = 1
@@ -69,6 +69,29 @@ def _checksum_fn(algo: int) -> Callable[[Buffer], int]:
             raise FrameError("unsupported-checksum", "xxh3 frame but xxhash is not installed")
         return _xxhash.xxh3_64_intdigest
     raise FrameError("unsupported-checksum", f"algorithm id {algo}")
+
+
+class _Crc32Stream:
+    """Incremental crc32 with the xxhash streaming interface."""
+
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, data: Buffer) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def intdigest(self) -> int:
+        return self._value & 0xFFFFFFFF
+
+
+def new_hasher(algo: int) -> Any:
+    """Streaming hasher for ``algo`` (``update(buf)``, ``intdigest()``).
+
+    Feeding a payload in pieces gives the same value as :func:`checksum`, so a
+    backend can hash each chunk right after reading it, while it is in cache.
+    """
+    _checksum_fn(algo)  # validates
+    return _xxhash.xxh3_64() if algo == ALGO_XXH3 else _Crc32Stream()
 
 
 def key_digest(key: bytes) -> bytes:
@@ -115,12 +138,17 @@ def parse_header(key: bytes, header: Buffer) -> tuple[int, int, int]:
     return algo, length, csum
 
 
-def verify_payload(payload: Buffer, algo: int, length: int, csum: int) -> None:
-    """Raise :class:`FrameError` unless ``payload`` has ``length`` bytes and checksum ``csum``."""
+def verify_payload(payload: Buffer, algo: int, length: int, csum: int,
+                   computed: int | None = None) -> None:
+    """Raise :class:`FrameError` unless ``payload`` has ``length`` bytes and checksum ``csum``.
+
+    ``computed``: the checksum the caller already took of exactly these bytes
+    with ``algo`` (streamed while reading); then the payload is not hashed again.
+    """
     n = memoryview(payload).nbytes
     if n != length:
         raise FrameError("truncated" if n < length else "length-mismatch", f"{n} != {length}")
-    if _checksum_fn(algo)(payload) != csum:
+    if (computed if computed is not None else _checksum_fn(algo)(payload)) != csum:
         raise FrameError("checksum", "payload checksum mismatch")
 
 

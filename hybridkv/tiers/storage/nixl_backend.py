@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from .file_backend import FileBackend
+from .framing import HEADER_SIZE
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -111,6 +112,11 @@ class NixlPosixBackend(FileBackend):
     def _write_file(self, fd: int, header: bytes, payload: memoryview) -> None:
         # NIXL reads from registered memory: make the header a stable buffer.
         self._xfer("WRITE", fd, [memoryview(bytearray(header)), payload])
+
+    def _read_framed(self, fd: int, header: memoryview, payload: memoryview) -> tuple[int, int | None]:
+        # One transfer scatters header and payload; the base hashes the payload after.
+        got = self._read_file(fd, [header, payload])
+        return max(0, got - HEADER_SIZE), None
 
     def _read_file(self, fd: int, views: list[memoryview]) -> int:
         size = os.fstat(fd).st_size
