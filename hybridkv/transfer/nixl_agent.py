@@ -121,7 +121,7 @@ def run_descriptors(local: PoolLayout, remote: PoolLayout, local_pages: np.ndarr
     return table(la, local.k.dev_id), table(ra, remote.k.dev_id)
 
 
-def _prepare_ucx_env() -> None:
+def prepare_ucx_env() -> None:
     """Keep UCX's InfiniBand module out on hosts without RDMA devices.
 
     Why: with libibverbs installed but no IB device, the IB module of the
@@ -188,7 +188,7 @@ class NixlPageAgent:
             self._pools[kind] = (pair[0], pair[1])
         from nixl._api import nixl_agent, nixl_agent_config  # optional dependency
 
-        _prepare_ucx_env()  # before the agent loads its UCX plugin
+        prepare_ucx_env()  # before the agent loads its UCX plugin
         self._lock = threading.RLock()
         self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
         self._reg = [self._agent.register_memory([t]) for p in self._pools.values() for t in p]
