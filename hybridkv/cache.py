@@ -20,6 +20,7 @@ pinned window of its cached prefix and its own unreleased pages.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +134,7 @@ class HybridKVCache:
                        config.anchor_branch_points),
             self.pool, full_page_bytes=self.pool.full_page_bytes, swa_page_bytes=self.pool.swa_page_bytes)
         self._live: dict[int, Request] = {}
+        self.last_match_us = 0.0  # duration of the tree match inside the last begin()
         self.counters = {"requests": 0, "hit_tokens": 0, "raw_match_tokens": 0, "input_tokens": 0,
                          "rejected": 0, "released_swa_pages": 0}
 
@@ -151,7 +153,9 @@ class HybridKVCache:
         tokens = as_token_array(tokens)
         if len(tokens) == 0:
             raise ValueError("tokens must not be empty")
-        m = self.tree.match(tokens, namespace, max_len=len(tokens) - 1, split=True)
+        t0 = time.perf_counter()
+        m = self.tree._match(tokens, namespace, len(tokens) - 1, True, True)
+        self.last_match_us = (time.perf_counter() - t0) * 1e6
         handle = self.tree.lock(m.node)
         n = len(m.full_pages)
         full = np.empty(max(16, 2 * n), dtype=np.int32)
@@ -184,6 +188,12 @@ class HybridKVCache:
         ``(full_slots, swa_slots)`` int64 arrays of length ``n``.  Raises
         :class:`CacheFullError` (request unchanged) when memory cannot be found.
         """
+        self.reserve(req, n)
+        end = req.computed + n
+        return self.full_slots(req, req.computed, end), self.swa_slots(req, req.computed, end)
+
+    def reserve(self, req: Request, n: int) -> None:
+        """:meth:`allocate` without computing slots (schedulers that only account)."""
         self._check_live(req)
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
@@ -193,7 +203,6 @@ class HybridKVCache:
         need = -(-end // self.page_size) - req.n_pages
         if need > 0:
             self._grow(req, need)
-        return self.full_slots(req, req.computed, end), self.swa_slots(req, req.computed, end)
 
     def _grow(self, req: Request, need: int) -> None:
         got = self.pool.alloc(need, need)

@@ -60,29 +60,27 @@ class ReplayStats:
     raw_match_tokens: int = 0
     rejected: int = 0
     match_us: list[float] = field(default_factory=list)
+    begin_us: list[float] = field(default_factory=list)
     request_us: list[float] = field(default_factory=list)
     cache: HybridKVCache | None = None
 
     def summary(self, input_tokens: int) -> dict[str, Any]:
         st = self.cache.stats() if self.cache else {}
-        m = np.asarray(self.match_us) if self.match_us else np.zeros(1)
-        r = np.asarray(self.request_us) if self.request_us else np.zeros(1)
-        return {
+        out: dict[str, Any] = {
             "hit_tokens": self.hit_tokens,
             "token_hit_rate": self.hit_tokens / max(1, input_tokens),
             "raw_match_tokens": self.raw_match_tokens,
             "rejected_requests": self.rejected,
-            "full_pool_tokens": st.get("full_pool_tokens", 0),
-            "swa_pool_tokens": st.get("swa_pool_tokens", 0),
-            "cached_tokens": st.get("cached_tokens", 0),
-            "cached_swa_tokens": st.get("cached_swa_tokens", 0),
-            "evicted_tokens": st.get("evicted_tokens", 0),
-            "evicted_swa_tokens": st.get("evicted_swa_tokens", 0),
-            "match_us_p50": float(np.percentile(m, 50)),
-            "match_us_p99": float(np.percentile(m, 99)),
-            "request_ops_us_p50": float(np.percentile(r, 50)),
-            "request_ops_us_p99": float(np.percentile(r, 99)),
         }
+        for key in ("full_pool_tokens", "swa_pool_tokens", "cached_tokens", "cached_swa_tokens",
+                    "evicted_tokens", "evicted_swa_tokens"):
+            out[key] = st.get(key, 0)
+        for name, values in (("match_us", self.match_us), ("begin_us", self.begin_us),
+                             ("request_ops_us", self.request_us)):
+            arr = np.asarray(values) if values else np.zeros(1)
+            out[f"{name}_p50"] = float(np.percentile(arr, 50))
+            out[f"{name}_p99"] = float(np.percentile(arr, 99))
+        return out
 
 
 def run_request(cache: HybridKVCache, tokens: np.ndarray, namespace: str, chunk: int,
@@ -94,7 +92,7 @@ def run_request(cache: HybridKVCache, tokens: np.ndarray, namespace: str, chunk:
     try:
         while req.computed < len(tokens):
             n = min(chunk, len(tokens) - req.computed)
-            cache.allocate(req, n)
+            cache.reserve(req, n)
             cache.commit(req, n)
         cache.finish(req)
         stats.hit_tokens += req.prefix_len
@@ -103,7 +101,8 @@ def run_request(cache: HybridKVCache, tokens: np.ndarray, namespace: str, chunk:
         cache.abort(req)
         stats.rejected += 1
     t2 = time.perf_counter()
-    stats.match_us.append((t1 - t0) * 1e6)
+    stats.match_us.append(cache.last_match_us)
+    stats.begin_us.append((t1 - t0) * 1e6)
     stats.request_us.append((t2 - t0) * 1e6)
 
 

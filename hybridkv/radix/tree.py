@@ -187,7 +187,7 @@ class WindowSafeTree:
         m = min(len(node_key), limit - pos)
         a = node_key[:m]
         b = key[pos:pos + m]
-        if np.array_equal(a, b):
+        if a.tobytes() == b.tobytes():  # memcmp: ~5x faster than array_equal
             return m // self.page_size
         return int(np.argmax(a != b)) // self.page_size
 
@@ -228,7 +228,11 @@ class WindowSafeTree:
         Runtime complexity: O(depth + L / page_size) plus numpy compares of the
         matched tokens.  Mutates only recency (and node boundaries if ``split``).
         """
-        key = as_token_array(key, "key")
+        return self._match(as_token_array(key, "key"), namespace, max_len, split, touch)
+
+    def _match(self, key: np.ndarray, namespace: str, max_len: int | None, split: bool,
+               touch: bool) -> MatchResult:
+        """:meth:`match` on an already validated key."""
         if max_len is not None and (not isinstance(max_len, (int, np.integer)) or max_len < 0):
             raise ValueError(f"max_len must be a non-negative int, got {max_len!r}")
         limit = len(key) if max_len is None else min(len(key), int(max_len))

@@ -1,0 +1,233 @@
+"""Command line: ``hybridkv replay | verify | info``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from .spec import ModelSpec, preset_names
+
+__all__ = ["main"]
+
+_GB = 10**9
+
+
+def _spec(args: argparse.Namespace) -> ModelSpec:
+    return ModelSpec.preset(args.model, page_size=args.page_size)
+
+
+def _budgets(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--budgets must be comma-separated numbers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError("--budgets needs positive numbers")
+    return values
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridkv", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--model", default="mimo-v2.5-pro", choices=preset_names(),
+                        help="model preset (default: mimo-v2.5-pro)")
+        sp.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
+        sp.add_argument("--json", action="store_true", help="print one JSON object")
+
+    r = sub.add_parser("replay", help="replay a trace through hybridkv and baselines")
+    r.add_argument("trace", nargs="?", default=None,
+                   help="Mooncake .jsonl, kv-cache-tester .json/.json.gz, or a folder of sessions "
+                        "(default: the bundled Mooncake sample)")
+    common(r)
+    r.add_argument("--hbm-gb", type=_positive_float, default=594.0,
+                   help="KV budget in GB (1e9 bytes) for the preset (default 594)")
+    r.add_argument("--swa-checkpoint", type=int, default=16384, help="K: SWA checkpoint interval (0 = off)")
+    r.add_argument("--chunk", type=int, default=8192, help="prefill chunk size in tokens")
+    r.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    r.add_argument("--systems", default="hybridkv,naive,tombstone",
+                   help="comma-separated subset of hybridkv,naive,tombstone")
+    r.add_argument("--no-extension-rule", action="store_true",
+                   help="treat a refilled partial block as a divergence (see docs)")
+    r.add_argument("--plot", default=None, help="write a hit-rate-vs-budget PNG (needs --budgets)")
+    r.add_argument("--budgets", type=_budgets, default=None, help="GB budgets to sweep, e.g. 59,150,594")
+    r.add_argument("--check-every", type=int, default=0, help="check invariants every N requests")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    v = sub.add_parser("verify", help="reference model through the cache vs a dense forward")
+    v.add_argument("trace", nargs="?", default=None, help="trace (default: the bundled Mooncake sample)")
+    v.add_argument("--requests", type=int, default=60, help="requests to run (default 60)")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--json", action="store_true", help="print one JSON object")
+
+    i = sub.add_parser("info", help="bytes per token and what fits, single vs dual pool")
+    common(i)
+    i.add_argument("--hbm-gb", type=_positive_float, default=80.0, help="KV budget in GB (default 80)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "replay":
+            return _replay(args)
+        if args.command == "verify":
+            return _verify(args)
+        return _info(args)
+    except ValueError as exc:
+        print(f"hybridkv: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _load(args: argparse.Namespace) -> tuple[list, str]:
+    from .traces import bundled_sample, load_trace
+
+    path = args.trace or str(bundled_sample())
+    limit = getattr(args, "limit", None)
+    return load_trace(path, limit=limit), path
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from .replay import SYSTEMS, replay, stderr_progress
+
+    spec = _spec(args)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in systems:
+        if s not in SYSTEMS:
+            raise ValueError(f"--systems: unknown system {s!r} (choose from {', '.join(SYSTEMS)})")
+    if args.plot and not args.budgets:
+        raise ValueError("--plot needs --budgets")
+    requests, path = _load(args)
+    budgets = args.budgets or [args.hbm_gb]
+    runs = []
+    for gb in budgets:
+        progress = None if (args.no_progress or not sys.stderr.isatty()) else stderr_progress(f"{gb:g} GB")
+        out = replay(requests, spec, int(gb * _GB), systems=systems, swa_checkpoint=args.swa_checkpoint,
+                     chunk=args.chunk, extension_rule=not args.no_extension_rule, progress=progress,
+                     check_every=args.check_every)
+        out["trace"] = path
+        out["hbm_gb"] = gb
+        runs.append(_flatten(out))
+    if args.plot:
+        _plot(runs, args.plot, spec.name)
+    if args.json:
+        print(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}, indent=1))
+    else:
+        for run in runs:
+            _print_replay(run)
+    return 0
+
+
+def _flatten(out: dict[str, Any]) -> dict[str, Any]:
+    """Top-level keys are hybridkv's figures; baselines go under ``baselines``."""
+    systems = out.pop("systems")
+    main = systems.get("hybridkv") or next(iter(systems.values()))
+    flat = dict(out)
+    flat.update(main)
+    flat["baselines"] = {k: v for k, v in systems.items() if k != "hybridkv"}
+    bound = out["prefix_bound_hit_rate"]
+    flat["ratio_vs_prefix_bound"] = main["token_hit_rate"] / bound if bound else 0.0
+    for name, res in flat["baselines"].items():
+        rate = res["token_hit_rate"]
+        flat[f"ratio_vs_{name}"] = main["token_hit_rate"] / rate if rate else float("inf")
+    return flat
+
+
+def _print_replay(run: dict[str, Any]) -> None:
+    print(f"trace {run['trace']}: {run['requests']} requests, {run['input_tokens']:,} input tokens, "
+          f"model {run['model']}, budget {run['hbm_gb']:g} GB, page {run['page_size']}, "
+          f"checkpoint {run['swa_checkpoint']}, extension rule {run['extension_rule']}")
+    print(f"{'system':<12}{'hit rate':>10}{'hit tokens':>16}{'match p50 us':>14}{'match p99 us':>14}")
+    rows = [("hybridkv", run)] + list(run["baselines"].items())
+    for name, r in rows:
+        print(f"{name:<12}{r['token_hit_rate']:>10.4f}{r['hit_tokens']:>16,}{r['match_us_p50']:>14.1f}"
+              f"{r['match_us_p99']:>14.1f}")
+    print(f"{'bound':<12}{run['prefix_bound_hit_rate']:>10.4f}")
+    print(f"hybridkv / prefix bound = {run['ratio_vs_prefix_bound']:.3f}; "
+          + "; ".join(f"hybridkv / {k} = {run['ratio_vs_' + k]:.2f}x" for k in run["baselines"])
+          + f"; replay {run['elapsed_s']:.1f} s")
+
+
+def _plot(runs: list[dict[str, Any]], path: str, model: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib (pip install 'hybridkv[plot]')") from None
+    xs = [r["hbm_gb"] for r in runs]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, [r["token_hit_rate"] for r in runs], "o-", label="hybridkv")
+    for name in runs[0]["baselines"]:
+        ax.plot(xs, [r["baselines"][name]["token_hit_rate"] for r in runs], "s--", label=name)
+    ax.plot(xs, [r["prefix_bound_hit_rate"] for r in runs], ":", color="gray", label="prefix bound")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV budget (GB)")
+    ax.set_ylabel("token hit rate")
+    ax.set_title(f"{model}: hit rate vs budget")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .model.verify import run_verify
+
+    out = run_verify(args.trace, requests=args.requests, seed=args.seed)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for k, v in out.items():
+            print(f"{k}: {v}")
+    return 0 if out["mismatched_requests"] == 0 else 1
+
+
+def _info(args: argparse.Namespace) -> int:
+    spec = _spec(args)
+    budget = int(args.hbm_gb * _GB)
+    f, s = spec.bytes_per_token_full, spec.bytes_per_token_swa
+    w = spec.window
+    out: dict[str, Any] = {
+        "model": spec.name, "layers": spec.num_layers, "full_layers": len(spec.full_layers),
+        "swa_layers": len(spec.swa_layers), "window": w, "dtype": spec.dtype, "page_size": spec.page_size,
+        "bytes_per_token_full": f, "bytes_per_token_swa": s, "bytes_per_token_all": f + s,
+        "window_snapshot_bytes": w * s, "window_snapshot_in_full_tokens": w * s / f if f else 0,
+        "budget_bytes": budget,
+        "single_pool_tokens": budget // (f + s),
+        "dual_pool_full_tokens_max": budget // f if f else 0,
+        "max_concurrent_windows": budget // (w * s) if s else 0,
+        "concurrent_sequences": {},
+    }
+    for ctx in (8192, 32768, 131072):
+        single = budget // (ctx * (f + s))
+        dual = budget // (ctx * f + min(ctx, w + spec.page_size) * s)  # decode: the window only
+        out["concurrent_sequences"][str(ctx)] = {"single_pool": single, "dual_pool": dual}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{spec.name}: {spec.num_layers} layers ({len(spec.full_layers)} full, {len(spec.swa_layers)} SWA), "
+          f"W={w}, {spec.dtype}, page {spec.page_size}")
+    print(f"bytes per token: full layers {f:,}, SWA layers {s:,}, all {f + s:,}")
+    print(f"a {w}-token SWA window costs {w * s / 1e6:.1f} MB = {w * s / f:.0f} tokens of full KV")
+    print(f"budget {args.hbm_gb:g} GB: single pool {out['single_pool_tokens']:,} tokens; "
+          f"dual pool up to {out['dual_pool_full_tokens_max']:,} tokens of full KV")
+    print("concurrent decoding sequences (dual pool keeps SWA for the last window + one page):")
+    print(f"{'context':>10}{'single pool seqs':>18}{'dual pool seqs':>16}")
+    for ctx, row in out["concurrent_sequences"].items():
+        print(f"{ctx:>10}{row['single_pool']:>18,}{row['dual_pool']:>16,}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
