@@ -1,7 +1,7 @@
 """The window-safe prefix tree: decides what is a hit and what is evicted."""
 
 from .node import NO_PAGE, TreeNode, window_safe_pages
-from .tree import InsertResult, LockHandle, MatchResult, PagePool, TreeConfig, WindowSafeTree
+from .tree import InsertResult, LockHandle, MatchResult, PagePool, TreeConfig, TreeEvent, WindowSafeTree
 
-__all__ = ["NO_PAGE", "InsertResult", "LockHandle", "MatchResult", "PagePool", "TreeConfig",
+__all__ = ["NO_PAGE", "InsertResult", "LockHandle", "MatchResult", "PagePool", "TreeConfig", "TreeEvent",
            "TreeNode", "WindowSafeTree", "window_safe_pages"]

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
 from .._validate import as_int_array, as_token_array
 from .node import NO_PAGE, TreeNode, window_safe_pages
 
-__all__ = ["TreeConfig", "WindowSafeTree", "MatchResult", "LockHandle", "InsertResult",
+__all__ = ["TreeConfig", "TreeEvent", "WindowSafeTree", "MatchResult", "LockHandle", "InsertResult",
            "PagePool", "as_token_array"]
 
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -128,6 +128,26 @@ class InsertResult:
     adopted_swa_pages: int
 
 
+@dataclass(frozen=True)
+class TreeEvent:
+    """A change of what the tree caches, for listeners (KV-event publishers).
+
+    ``kind``: ``"store"`` (pages added), ``"remove"`` (full KV of the pages
+    dropped, SWA with it), ``"swa_store"`` (SWA re-adopted) or
+    ``"swa_remove"`` (SWA dropped, full KV kept).  The affected pages are
+    ``[start, end)`` in tokens; ``tokens`` holds the whole prefix ``[0, end)``
+    so a listener can hash page keys; ``swa_valid`` has one flag per affected
+    page as it is *after* the event.
+    """
+
+    kind: str
+    namespace: str
+    start: int
+    end: int
+    tokens: np.ndarray
+    swa_valid: np.ndarray
+
+
 class WindowSafeTree:
     """Radix tree over page-aligned token keys with dual full/SWA page ids.
 
@@ -159,6 +179,20 @@ class WindowSafeTree:
         self.protected_swa_pages = 0
         self.evicted_full_pages = 0
         self.evicted_swa_pages = 0
+        self.listeners: list[Callable[[TreeEvent], None]] = []
+
+    def _emit(self, kind: str, node: TreeNode) -> None:
+        """Tell listeners about ``node``'s pages (only built when someone listens)."""
+        parts = []
+        n: TreeNode | None = node
+        while n is not None and n.parent is not None:
+            parts.append(n.key)
+            n = n.parent
+        tokens = np.concatenate(parts[::-1]) if parts else _EMPTY
+        event = TreeEvent(kind, node.namespace, node.start, node.start + len(node.key), tokens,
+                          node.swa >= 0)
+        for listener in self.listeners:
+            listener(event)
 
     # ================================================================ helpers
     def _now(self) -> int:
@@ -369,6 +403,8 @@ class WindowSafeTree:
                 child.swa_valid += got
                 self.swa_pages_cached += got
                 adopted += got
+                if self.listeners:
+                    self._emit("swa_store", child)
             drop_swa.append(ours_s[have & mine & (ours_s != child.swa)])
             self._touch(child, now)
             node = child
@@ -383,6 +419,8 @@ class WindowSafeTree:
             self.swa_pages_cached += leaf.swa_valid
             self._touch(leaf, now)
             node = leaf
+            if self.listeners:
+                self._emit("store", leaf)
         if drop_full:
             self.pool.free_full(np.concatenate(drop_full))
         if drop_swa:
@@ -544,6 +582,8 @@ class WindowSafeTree:
             self.swa_pages_cached -= node.swa_valid
             self.num_nodes -= 1
             got = (node.n_pages, int(swa.size))
+            if self.listeners:
+                self._emit("remove", node)
             node.key = None  # type: ignore[assignment]
             node.parent = None
             if parent.parent is not None and not parent.children and parent.lock == 0:
@@ -578,6 +618,8 @@ class WindowSafeTree:
             node.swa[drop] = NO_PAGE
             node.swa_valid -= count
             self.swa_pages_cached -= count
+            if self.listeners:
+                self._emit("swa_remove", node)
             return 0, count
         return 0, 0
 
