@@ -1,0 +1,186 @@
+"""A tiny hybrid-SWA reference transformer (random weights, float64, CPU).
+
+It reads and writes its KV *only* through hybridkv: new tokens' K/V go into
+the pool buffers at the slots the cache hands out, and attention gathers K/V
+back through the request's slots (full layers: every earlier position; SWA
+layers: the last W positions, whose slots raise if the cache released them).
+:meth:`ReferenceModel.forward_dense` computes the same logits without any
+cache; with float64 both agree to ~1e-12, so any wrong hit (stale page,
+released window, wrong position) shows up as a mismatch.
+
+The layout mirrors MiMo in miniature: a few full-attention layers among SWA
+layers, different KV heads per kind, K head dim != V head dim, RoPE on K/Q,
+and a learned attention-sink logit per head on SWA layers (gpt-oss / MiMo
+style: an extra softmax column with no value).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..cache import HybridKVCache, Request
+from ..spec import AttnKind, KVShape, ModelSpec
+
+__all__ = ["ReferenceModel", "tiny_spec"]
+
+
+def tiny_spec(page_size: int = 4, window: int = 16) -> ModelSpec:
+    """Scaled-down MiMo layout: 6 layers, full at 0 and 3, W=16, float64."""
+    kinds = ["full", "swa", "swa", "full", "swa", "swa"]
+    return ModelSpec("tiny-hybrid", kinds, window, full=KVShape(2, 8, 6), swa=KVShape(4, 8, 6),
+                     dtype="float64", page_size=page_size)
+
+
+@dataclass
+class _Layer:
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    sink: torch.Tensor | None
+
+
+class ReferenceModel:
+    """Random-weight transformer over ``spec`` (which must be float64).
+
+    Args:
+        spec: layer kinds, window, KV shapes (``dtype == "float64"``).
+        vocab: vocabulary size (token ids are taken modulo it).
+        hidden: model width.
+        q_heads: query heads (a multiple of both kinds' KV heads).
+    """
+
+    def __init__(self, spec: ModelSpec, *, vocab: int = 64, hidden: int = 32, q_heads: int = 4,
+                 seed: int = 0) -> None:
+        if spec.dtype != "float64":
+            raise ValueError(f"the reference model needs a float64 spec, got {spec.dtype}")
+        for kind in (AttnKind.FULL, AttnKind.SWA):
+            shape = spec.shape(kind)
+            if q_heads % shape.num_kv_heads:
+                raise ValueError(f"q_heads={q_heads} is not a multiple of {kind.value} KV heads")
+            if shape.k_head_dim % 2:
+                raise ValueError("k_head_dim must be even (RoPE)")
+        self.spec, self.vocab, self.hidden, self.q_heads = spec, vocab, hidden, q_heads
+        g = torch.Generator().manual_seed(seed)
+
+        def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+            return torch.randn(*shape, generator=g, dtype=torch.float64) * scale / np.sqrt(shape[0])
+
+        self.embed = torch.randn(vocab, hidden, generator=g, dtype=torch.float64)
+        self.layers: list[_Layer] = []
+        for kind in spec.layer_kinds:
+            s = spec.shape(kind)
+            self.layers.append(_Layer(
+                wq=rnd(hidden, q_heads * s.k_head_dim), wk=rnd(hidden, s.num_kv_heads * s.k_head_dim),
+                wv=rnd(hidden, s.num_kv_heads * s.v_head_dim), wo=rnd(q_heads * s.v_head_dim, hidden),
+                w1=rnd(hidden, 2 * hidden), w2=rnd(2 * hidden, hidden, scale=0.5),
+                sink=torch.randn(q_heads, generator=g, dtype=torch.float64) if kind is AttnKind.SWA else None))
+        self.lm_head = rnd(hidden, vocab)
+
+    # ------------------------------------------------------------ pieces
+    @staticmethod
+    def _norm(x: torch.Tensor) -> torch.Tensor:
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding on ``x[n, heads, d]`` at positions ``pos[n]``."""
+        d = x.shape[-1]
+        freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        ang = pos.to(torch.float64)[:, None] * freq[None, :]
+        cos, sin = torch.cos(ang)[:, None, :], torch.sin(ang)[:, None, :]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = torch.empty_like(x)
+        out[..., 0::2] = x1 * cos - x2 * sin
+        out[..., 1::2] = x1 * sin + x2 * cos
+        return out
+
+    def _qkv(self, i: int, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        layer, s = self.layers[i], self.spec.shape(self.spec.layer_kinds[i])
+        x = self._norm(h)
+        q = self._rope((x @ layer.wq).view(len(h), self.q_heads, s.k_head_dim), pos)
+        k = self._rope((x @ layer.wk).view(len(h), s.num_kv_heads, s.k_head_dim), pos)
+        v = (x @ layer.wv).view(len(h), s.num_kv_heads, s.v_head_dim)
+        return q, k, v
+
+    def _attend(self, i: int, q: torch.Tensor, qpos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kpos: torch.Tensor) -> torch.Tensor:
+        """Attention of queries at ``qpos`` over keys at ``kpos`` (masked by kind)."""
+        kind = self.spec.layer_kinds[i]
+        s = self.spec.shape(kind)
+        rep = self.q_heads // s.num_kv_heads
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / np.sqrt(s.k_head_dim)
+        allowed = kpos[None, :] <= qpos[:, None]
+        if kind is AttnKind.SWA:
+            allowed &= kpos[None, :] > qpos[:, None] - self.spec.window
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        sink = self.layers[i].sink
+        if sink is not None:
+            col = sink[:, None, None].expand(-1, scores.shape[1], 1)
+            probs = torch.softmax(torch.cat([scores, col], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("hqk,khd->qhd", probs, v)
+        return out.reshape(len(q), -1) @ self.layers[i].wo
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[i]
+        return torch.nn.functional.silu(self._norm(h) @ layer.w1) @ layer.w2
+
+    # ----------------------------------------------------------- forwards
+    def forward_dense(self, tokens: np.ndarray) -> torch.Tensor:
+        """Logits ``[len(tokens), vocab]`` with no cache at all."""
+        ids = torch.as_tensor(np.asarray(tokens) % self.vocab, dtype=torch.long)
+        pos = torch.arange(len(ids))
+        h = self.embed[ids]
+        for i in range(len(self.layers)):
+            q, k, v = self._qkv(i, h, pos)
+            h = h + self._attend(i, q, pos, k, v, pos)
+            h = h + self._mlp(i, h)
+        return self._norm(h) @ self.lm_head
+
+    def forward_cached(self, cache: HybridKVCache, req: Request, n: int, *,
+                       before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Compute ``n`` tokens after ``req.computed`` through ``cache``; returns their logits.
+
+        Allocates their slots, writes their K/V into the pool buffers, reads
+        earlier K/V back through the request's slots, then commits (which may
+        release out-of-window SWA).  ``before_layer(i)`` is called before layer
+        ``i`` reads any KV (a layerwise loader waits there).
+        """
+        buffers = cache.pool.buffers
+        if buffers is None or buffers.device.type == "meta":
+            raise ValueError("forward_cached needs a cache with real KV buffers (device='cpu')")
+        start, end = req.computed, req.computed + n
+        full_new, swa_new = cache.allocate(req, n)
+        ids = torch.as_tensor(req.tokens[start:end] % self.vocab, dtype=torch.long)
+        pos = torch.arange(start, end)
+        full_all = torch.as_tensor(cache.full_slots(req, 0, end))
+        lo = max(0, start - self.spec.window + 1)
+        swa_win = torch.as_tensor(cache.swa_slots(req, lo, end))
+        h = self.embed[ids]
+        for i, kind in enumerate(self.spec.layer_kinds):
+            if before_layer is not None:
+                before_layer(i)
+            kb = buffers.of(kind)
+            li = kb.local(i)
+            q, k, v = self._qkv(i, h, pos)
+            new_slots = torch.as_tensor(full_new if kind is AttnKind.FULL else swa_new)
+            kb.k[li, new_slots] = k.to(kb.k.dtype)
+            kb.v[li, new_slots] = v.to(kb.v.dtype)
+            if kind is AttnKind.FULL:
+                slots, kpos = full_all, torch.arange(0, end)
+            else:
+                slots, kpos = swa_win, torch.arange(lo, end)
+            h = h + self._attend(i, q, pos, kb.k[li, slots], kb.v[li, slots], kpos)
+            h = h + self._mlp(i, h)
+        cache.commit(req, n)
+        return self._norm(h) @ self.lm_head
