@@ -1,0 +1,204 @@
+"""Shared pieces of the peer drivers: the token-sequence file, pool sizing,
+per-request timing and the result record.
+
+Imports numpy and the standard library only, so every peer's venv can load it
+(the drivers put this folder on ``sys.path``).
+
+The sequence file is a folder written once by ``run.py`` in the main
+interpreter and memory-mapped by every driver, so all systems replay the
+*same* token ids:
+
+* ``tokens.npy``  int32, all prompts concatenated
+* ``offsets.npy`` int64, ``len = n + 1``; prompt ``i`` is ``tokens[offsets[i]:offsets[i+1]]``
+* ``meta.json``   ``namespaces`` (one per prompt), trace, extension rule,
+  prefix bound and the model preset's bytes per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+GB = 10**9
+
+
+# ------------------------------------------------------------------ sequences
+def save_sequences(folder: str | os.PathLike, seqs: Sequence[np.ndarray], namespaces: Sequence[str],
+                   meta: dict[str, Any]) -> None:
+    """Write ``seqs`` (1-D int arrays) and their namespaces to ``folder``."""
+    if len(seqs) != len(namespaces):
+        raise ValueError(f"namespaces has {len(namespaces)} entries for {len(seqs)} sequences")
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    offsets = np.zeros(len(seqs) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    tokens = np.lib.format.open_memmap(out / "tokens.npy", mode="w+", dtype=np.int32,
+                                       shape=(int(offsets[-1]),))
+    for s, a, b in zip(seqs, offsets[:-1], offsets[1:]):
+        tokens[a:b] = s
+    tokens.flush()
+    del tokens
+    np.save(out / "offsets.npy", offsets)
+    (out / "meta.json").write_text(json.dumps(dict(meta, namespaces=list(namespaces))))
+
+
+@dataclass
+class Sequences:
+    """Memory-mapped prompts; ``seq(i)`` is an int32 view (no copy)."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+    namespaces: list[str]
+    meta: dict[str, Any]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def seq(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, str]]:
+        for i in range(len(self)):
+            yield self.seq(i), self.namespaces[i]
+
+    @property
+    def input_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+
+def load_sequences(folder: str | os.PathLike) -> Sequences:
+    """Open a folder written by :func:`save_sequences`."""
+    f = Path(folder)
+    meta = json.loads((f / "meta.json").read_text())
+    ns = meta.pop("namespaces")
+    return Sequences(np.load(f / "tokens.npy", mmap_mode="r"), np.load(f / "offsets.npy"), ns, meta)
+
+
+# ------------------------------------------------------------------ sizing
+def sglang_pool_tokens(budget_bytes: int, full_bpt: int, swa_bpt: int, ratio: float, page: int) -> tuple[int, int]:
+    """SGLang's hybrid SWA pool sizes: ``swa = ratio * full`` tokens and
+    ``full * full_bpt + swa * swa_bpt <= budget`` (page-aligned)."""
+    full = int(budget_bytes // (full_bpt + ratio * swa_bpt))
+    full -= full % page
+    swa = int(full * ratio)
+    swa -= swa % page
+    return full, swa
+
+
+def vllm_num_blocks(budget_bytes: int, per_layer_bpt: int, page: int, group_size: int) -> int:
+    """vLLM's hybrid allocator: every KV-cache group has ``group_size`` layers
+    and every block of the shared pool holds one page of each of those layers,
+    so a block costs ``page * per_layer_bpt * group_size`` bytes."""
+    return int(budget_bytes // (page * per_layer_bpt * group_size))
+
+
+# ------------------------------------------------------------------ timing
+@dataclass
+class OpTimes:
+    """Per-request cache-operation times in microseconds.
+
+    ``match``: prefix lookup; ``alloc``: allocation of the uncached suffix,
+    eviction included, summed over prefill chunks; ``insert``: caching the
+    prompt and freeing the request.  ``total`` is their sum per request.
+    """
+
+    match: list[float] = field(default_factory=list)
+    alloc: list[float] = field(default_factory=list)
+    insert: list[float] = field(default_factory=list)
+
+    def add(self, match_s: float, alloc_s: float, insert_s: float) -> None:
+        self.match.append(match_s * 1e6)
+        self.alloc.append(alloc_s * 1e6)
+        self.insert.append(insert_s * 1e6)
+
+    def summary(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        cols = {"match": self.match, "alloc": self.alloc, "insert": self.insert}
+        cols["op"] = [a + b + c for a, b, c in zip(self.match, self.alloc, self.insert)]
+        for name, values in cols.items():
+            arr = np.asarray(values, dtype=np.float64) if values else np.zeros(1)
+            out[f"{name}_us_p50"] = float(np.percentile(arr, 50))
+            out[f"{name}_us_p99"] = float(np.percentile(arr, 99))
+        out["op_us_mean"] = float(np.mean(cols["op"])) if cols["op"] else 0.0
+        return out
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class Run:
+    """Accumulates one system's replay at one budget."""
+
+    system: str
+    budget_gb: float
+    input_tokens: int = 0
+    hit_tokens: int = 0
+    rejected: int = 0
+    requests: int = 0
+    times: OpTimes = field(default_factory=OpTimes)
+    rss_before: int = field(default_factory=rss_bytes)
+    t0: float = field(default_factory=time.perf_counter)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def record(self, prompt_len: int, hit: int) -> None:
+        self.requests += 1
+        self.input_tokens += prompt_len
+        self.hit_tokens += hit
+
+    def result(self, kv_buffer_bytes: int = 0) -> dict[str, Any]:
+        """The JSON record.  ``peak_metadata_mb``: peak RSS growth from before
+        the cache was built, minus KV buffers the peer allocates for real
+        (an upper bound on metadata: it also holds allocator slack)."""
+        out: dict[str, Any] = {
+            "system": self.system, "budget_gb": self.budget_gb, "requests": self.requests,
+            "input_tokens": self.input_tokens, "hit_tokens": self.hit_tokens,
+            "token_hit_rate": self.hit_tokens / max(1, self.input_tokens),
+            "prefill_tokens_saved": self.hit_tokens, "rejected_requests": self.rejected,
+            "replay_s": time.perf_counter() - self.t0,
+            "peak_metadata_mb": max(0, peak_rss_bytes() - self.rss_before - kv_buffer_bytes) / 2**20,
+        }
+        out.update(self.times.summary())
+        out.update(self.extra)
+        return out
+
+
+# ------------------------------------------------------------------ driver CLI
+def driver_args(description: str, argv: Sequence[str] | None = None,
+                extra: dict[str, dict[str, Any]] | None = None) -> argparse.Namespace:
+    """Arguments shared by every driver: sequences folder, budgets, preset bytes."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("sequences", help="folder written by run.py (tokens.npy, offsets.npy, meta.json)")
+    p.add_argument("--budgets", required=True, help="comma-separated budgets in GB (1e9 bytes)")
+    p.add_argument("--chunk", type=int, default=8192, help="chunked-prefill size in tokens")
+    for name, kw in (extra or {}).items():
+        p.add_argument(name, **kw)
+    args = p.parse_args(argv)
+    args.budgets = [float(x) for x in args.budgets.split(",") if x.strip()]
+    if not args.budgets or min(args.budgets) <= 0:
+        p.error("--budgets needs positive numbers")
+    if args.chunk < 1:
+        p.error("--chunk must be >= 1")
+    return args
+
+
+def emit(result: dict[str, Any]) -> None:
+    """One JSON line per (system, budget) on stdout; run.py collects them."""
+    print("RESULT " + json.dumps(result), flush=True)
