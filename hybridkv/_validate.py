@@ -14,8 +14,9 @@ __all__ = ["as_int_array", "as_token_array"]
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-def as_int_array(values: object, name: str) -> np.ndarray:
-    """``values`` (numpy, torch, list, tuple, range) as a 1-D int32 numpy array."""
+def as_int_array(values: object, name: str, min_value: int = -1) -> np.ndarray:
+    """``values`` (numpy, torch, list, tuple, range) as a 1-D int32 numpy array in
+    ``[min_value, 2**31)``."""
     if isinstance(values, np.ndarray):
         arr = values
     elif hasattr(values, "cpu") and hasattr(values, "numpy"):  # a torch tensor
@@ -30,14 +31,16 @@ def as_int_array(values: object, name: str) -> np.ndarray:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < -1 or arr.max() > _INT32_MAX):
-        raise ValueError(f"{name} holds ids outside [-1, 2**31)")
+    if arr.size:
+        lo, hi = arr.min(), arr.max()
+        if lo < min_value:
+            kind = "non-negative ids" if min_value == 0 else f"ids >= {min_value}"
+            raise ValueError(f"{name} must hold {kind}, got {int(lo)}")
+        if hi > _INT32_MAX:
+            raise ValueError(f"{name} holds ids >= 2**31")
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
 def as_token_array(tokens: object, name: str = "tokens") -> np.ndarray:
     """``tokens`` as 1-D int32 numpy; token ids must be in ``[0, 2**31)``."""
-    arr = as_int_array(tokens, name)
-    if arr.size and arr.min() < 0:
-        raise ValueError(f"{name} must hold non-negative token ids, got {int(arr.min())}")
-    return arr
+    return as_int_array(tokens, name, min_value=0)

@@ -210,6 +210,13 @@ class HybridKVCache:
             short = self.pool.shortfall(need, need)
             self.tree.evict(short[0], short[1], short[2])
             got = self.pool.alloc(need, need)
+        if got is None and self.config.retention == "adaptive":
+            # SWA that live requests kept while memory was spare is the cheapest to give back
+            for live in self._live.values():
+                self._release(live, force=True)
+            short = self.pool.shortfall(need, need)
+            self.tree.evict(short[0], short[1], short[2])
+            got = self.pool.alloc(need, need)
         if got is None:
             self.counters["rejected"] += 1
             raise CacheFullError(f"cannot allocate {need} pages in both pools "
@@ -247,10 +254,14 @@ class HybridKVCache:
         """
         self._check_live(req)
         req.last_release = req.computed
+        return self._release(req, force=False)
+
+    def _release(self, req: Request, force: bool) -> int:
         policy = self.config.retention
         if policy in ("none", "dense"):
             return 0
-        if policy == "adaptive" and self.pool.free_bytes() > self.config.spare_fraction * self.pool.budget_bytes:
+        if (policy == "adaptive" and not force
+                and self.pool.free_bytes() > self.config.spare_fraction * self.pool.budget_bytes):
             return 0
         cut = max(0, (req.computed - self.spec.window) // self.page_size)
         lo = req.tree_pages
