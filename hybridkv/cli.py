@@ -1,4 +1,4 @@
-"""Command line: ``hybridkv replay | verify | info``."""
+"""Command line: ``hybridkv replay | verify | info | route-sim``."""
 
 from __future__ import annotations
 
@@ -73,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="bytes per token and what fits, single vs dual pool")
     common(i)
     i.add_argument("--hbm-gb", type=_positive_float, default=80.0, help="KV budget in GB (default 80)")
+    from .routing.cli import add_route_sim_parser
+    add_route_sim_parser(sub)
     return p
 
 
@@ -81,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "replay":
             return _replay(args)
+        if args.command == "route-sim":
+            from .routing.cli import run_route_sim
+            return run_route_sim(args)
         if args.command == "verify":
             return _verify(args)
         return _info(args)
