@@ -1,0 +1,211 @@
+"""L2: dual Full/SWA page pools in host memory, indexed by page keys.
+
+The L2 tier knows which page prefixes it holds a host copy of: full KV per
+page key and SWA KV per page (its own validity, independent of the full
+copy).  It is indexed by the chained page keys of :mod:`hybridkv.tiers.keys`
+(the same names L3 uses), not by a second radix tree: a key already names
+its whole prefix, so "is page i of this prompt in L2" is one dict lookup and
+an L1 page can be backed up when the L1 tree frees it, knowing only its key.
+
+Memory: a :class:`~hybridkv.pools.DualPool` with one shared byte budget
+(``device="cpu"``, pinned when CUDA exists, for real KV; ``"meta"`` for
+accounting-only replays).
+
+Eviction (LRU within each class), cheapest loss first:
+
+1. *plain* SWA pages (not a sequence tail or retention checkpoint window);
+2. full pages (LRU); a SWA copy stays (it can still complete a window
+   whose full KV is in L1);
+3. *anchored* SWA pages (tails and checkpoint windows).
+
+Pages listed in ``protect`` are never evicted (a load in progress reads them).
+Not thread-safe: the owner (:class:`~hybridkv.tiers.tiered.TieredCache`)
+serialises access with its lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from ..pools import DualPool
+from ..spec import AttnKind, ModelSpec
+
+__all__ = ["HostTier"]
+
+
+def _pin_buffers(pool: DualPool) -> None:
+    """Page-lock host buffers so H2D/D2H copies can be asynchronous (CUDA only)."""
+    if pool.buffers is None or pool.buffers.device.type != "cpu" or not torch.cuda.is_available():
+        return
+    for kb in (pool.buffers.full, pool.buffers.swa):
+        kb.k = kb.k.pin_memory()
+        kb.v = kb.v.pin_memory()
+
+
+class HostTier:
+    """Host page store (L2).
+
+    Args:
+        spec: the model.
+        budget_bytes: host bytes for both kinds together (> 0).
+        device: ``"meta"`` (accounting only), ``"cpu"`` (real buffers,
+            pinned when CUDA is available) or ``None`` (no buffers).
+    """
+
+    def __init__(self, spec: ModelSpec, budget_bytes: int, *, device: str | None = "meta") -> None:
+        if not isinstance(budget_bytes, (int, np.integer)) or isinstance(budget_bytes, bool):
+            raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
+        self.spec = spec
+        self.pool = DualPool(spec, budget_bytes=int(budget_bytes), device=device)
+        _pin_buffers(self.pool)
+        self._full: OrderedDict[bytes, int] = OrderedDict()
+        self._swa: OrderedDict[bytes, int] = OrderedDict()       # plain SWA (evicted first)
+        self._anchor: OrderedDict[bytes, int] = OrderedDict()    # tails / checkpoints (last)
+        self.counters = {"evicted_full_pages": 0, "evicted_swa_pages": 0, "stored_full_pages": 0,
+                         "stored_swa_pages": 0}
+
+    # ---------------------------------------------------------------- lookup
+    def lookup_full(self, keys: Sequence[bytes], *, touch: bool = False) -> np.ndarray:
+        """Host full page of each key, ``-1`` where absent: int64 ``[n]``.  O(n)."""
+        get = self._full.get
+        out = np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+        if touch:
+            self._touch(self._full, keys, out)
+        return out
+
+    def lookup_swa(self, keys: Sequence[bytes], *, touch: bool = False) -> np.ndarray:
+        """Host SWA page of each SWA key, ``-1`` where absent: int64 ``[n]``.  O(n)."""
+        g1, g2 = self._swa.get, self._anchor.get
+        out = np.fromiter((g1(k, g2(k, -1)) for k in keys), dtype=np.int64, count=len(keys))
+        if touch:
+            for k, p in zip(keys, out.tolist()):
+                if p >= 0:
+                    (self._swa if k in self._swa else self._anchor).move_to_end(k)
+        return out
+
+    @staticmethod
+    def _touch(table: OrderedDict, keys: Sequence[bytes], pages: np.ndarray) -> None:
+        for k, p in zip(keys, pages.tolist()):
+            if p >= 0:
+                table.move_to_end(k)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._full
+
+    @property
+    def num_full_pages(self) -> int:
+        return len(self._full)
+
+    @property
+    def num_swa_pages(self) -> int:
+        return len(self._swa) + len(self._anchor)
+
+    # ------------------------------------------------------------ allocation
+    def alloc(self, n_full: int, n_swa: int, protect: Iterable[int] = (),
+              protect_swa: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray] | None:
+        """Allocate host pages, evicting unprotected LRU pages as needed.
+
+        Returns ``(full_pages, swa_pages)`` int32, or None (nothing allocated;
+        some pages may have been evicted) when even eviction cannot make room.
+        The caller must :meth:`insert_full` / :meth:`insert_swa` or
+        :meth:`free` what it gets.  O(n + evicted).
+        """
+        got = self.pool.alloc(n_full, n_swa)
+        if got is not None:
+            return got
+        pf, ps = set(int(p) for p in protect), set(int(p) for p in protect_swa)
+        for stage in ("swa", "full", "anchor"):
+            while not self.pool.can_alloc(n_full, n_swa):
+                short_full, short_swa, short_bytes = self.pool.shortfall(n_full, n_swa)
+                if stage == "full" and not (short_full or short_bytes):
+                    break
+                if stage != "full" and not (short_swa or short_bytes):
+                    break
+                if not self._evict_one(stage, pf, ps):
+                    break
+        return self.pool.alloc(n_full, n_swa)
+
+    def _evict_one(self, stage: str, protect_full: set[int], protect_swa: set[int]) -> bool:
+        table = {"swa": self._swa, "full": self._full, "anchor": self._anchor}[stage]
+        victim = None
+        for key, page in table.items():  # LRU first; protected pages are skipped
+            if page not in (protect_full if stage == "full" else protect_swa):
+                victim = key
+                break
+        if victim is None:
+            return False
+        page = table.pop(victim)
+        if stage == "full":
+            self.pool.free_full(np.array([page], dtype=np.int32))
+            self.counters["evicted_full_pages"] += 1
+        else:
+            self.pool.free_swa(np.array([page], dtype=np.int32))
+            self.counters["evicted_swa_pages"] += 1
+        return True
+
+    def free(self, full_pages: np.ndarray, swa_pages: np.ndarray) -> None:
+        """Give back pages from :meth:`alloc` that were not inserted."""
+        if len(full_pages):
+            self.pool.free_full(full_pages)
+        if len(swa_pages):
+            self.pool.free_swa(swa_pages)
+
+    # --------------------------------------------------------------- insert
+    def insert_full(self, keys: Sequence[bytes], pages: np.ndarray) -> None:
+        """Index allocated ``pages`` (data already written) under ``keys`` (MRU).
+
+        A key already present keeps its old page and the new one is freed.  O(n).
+        """
+        dup = []
+        for k, p in zip(keys, np.asarray(pages).tolist()):
+            if k in self._full:
+                dup.append(p)
+                self._full.move_to_end(k)
+            else:
+                self._full[k] = p
+                self.counters["stored_full_pages"] += 1
+        if dup:
+            self.pool.free_full(np.asarray(dup, dtype=np.int32))
+
+    def insert_swa(self, keys: Sequence[bytes], pages: np.ndarray, anchored: np.ndarray) -> None:
+        """Index SWA ``pages`` under SWA ``keys``; ``anchored[i]`` picks the eviction class."""
+        dup = []
+        for k, p, a in zip(keys, np.asarray(pages).tolist(), np.asarray(anchored).tolist()):
+            if k in self._swa or k in self._anchor:
+                dup.append(p)
+                if a and k in self._swa:  # promote: now known to end a window we keep
+                    self._anchor[k] = self._swa.pop(k)
+                continue
+            (self._anchor if a else self._swa)[k] = p
+            self.counters["stored_swa_pages"] += 1
+        if dup:
+            self.pool.free_swa(np.asarray(dup, dtype=np.int32))
+
+    # ------------------------------------------------------------- checking
+    def check_invariants(self) -> None:
+        """Every indexed page allocated exactly once, nothing leaked.  O(n)."""
+        self.pool.check_invariants()
+        full = np.fromiter(self._full.values(), dtype=np.int64, count=len(self._full))
+        swa = np.fromiter(list(self._swa.values()) + list(self._anchor.values()), dtype=np.int64,
+                          count=self.num_swa_pages)
+        assert not (set(self._swa) & set(self._anchor)), "a SWA key is in both classes"
+        assert np.unique(full).size == full.size == self.pool.full.num_used, \
+            ("L2 full pages", np.unique(full).size, full.size, self.pool.full.num_used)
+        assert np.unique(swa).size == swa.size == self.pool.swa.num_used, \
+            ("L2 swa pages", np.unique(swa).size, swa.size, self.pool.swa.num_used)
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self.counters)
+        out.update(full_pages=self.num_full_pages, swa_pages=self.num_swa_pages,
+                   anchored_swa_pages=len(self._anchor), used_bytes=self.pool.used_bytes(),
+                   budget_bytes=self.pool.budget_bytes)
+        return out
+
+    def kind_buffers(self, kind: AttnKind):  # noqa: ANN201 - KindBuffers | None
+        return None if self.pool.buffers is None else self.pool.buffers.of(kind)

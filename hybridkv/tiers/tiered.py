@@ -1,0 +1,568 @@
+"""TieredCache: L1 device tree + L2 host tier + L3 storage behind one facade.
+
+The L1 tree (the :class:`~hybridkv.cache.HybridKVCache` it extends) stays
+device-only and decides L1 hits and evictions.  L2 (:class:`.HostTier`) and
+L3 (a :class:`~hybridkv.tiers.storage.StorageBackend` behind a
+:class:`.TierManager`) are indexed by chained page keys: full KV under
+``page_keys(tokens, P, namespace, ModelSpec.fingerprint())``, SWA KV under
+:func:`.swa_key` of the same key.
+
+**Match across tiers** (:meth:`TieredCache.begin`): page ``i`` has full KV if
+L1, L2 or L3 holds it, SWA if L1, L2 or L3 holds it; the hit is the largest
+page-aligned ``L`` with full KV for ``[0, L)`` and SWA for the window before
+``L``.  What L1 lacks is loaded L3 -> L2 -> L1, then inserted into the L1 tree,
+and the hit is recomputed from what *actually* arrived: an L3 value that
+vanished, timed out or failed verification between ``exists`` and ``get`` is
+a miss, never garbage.  The ordinary L1 match + lock then runs on the
+repaired tree, so locking and window safety stay the tree's business.
+
+**Write policies** (``TierConfig.write_policy``): ``"write_through"`` copies a
+request's pages to L2 when it finishes (prefill end); ``"write_back"`` copies
+a page to L2 only when the L1 tree frees it: the tree's pool is wrapped so
+every page it frees is backed up *before* it returns to the allocator (the
+tree frees through ``pool.free_*`` only).  Pages entering L2 are queued for an
+asynchronous L3 write.
+
+**Consistency repair** (the MiMo stack's four cases):
+
+1. device has SWA the host lacks: backed up D2H at prefill end (both policies);
+2. host has SWA the device lacks: copied H2D and adopted by the L1 tree at the
+   next load that needs that window (the tree's insert adopts missing SWA);
+3. prefixes served from L1/L2 touch their L3 keys (rate-limited), so L3's own
+   LRU/TTL keeps hot prefixes;
+4. retention checkpoints apply below L1 too: SWA pages that end a sequence
+   (tail window) or a checkpoint window are *anchored*; L2 evicts unanchored
+   SWA first and L3 receives only anchored SWA (``l3_swa="anchored"``).
+
+Faults never raise into the engine: storage faults are misses (the backend
+layer), and any unexpected error in the tier path is logged, counted in
+``tier_errors`` and degrades to the L1-only answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._validate import as_token_array
+from ..cache import CacheConfig, HybridKVCache, Request
+from ..radix import LockHandle, window_safe_pages
+from ..radix.node import NO_PAGE, TreeNode
+from ..spec import AttnKind, ModelSpec
+from ..transfer import copy_pages
+from .host import HostTier
+from .keys import page_keys
+from .manager import TierManager
+from .payload import PayloadCodec, RealPayload, ScaledPayload, swa_key
+from .storage import StorageBackend, open_backend
+
+__all__ = ["TierConfig", "TieredCache"]
+
+logger = logging.getLogger("hybridkv.tiers")
+_EMPTY = np.zeros(0, dtype=np.int32)
+_POLICIES = ("write_through", "write_back")
+_COUNTERS = ("l1_hit_tokens", "l2_hit_tokens", "l3_hit_tokens", "bytes_d2h", "bytes_h2d",
+             "bytes_l3_read", "bytes_l3_written", "l2_to_l1_full_pages", "l2_to_l1_swa_pages",
+             "l1_to_l2_full_pages", "l1_to_l2_swa_pages", "l3_to_l2_full_pages", "l3_to_l2_swa_pages",
+             "l3_clamped_pages", "repair_swa_d2h_pages", "repair_swa_h2d_pages", "l2_store_failed",
+             "l1_load_failed", "tier_errors")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Lower tiers of a :class:`TieredCache`.
+
+    Attributes:
+        l2_bytes: host (L2) budget in bytes for both kinds (> 0).
+        l3: L3 backend URL (see :func:`~hybridkv.tiers.storage.open_backend`),
+            a backend object, or None (no L3).
+        write_policy: ``"write_through"`` or ``"write_back"`` (L1 -> L2).
+        l2_device: host buffer device; None picks ``"cpu"`` when L1 holds
+            real KV and ``"meta"`` (accounting only) when L1 is ``"meta"``.
+        l3_timeout_s: how long a match waits for L3 reads before a miss.
+        touch_interval_s: minimum seconds between two L3 touches of a key.
+        max_queued_writes: pending L3 write pages before writes are dropped.
+        l3_swa: ``"anchored"`` (tails and checkpoint windows only) or ``"all"``.
+    """
+
+    l2_bytes: int
+    l3: Any = None
+    write_policy: str = "write_through"
+    l2_device: str | None = None
+    l3_timeout_s: float = 5.0
+    touch_interval_s: float = 30.0
+    max_queued_writes: int = 65536
+    l3_swa: str = "anchored"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.l2_bytes, (int, np.integer)) or isinstance(self.l2_bytes, bool):
+            raise TypeError(f"l2_bytes must be an int, got {type(self.l2_bytes).__name__}")
+        if self.l2_bytes <= 0:
+            raise ValueError(f"l2_bytes must be > 0, got {self.l2_bytes}")
+        if self.write_policy not in _POLICIES:
+            raise ValueError(f"write_policy must be one of {_POLICIES}, got {self.write_policy!r}")
+        if self.l3_swa not in ("anchored", "all"):
+            raise ValueError(f"l3_swa must be 'anchored' or 'all', got {self.l3_swa!r}")
+        if self.l3 is not None and not isinstance(self.l3, (str, StorageBackend)):
+            raise TypeError(f"l3 must be a URL, a StorageBackend or None, got {type(self.l3).__name__}")
+
+
+class _BackupPool:
+    """The L1 tree's view of the pool: backs pages up to L2 before freeing them."""
+
+    def __init__(self, owner: "TieredCache") -> None:
+        self._owner = owner
+        self._pool = owner.pool
+
+    def free_full(self, pages: np.ndarray) -> None:
+        self._owner._on_l1_free(AttnKind.FULL, np.asarray(pages))
+        self._pool.free_full(pages)
+
+    def free_swa(self, pages: np.ndarray) -> None:
+        self._owner._on_l1_free(AttnKind.SWA, np.asarray(pages))
+        self._pool.free_swa(pages)
+
+
+class TieredCache(HybridKVCache):
+    """A :class:`HybridKVCache` whose hits also come from L2 (host) and L3 (storage).
+
+    Same request API as :class:`HybridKVCache`; ``begin`` may load pages from
+    lower tiers into L1 first.  Per-request tier figures land in
+    ``req.extra["tiers"]``, totals in :meth:`stats`.  Call :meth:`close` at the end.
+    """
+
+    def __init__(self, spec: ModelSpec, config: CacheConfig | None = None, *,
+                 tiers: TierConfig) -> None:
+        if not isinstance(tiers, TierConfig):
+            raise TypeError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
+        super().__init__(spec, config)
+        real = self.pool.buffers is not None and self.pool.buffers.device.type != "meta"
+        l2_device = tiers.l2_device or ("cpu" if real else "meta")
+        self.tiers = tiers
+        self.host = HostTier(spec, int(tiers.l2_bytes), device=l2_device)
+        self.codec: PayloadCodec = (RealPayload(spec, self.host.pool.buffers)
+                                    if self.host.pool.buffers is not None
+                                    and self.host.pool.buffers.device.type == "cpu"
+                                    else ScaledPayload(spec))
+        self._backend: StorageBackend | None = None
+        self._owns_backend = False
+        if isinstance(tiers.l3, str):
+            self._backend = open_backend(tiers.l3)
+            self._owns_backend = True
+        elif tiers.l3 is not None:
+            self._backend = tiers.l3
+        self.l3 = (TierManager(self._backend, timeout_s=tiers.l3_timeout_s,
+                               max_queued_writes=tiers.max_queued_writes,
+                               touch_interval_s=tiers.touch_interval_s)
+                   if self._backend is not None else None)
+        self._fingerprint = spec.fingerprint()
+        self._l1_full_key: dict[int, bytes] = {}                 # L1 full page -> page key
+        self._l1_swa_key: dict[int, tuple[bytes, bool]] = {}     # L1 SWA page -> (page key, anchored)
+        self._protect: tuple[set[int], set[int]] = (set(), set())  # L2 pages a load reads
+        self._l3_known: set[bytes] = set()                        # keys written to / read from L3
+        self._mutex = threading.RLock()
+        self._stream = (torch.cuda.Stream(device=self.pool.buffers.device)
+                        if real and self.pool.buffers.device.type == "cuda" else None)
+        self.tier_counters = dict.fromkeys(_COUNTERS, 0)
+        self.tree.pool = _BackupPool(self)
+
+    # ================================================================= keys
+    def _page_keys(self, tokens: np.ndarray, namespace: str, n_pages: int,
+                   have: list[bytes] | None = None) -> list[bytes]:
+        """Keys of the first ``n_pages`` pages, extending ``have`` when given.  O(new pages)."""
+        have = have or []
+        if n_pages <= len(have):
+            return have[:n_pages]
+        P = self.page_size
+        more = page_keys(tokens[len(have) * P:n_pages * P], P, namespace=namespace,
+                         fingerprint=self._fingerprint, parent=have[-1] if have else None)
+        return have + more
+
+    # ================================================================ begin
+    def begin(self, tokens: object, namespace: str = "default", rid: Any = None) -> Request:
+        """Match across L1/L2/L3, load what L1 lacks, then lock the hit in L1.
+
+        Returns the :class:`Request` (``prefix_len`` = the hit).  Raises only
+        for bad arguments (like :meth:`HybridKVCache.begin`).  Runtime: key
+        hashing O(L), one L2 lookup per page, at most two L3 round trips
+        (exists, get) plus the copies of the loaded pages.
+        """
+        tokens = as_token_array(tokens)
+        if len(tokens) == 0:
+            raise ValueError("tokens must not be empty")
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+        n = (len(tokens) - 1) // self.page_size
+        keys = self._page_keys(tokens, namespace, n)
+        origin = np.zeros(n, dtype=np.int8)
+        try:
+            with self._mutex:
+                origin = self._load(tokens, namespace, keys)
+        except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
+            self.tier_counters["tier_errors"] += 1
+            logger.warning("tiered load failed (%s: %s); serving from L1 only", type(exc).__name__, exc)
+        req = super().begin(tokens, namespace, rid)
+        req.extra["page_keys"] = keys
+        self._account(req, keys, origin)
+        return req
+
+    def _l1_path(self, tokens: np.ndarray, namespace: str, limit: int
+                 ) -> tuple[np.ndarray, np.ndarray, TreeNode | None]:
+        """Full and SWA page ids of the raw (not window-safe) L1 token match."""
+        _, path = self.tree._walk(tokens, namespace, limit)  # same package: the tree's own walk
+        if not path:
+            return _EMPTY, _EMPTY, None
+        full = np.concatenate([nd.full[:k] for nd, k in path])
+        swa = np.concatenate([nd.swa[:k] for nd, k in path])
+        return full, swa, path[-1][0]
+
+    def _load(self, tokens: np.ndarray, namespace: str, keys: list[bytes]) -> np.ndarray:
+        """Make the cross-tier hit resident in L1; returns per-page origin of full KV
+        (1 = L1, 2 = L2, 3 = L3, 0 = none) over the hit."""
+        n = len(keys)
+        origin = np.zeros(n, dtype=np.int8)
+        if n == 0:
+            return origin
+        P, wp = self.page_size, self.spec.window_pages
+        l1_full, l1_swa, deepest = self._l1_path(tokens, namespace, n * P)
+        n1 = len(l1_full)
+        origin[:n1] = 1
+        h_full = np.full(n, -1, dtype=np.int64)
+        h_full[n1:] = self.host.lookup_full(keys[n1:])
+        origin[n1:][h_full[n1:] >= 0] = 2
+        F = _prefix_true(origin > 0)
+        if self.l3 is not None and F < n:
+            there = np.asarray(self.l3.exists(keys[F:]), dtype=bool)
+            origin[F:][(origin[F:] == 0) & there] = 3
+        F = _prefix_true(origin > 0)
+        origin[F:] = 0
+        swa_src = np.zeros(F, dtype=np.int8)            # 1 = L1, 2 = L2, 3 = L3
+        swa_src[:min(n1, F)][l1_swa[:F] >= 0] = 1
+        need = np.flatnonzero(swa_src == 0)
+        skeys = {int(i): swa_key(keys[i]) for i in need}
+        h_swa = np.full(F, -1, dtype=np.int64)
+        if need.size:
+            h_swa[need] = self.host.lookup_swa([skeys[int(i)] for i in need])
+            swa_src[need[h_swa[need] >= 0]] = 2
+        need = np.flatnonzero(swa_src == 0)
+        if self.l3 is not None and need.size:
+            there = np.asarray(self.l3.exists([skeys[int(i)] for i in need]), dtype=bool)
+            swa_src[need[there]] = 3
+        L = _window_safe(swa_src > 0, wp)
+        if L == 0:
+            return origin[:0]
+        lo = max(0, L - wp)
+        if self.l3 is not None:
+            self._fetch_l3(keys, skeys, origin, swa_src, h_full, h_swa, L, lo)
+            # Only what is now resident counts: L3 pages outside the fetched window were not read.
+            origin[(origin == 3) & (h_full < 0)] = 0
+            swa_src[(swa_src == 3) & (h_swa < 0)] = 0
+            F2 = _prefix_true(origin[:L] > 0)
+            L = _window_safe(swa_src[:F2] > 0, wp)
+            if L == 0:
+                return origin[:0]
+            lo = max(0, L - wp)
+        self._to_l1(tokens, namespace, keys, origin, swa_src, h_full, h_swa, l1_full, l1_swa,
+                    deepest, L, lo, skeys)
+        return origin[:L]
+
+    def _fetch_l3(self, keys: list[bytes], skeys: dict[int, bytes], origin: np.ndarray,
+                  swa_src: np.ndarray, h_full: np.ndarray, h_swa: np.ndarray, L: int, lo: int) -> None:
+        """L3 -> L2 for the pages of the planned hit that only L3 holds.
+
+        Updates ``origin``/``swa_src`` (3 -> 0 on a failed page) and
+        ``h_full``/``h_swa`` (host pages of what arrived).
+        """
+        assert self.l3 is not None
+        fi = np.flatnonzero(origin[:L] == 3)
+        si = lo + np.flatnonzero(swa_src[lo:L] == 3)
+        if fi.size == 0 and si.size == 0:
+            return
+        fkeys = [keys[i] for i in fi]
+        sk = [skeys[int(i)] for i in si]
+        values = self.l3.get(fkeys + sk, timeout_s=None)
+        keep_f = np.flatnonzero((origin[:L] == 2))
+        keep_s = lo + np.flatnonzero(swa_src[lo:L] == 2)
+        got = self.host.alloc(fi.size, si.size, protect=h_full[keep_f].tolist(),
+                              protect_swa=h_swa[keep_s].tolist())
+        ok_f = np.zeros(fi.size, dtype=bool)
+        ok_s = np.zeros(si.size, dtype=bool)
+        if got is not None:
+            pf, ps = got
+            ok_f = self.codec.decode(AttnKind.FULL, fkeys, values[:fi.size], pf)
+            ok_s = self.codec.decode(AttnKind.SWA, sk, values[fi.size:], ps)
+            self.host.insert_full([k for k, o in zip(fkeys, ok_f) if o], pf[ok_f])
+            self.host.insert_swa([k for k, o in zip(sk, ok_s) if o], ps[ok_s], np.ones(int(ok_s.sum()), bool))
+            self.host.free(pf[~ok_f], ps[~ok_s])
+            h_full[fi[ok_f]] = pf[ok_f]
+            h_swa[si[ok_s]] = ps[ok_s]
+            self._l3_known.update(k for k, o in zip(fkeys, ok_f) if o)
+            self._l3_known.update(k for k, o in zip(sk, ok_s) if o)
+        else:
+            self.tier_counters["l2_store_failed"] += fi.size + si.size
+        c = self.tier_counters
+        c["l3_to_l2_full_pages"] += int(ok_f.sum())
+        c["l3_to_l2_swa_pages"] += int(ok_s.sum())
+        c["bytes_l3_read"] += (int(ok_f.sum()) * self.codec.nominal_bytes(AttnKind.FULL)
+                               + int(ok_s.sum()) * self.codec.nominal_bytes(AttnKind.SWA))
+        c["l3_clamped_pages"] += int((~ok_f).sum() + (~ok_s).sum())
+        origin[fi[~ok_f]] = 0
+        swa_src[si[~ok_s]] = 0
+
+    def _to_l1(self, tokens: np.ndarray, namespace: str, keys: list[bytes], origin: np.ndarray,
+               swa_src: np.ndarray, h_full: np.ndarray, h_swa: np.ndarray, l1_full: np.ndarray,
+               l1_swa: np.ndarray, deepest: TreeNode | None, L: int, lo: int,
+               skeys: dict[int, bytes]) -> None:
+        """L2 -> L1 for pages ``[n1, L)`` (full) and the window ``[lo, L)`` (SWA); insert."""
+        n1 = len(l1_full)
+        fi = np.arange(min(n1, L), L)
+        si = lo + np.flatnonzero(swa_src[lo:L] >= 2)
+        if fi.size == 0 and si.size == 0:
+            return
+        assert (origin[fi] >= 2).all() and (h_full[fi] >= 0).all() and (h_swa[si] >= 0).all()
+        keep_l1_swa = l1_swa[lo:min(n1, L)]
+        handle = self._lock_path(deepest, keep_l1_swa[keep_l1_swa >= 0])
+        self._protect = (set(h_full[fi].tolist()), set(h_swa[si].tolist()))
+        try:
+            got = self.pool.alloc(fi.size, si.size)
+            if got is None:
+                short = self.pool.shortfall(fi.size, si.size)
+                self.tree.evict(short[0], short[1], short[2])
+                got = self.pool.alloc(fi.size, si.size)
+            if got is None:
+                self.tier_counters["l1_load_failed"] += 1
+                return
+            nf, ns = got
+            self._copy(AttnKind.FULL, self.host, h_full[fi], self, nf)
+            self._copy(AttnKind.SWA, self.host, h_swa[si], self, ns)
+            full_ids = np.concatenate([l1_full[:min(n1, L)], nf]).astype(np.int32)
+            swa_ids = np.full(L, NO_PAGE, dtype=np.int32)
+            swa_ids[si] = ns
+            for p, i in zip(nf.tolist(), fi.tolist()):
+                self._l1_full_key[p] = keys[i]
+            for p, i in zip(ns.tolist(), si.tolist()):
+                self._l1_swa_key[p] = (keys[i], True)
+            self.tree.insert(tokens[:L * self.page_size], full_ids, swa_ids, namespace)
+            c = self.tier_counters
+            c["l2_to_l1_full_pages"] += fi.size
+            c["l2_to_l1_swa_pages"] += si.size
+            c["repair_swa_h2d_pages"] += int(np.count_nonzero(si < n1))
+            c["bytes_h2d"] += (fi.size * self.codec.nominal_bytes(AttnKind.FULL)
+                               + si.size * self.codec.nominal_bytes(AttnKind.SWA))
+        finally:
+            self._protect = (set(), set())
+            self.tree.unlock(handle)
+
+    def _lock_path(self, node: TreeNode | None, swa_pages: np.ndarray) -> LockHandle:
+        """Lock the L1 path to ``node`` (full KV) and pin ``swa_pages`` while a load
+        allocates (eviction must not free what the load relies on).  Like
+        :meth:`WindowSafeTree.lock` without its window requirement."""
+        tree = self.tree
+        if node is None:
+            return LockHandle(None)
+        n: TreeNode | None = node
+        while n is not None and n.parent is not None:
+            if n.lock == 0:
+                tree.protected_full_pages += n.n_pages
+            n.lock += 1
+            n = n.parent
+        pages = np.asarray(swa_pages, dtype=np.int32)
+        tree._pin(pages, +1)
+        return LockHandle(node, pages)
+
+    def _copy(self, kind: AttnKind, src: Any, src_pages: np.ndarray, dst: Any, dst_pages: np.ndarray) -> None:
+        """Copy pages of ``kind`` between L1 (``self``) and L2 (``self.host``) buffers."""
+        if len(src_pages) == 0:
+            return
+        sb, db = src.pool.buffers, dst.pool.buffers
+        if sb is None or db is None:
+            return
+        s, d = sb.of(kind), db.of(kind)
+        copy_pages(s.k, s.v, d.k, d.v, np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64),
+                   self.page_size, stream=self._stream)
+        if self._stream is not None:
+            self._stream.synchronize()  # the tree may hand the pages out right after
+
+    def _account(self, req: Request, keys: list[bytes], origin: np.ndarray) -> None:
+        h = req.prefix_len // self.page_size
+        src = np.ones(h, dtype=np.int8)
+        m = min(h, len(origin))
+        src[:m] = np.where(origin[:m] > 0, origin[:m], 1)
+        per = {f"l{t}_hit_tokens": int(np.count_nonzero(src == t)) * self.page_size for t in (1, 2, 3)}
+        req.extra["tiers"] = per
+        for k, v in per.items():
+            self.tier_counters[k] += v
+        if h:
+            with self._mutex:
+                self.host.lookup_full(keys[:h], touch=True)
+            if self.l3 is not None:  # repair 3: hot prefixes keep their L3 keys alive
+                served = [k for k, t in zip(keys[:h], src.tolist()) if t != 3]
+                served += [swa_key(k) for k in keys[max(0, h - self.spec.window_pages):h]]
+                self.l3.touch(served)
+
+    # ============================================================== finish
+    def finish(self, req: Request, cache: bool = True) -> int:
+        """End ``req`` (see :meth:`HybridKVCache.finish`); before the insert, register its
+        pages' keys for write-back and copy to L2 what the write policy (and repair
+        case 1) asks for."""
+        self._check_live(req)
+        if cache:
+            aligned = max(req.computed // self.page_size, req.tree_pages)
+            try:
+                with self._mutex:
+                    keys = self._page_keys(req.tokens, req.namespace, aligned, req.extra.get("page_keys"))
+                    self._register(req, aligned, keys)
+                    self._backup_at_finish(req, aligned, keys)
+            except Exception as exc:  # noqa: BLE001
+                self.tier_counters["tier_errors"] += 1
+                logger.warning("tier backup at finish failed (%s: %s)", type(exc).__name__, exc)
+        return super().finish(req, cache)
+
+    def _anchored(self, idx: np.ndarray, end: int) -> np.ndarray:
+        """Which page indices end a kept window: the tail before ``end`` or a checkpoint."""
+        wp, kp = self.spec.window_pages, self.tree.config.checkpoint_pages
+        out = idx >= end - wp
+        if kp:
+            out |= (idx % kp) >= kp - wp
+        return out
+
+    def _register(self, req: Request, aligned: int, keys: list[bytes]) -> None:
+        lo = req.tree_pages
+        for p, k in zip(req.full_pages[lo:aligned].tolist(), keys[lo:aligned]):
+            self._l1_full_key[p] = k
+        swa = req.swa_pages[lo:aligned]
+        idx = lo + np.flatnonzero(swa >= 0)
+        for p, i, a in zip(req.swa_pages[idx].tolist(), idx.tolist(), self._anchored(idx, aligned).tolist()):
+            self._l1_swa_key[p] = (keys[i], a)
+
+    def _backup_at_finish(self, req: Request, aligned: int, keys: list[bytes]) -> None:
+        through = self.tiers.write_policy == "write_through"
+        have_full = self.host.lookup_full(keys[:aligned]) >= 0
+        if through:
+            fi = np.flatnonzero(~have_full)
+            self._store_l2(AttnKind.FULL, req.full_pages[fi], [keys[i] for i in fi], None)
+            have_full[:] = True
+        idx = np.flatnonzero(req.swa_pages[:aligned] >= 0)
+        if not through:  # repair case 1: only where the host already holds the full KV
+            idx = idx[have_full[idx]]
+        if idx.size == 0:
+            return
+        sk = [swa_key(keys[i]) for i in idx]
+        missing = self.host.lookup_swa(sk) < 0
+        idx = idx[missing]
+        if not through:
+            self.tier_counters["repair_swa_d2h_pages"] += idx.size
+        self._store_l2(AttnKind.SWA, req.swa_pages[idx], [k for k, m in zip(sk, missing) if m],
+                       self._anchored(idx, aligned))
+
+    def _store_l2(self, kind: AttnKind, l1_pages: np.ndarray, keys: list[bytes],
+                  anchored: np.ndarray | None) -> None:
+        """Copy L1 pages to new L2 pages (D2H), index them, queue their L3 write."""
+        n = len(keys)
+        if n == 0:
+            return
+        pf, ps = self._protect
+        got = self.host.alloc(n if kind is AttnKind.FULL else 0, n if kind is AttnKind.SWA else 0,
+                              protect=pf, protect_swa=ps)
+        if got is None:
+            self.tier_counters["l2_store_failed"] += n
+            return
+        hp = got[0] if kind is AttnKind.FULL else got[1]
+        self._copy(kind, self, l1_pages, self.host, hp)
+        if kind is AttnKind.FULL:
+            self.host.insert_full(keys, hp)
+        else:
+            self.host.insert_swa(keys, hp, anchored if anchored is not None else np.ones(n, bool))
+        c = self.tier_counters
+        c["l1_to_l2_full_pages" if kind is AttnKind.FULL else "l1_to_l2_swa_pages"] += n
+        c["bytes_d2h"] += n * self.codec.nominal_bytes(kind)
+        if self.l3 is None:
+            return
+        sel = np.ones(n, bool)
+        if kind is AttnKind.SWA and self.tiers.l3_swa == "anchored" and anchored is not None:
+            sel = np.asarray(anchored, bool).copy()
+        sel &= np.fromiter((k not in self._l3_known for k in keys), bool, count=n)
+        if not sel.any():
+            return
+        wk = [k for k, s in zip(keys, sel) if s]
+        values = self.codec.encode(kind, wk, hp[sel])  # snapshot now: the L2 page may be reused
+        if self.l3.put_async(wk, values):
+            self._l3_known.update(wk)
+            if len(self._l3_known) > 4_000_000:
+                self._l3_known.clear()  # bounded; only redundant writes result
+            c["bytes_l3_written"] += len(wk) * self.codec.nominal_bytes(kind)
+
+    def _on_l1_free(self, kind: AttnKind, pages: np.ndarray) -> None:
+        """The L1 tree frees ``pages``: drop their keys, back them up first under write-back."""
+        try:
+            with self._mutex:
+                if kind is AttnKind.FULL:
+                    keys = [self._l1_full_key.pop(p, None) for p in pages.tolist()]
+                    anchored = None
+                else:
+                    pairs = [self._l1_swa_key.pop(p, None) for p in pages.tolist()]
+                    keys = [None if x is None else swa_key(x[0]) for x in pairs]
+                    anchored = np.array([bool(x and x[1]) for x in pairs], dtype=bool)
+                if self.tiers.write_policy != "write_back":
+                    return
+                sel = np.array([k is not None for k in keys], dtype=bool)
+                if not sel.any():
+                    return
+                ks = [k for k in keys if k is not None]
+                have = (self.host.lookup_full(ks) if kind is AttnKind.FULL else self.host.lookup_swa(ks)) >= 0
+                idx = np.flatnonzero(sel)[~have]
+                self._store_l2(kind, pages[idx], [keys[i] for i in idx],
+                               None if anchored is None else anchored[idx])
+        except Exception as exc:  # noqa: BLE001 - freeing must go on; the backup is best effort
+            self.tier_counters["tier_errors"] += 1
+            logger.warning("L1 -> L2 backup failed (%s: %s); pages dropped", type(exc).__name__, exc)
+
+    # ============================================================== misc
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait for queued L3 writes/touches; False on timeout (or True without L3)."""
+        return True if self.l3 is None else self.l3.flush(timeout_s)
+
+    def close(self) -> None:
+        """Stop the L3 worker (after draining) and close a backend opened from a URL."""
+        if self.l3 is not None:
+            self.l3.close()
+        if self._owns_backend and self._backend is not None:
+            self._backend.close()
+
+    def stats(self) -> dict[str, Any]:
+        """L1 stats plus tier counters, ``l2_*`` host figures and ``l3_*`` manager/backend counters."""
+        out = super().stats()
+        out.update(self.tier_counters)
+        out.update({f"l2_{k}": v for k, v in self.host.stats().items()})
+        if self.l3 is not None:
+            out.update(self.l3.stats())
+            out.update({f"l3_backend_{k}": v for k, v in self._backend.stats().items()})
+        return out
+
+    def check_invariants(self) -> None:
+        """L1 ownership, L2 accounting, and: every page the L1 tree holds has a
+        registered key (so write-back can name it), no registered page is free."""
+        super().check_invariants()
+        self.host.check_invariants()
+        tree_full = {int(p) for nd in self.tree.iter_nodes() for p in nd.full.tolist()}
+        assert set(self._l1_full_key) == tree_full, "L1 full pages and registered keys differ"
+        tree_swa = {int(p) for nd in self.tree.iter_nodes() for p in nd.swa[nd.swa >= 0].tolist()}
+        assert set(self._l1_swa_key) == tree_swa, "L1 SWA pages and registered keys differ"
+
+
+def _prefix_true(mask: np.ndarray) -> int:
+    """Length of the leading run of True in ``mask``.  O(n) numpy."""
+    bad = np.flatnonzero(~mask)
+    return int(bad[0]) if bad.size else int(mask.size)
+
+
+def _window_safe(swa_ok: np.ndarray, window_pages: int) -> int:
+    """Largest ``l <= len(swa_ok)`` whose last ``window_pages`` pages have SWA (0 always safe)."""
+    if swa_ok.size == 0:
+        return 0
+    return window_safe_pages([np.where(swa_ok, 0, NO_PAGE).astype(np.int32)], window_pages)

@@ -1,0 +1,283 @@
+"""TieredCache: hits across L1/L2/L3 with a page-content oracle, write policies,
+the four consistency-repair cases, clamping to what was actually loaded."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from hybridkv import AttnKind, CacheConfig, ModelSpec
+from hybridkv.spec import KVShape
+from hybridkv.tiers.payload import swa_key
+from hybridkv.tiers.storage import open_backend
+from hybridkv.tiers.tiered import TierConfig, TieredCache
+
+SPEC = ModelSpec("tiny-tier", ("full", "swa", "swa"), 8, KVShape(1, 4, 4), KVShape(2, 4, 4),
+                 dtype="float32", page_size=4)
+FPB, SPB = SPEC.bytes_per_page("full"), SPEC.bytes_per_page("swa")
+W = SPEC.window
+
+
+def values(tokens: np.ndarray) -> np.ndarray:
+    """KV value of each position: a chained function of the whole prefix (exact in float32)."""
+    out = np.empty(len(tokens), dtype=np.float64)
+    acc = 7
+    for i, t in enumerate(tokens.tolist()):
+        acc = (acc * 131 + t + 1) % 1_000_003
+        out[i] = acc
+    return out
+
+
+def run(cache: TieredCache, tokens: np.ndarray, ns: str = "default") -> dict[str, Any]:
+    """Drive one prompt; check that every hit position reads the right KV."""
+    req = cache.begin(tokens, ns)
+    h = req.prefix_len
+    v = values(tokens)
+    buf = cache.pool.buffers
+    if h:
+        fs = cache.full_slots(req, 0, h)
+        assert np.array_equal(buf.full.k[:, fs].mean(dim=(2, 3)).numpy(), np.tile(v[:h], (1, 1))), "full KV"
+        ss = cache.swa_slots(req, max(0, h - W), h)
+        got = buf.swa.v[:, ss].mean(dim=(2, 3)).numpy()
+        assert np.array_equal(got, np.tile(-v[max(0, h - W):h], (2, 1))), "SWA KV"
+    n = len(tokens) - req.computed
+    full, swa = cache.allocate(req, n)
+    new = v[req.computed:req.computed + n]
+    buf.full.k[:, full] = torch.tensor(new, dtype=buf.full.k.dtype)[None, :, None, None]
+    buf.swa.v[:, swa] = torch.tensor(-new, dtype=buf.swa.v.dtype)[None, :, None, None]
+    cache.commit(req, n)
+    tiers = dict(req.extra["tiers"])
+    cache.finish(req)
+    cache.check_invariants()
+    return {"hit": h, **tiers}
+
+
+def make(tmp_path: Path | None = None, *, l1_pages: int = 12, l2_pages: int = 200, l3: Any = None,
+         policy: str = "write_through", checkpoint: int = 0, **kw: Any) -> TieredCache:
+    return TieredCache(SPEC, CacheConfig(budget_bytes=l1_pages * (FPB + SPB), device="cpu",
+                                         swa_checkpoint=checkpoint),
+                       tiers=TierConfig(l2_bytes=l2_pages * (FPB + SPB), l3=l3, write_policy=policy, **kw))
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_l2_serves_what_l1_evicted_with_right_content(policy):
+    cache = make(policy=policy)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 5000, 41) for _ in range(5)]
+    first = [run(cache, p) for p in prompts]
+    assert all(r["hit"] == 0 for r in first)
+    second = [run(cache, p) for p in prompts]
+    assert all(r["hit"] == 40 for r in second)  # ((41 - 1) // 4) pages
+    st = cache.stats()
+    assert st["l2_hit_tokens"] > 0 and st["tier_errors"] == 0
+    assert st["l1_hit_tokens"] + st["l2_hit_tokens"] + st["l3_hit_tokens"] == st["hit_tokens"]
+    assert st["bytes_h2d"] > 0 and st["bytes_d2h"] > 0
+    if policy == "write_back":  # nothing reached L2 before L1 had to evict it
+        assert st["l1_to_l2_full_pages"] <= st["evicted_tokens"] // SPEC.page_size
+
+
+def test_without_l2_room_the_l1_answer_stands():
+    cache = make(l2_pages=1)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 5000, 41) for _ in range(5)]
+    for p in prompts * 2:
+        run(cache, p)
+    assert cache.stats()["tier_errors"] == 0
+
+
+def test_repair_host_swa_completes_device_window():
+    """Case 2: L1 has the full KV of a prefix but its SWA was evicted; L2 has the SWA."""
+    cache = make(l1_pages=40)
+    rng = np.random.default_rng(3)
+    p = rng.integers(0, 5000, 33)
+    run(cache, p)
+    # drop every SWA page in L1 (full KV stays): the tree evicts SWA before full
+    cache.tree.evict(swa_pages=cache.tree.evictable_swa_pages())
+    assert cache.tree.swa_pages_cached == 0 and cache.tree.full_pages_cached > 0
+    assert cache.match(p).length == 0  # L1 alone: no window, no hit
+    r = run(cache, p)
+    assert r["hit"] == 32 and r["l1_hit_tokens"] == 32
+    assert cache.stats()["repair_swa_h2d_pages"] >= SPEC.window_pages
+
+
+def test_repair_device_swa_backed_up_at_prefill_end():
+    """Case 1 (write-back): the host holds a prefix's full KV but not its SWA;
+    prefill end copies the device's SWA down."""
+    cache = make(l1_pages=40, policy="write_back")
+    rng = np.random.default_rng(4)
+    p = rng.integers(0, 5000, 33)
+    run(cache, p)
+    keys = cache._page_keys(p, "default", 8)
+    # put the full KV into L2 only (as an earlier write-back of full pages would)
+    pages = np.array([cache.tree.iter_nodes().__next__().full[i] for i in range(8)])
+    cache._store_l2(AttnKind.FULL, pages, keys, None)
+    assert (cache.host.lookup_swa([swa_key(k) for k in keys]) < 0).all()
+    q = np.concatenate([p, rng.integers(0, 5000, 8)])
+    run(cache, q)
+    assert cache.stats()["repair_swa_d2h_pages"] > 0
+    have = cache.host.lookup_swa([swa_key(k) for k in keys]) >= 0
+    assert have[-SPEC.window_pages:].all()
+
+
+class CountingBackend:
+    """A real file backend that records touches and can drop values on read."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.touched: list[bytes] = []
+        self.vanish_on_get = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def exists(self, keys):  # noqa: ANN001, ANN201
+        return self.inner.exists(keys)
+
+    def get(self, keys):  # noqa: ANN001, ANN201
+        if self.vanish_on_get:  # evicted between exists() and get()
+            self.inner.delete(keys)
+        return self.inner.get(keys)
+
+    def get_into(self, keys, buffers):  # noqa: ANN001, ANN201
+        return self.inner.get_into(keys, buffers)
+
+    def put(self, keys, values):  # noqa: ANN001, ANN201
+        return self.inner.put(keys, values)
+
+    def touch(self, keys):  # noqa: ANN001, ANN201
+        self.touched.extend(keys)
+        return self.inner.touch(keys)
+
+    def delete(self, keys):  # noqa: ANN001, ANN201
+        return self.inner.delete(keys)
+
+    def stats(self):  # noqa: ANN201
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_l3_survives_restart_and_content_is_real(tmp_path):
+    url = f"file://{tmp_path / 'l3'}"
+    a = make(l3=url)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 5000, 41) for _ in range(3)]
+    for p in prompts:
+        run(a, p)
+    assert a.flush(10)
+    assert a.stats()["l3_write_pages_ok"] > 0
+    a.close()
+    b = make(l3=url)  # fresh L1 and L2: only L3 remembers
+    res = [run(b, p) for p in prompts]
+    assert all(r["hit"] == 40 and r["l3_hit_tokens"] == 40 for r in res)
+    st = b.stats()
+    assert st["bytes_l3_read"] > 0 and st["l3_backend_corrupt"] == 0
+    b.close()
+
+
+def test_l3_value_gone_between_exists_and_get_is_a_clamped_miss(tmp_path):
+    backend = CountingBackend(open_backend(f"file://{tmp_path / 'l3'}"))
+    a = make(l3=backend)
+    rng = np.random.default_rng(6)
+    p = rng.integers(0, 5000, 41)
+    run(a, p)
+    a.flush(10)
+    a.close()
+    backend.vanish_on_get = True
+    b = make(l3=backend)
+    r = run(b, p)  # content checked inside run(): never garbage
+    assert r["hit"] == 0 and b.stats()["l3_clamped_pages"] > 0
+    b.close()
+
+
+def test_corrupt_l3_value_is_never_served(tmp_path):
+    url = f"file://{tmp_path / 'l3'}"
+    a = make(l3=url)
+    rng = np.random.default_rng(7)
+    p = rng.integers(0, 5000, 41)
+    run(a, p)
+    a.flush(10)
+    a.close()
+    for f in (tmp_path / "l3").rglob("*"):
+        if f.is_file() and f.stat().st_size > 64:
+            data = bytearray(f.read_bytes())
+            data[-5] ^= 0xFF
+            f.write_bytes(bytes(data))
+    b = make(l3=url)
+    r = run(b, p)
+    assert r["hit"] < 40 and b.stats()["l3_backend_corrupt"] > 0
+    b.close()
+
+
+def test_repair_hot_prefix_touches_l3_rate_limited(tmp_path):
+    """Case 3: prefixes served from L1/L2 touch their L3 keys, at most once per interval."""
+    backend = CountingBackend(open_backend(f"file://{tmp_path / 'l3'}"))
+    cache = make(l1_pages=40, l3=backend, touch_interval_s=3600)
+    rng = np.random.default_rng(8)
+    p = rng.integers(0, 5000, 41)
+    run(cache, p)
+    run(cache, p)
+    cache.flush(10)
+    keys = cache._page_keys(p, "default", 10)
+    assert set(keys) <= set(backend.touched)
+    n = len(backend.touched)
+    run(cache, p)  # within the interval: no second touch
+    cache.flush(10)
+    assert len(backend.touched) == n and cache.stats()["l3_touches_skipped"] > 0
+    cache.close()
+
+
+def test_repair_checkpoints_apply_in_l3(tmp_path):
+    """Case 4: only tail and checkpoint SWA windows go to L3; a later prompt that
+    ends between them is served up to the checkpoint."""
+    url = f"file://{tmp_path / 'l3'}"
+    a = TieredCache(SPEC, CacheConfig(budget_bytes=60 * (FPB + SPB), device="cpu", swa_checkpoint=16,
+                                      retention="dense"),
+                    tiers=TierConfig(l2_bytes=200 * (FPB + SPB), l3=url))
+    rng = np.random.default_rng(9)
+    p = rng.integers(0, 5000, 49)  # 12 pages; checkpoints every 4 pages
+    run(a, p)
+    a.flush(10)
+    st = a.stats()
+    assert st["l1_to_l2_swa_pages"] == 12  # dense retention: L2 gets every SWA page
+    assert st["l3_write_pages_ok"] < 12 + 12  # but L3 only the anchored SWA pages
+    a.close()
+    b = make(l1_pages=60, l3=url, checkpoint=16)
+    q = np.concatenate([p[:40], rng.integers(0, 5000, 9)])  # diverges inside page 10
+    r = run(b, q)
+    assert r["hit"] == 32 and r["l3_hit_tokens"] == 32  # page 8 = checkpoint at 32 tokens
+    b.close()
+
+
+def test_l3_down_degrades_to_l1_l2(caplog):
+    from .conftest import free_port
+    pytest.importorskip("redis", reason="redis-py is not installed (pip install 'hybridkv[redis]')")
+    url = f"redis://127.0.0.1:{free_port()}/0?socket_connect_timeout=0.2&socket_timeout=0.2"
+    cache = make(l3=url, l3_timeout_s=2.0)
+    rng = np.random.default_rng(10)
+    prompts = [rng.integers(0, 5000, 41) for _ in range(4)]
+    with caplog.at_level(logging.WARNING):
+        res = [run(cache, p) for p in prompts * 2]
+    assert [r["hit"] for r in res[4:]] == [40] * 4
+    st = cache.stats()
+    assert st["tier_errors"] == 0 and (st["l3_backend_errors"] + st["l3_backend_skipped"]) > 0
+    cache.close()
+
+
+def test_tier_config_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="l2_bytes"):
+        TierConfig(l2_bytes=0)
+    with pytest.raises(TypeError, match="l2_bytes"):
+        TierConfig(l2_bytes=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="write_policy"):
+        TierConfig(l2_bytes=10, write_policy="sometimes")
+    with pytest.raises(TypeError, match="l3"):
+        TierConfig(l2_bytes=10, l3=42)
+    with pytest.raises(TypeError, match="tiers"):
+        TieredCache(SPEC, CacheConfig(budget_bytes=40 * (FPB + SPB)), tiers=None)  # type: ignore[arg-type]
