@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--budgets", type=_budgets, default=None, help="GB budgets to sweep, e.g. 59,150,594")
     r.add_argument("--check-every", type=int, default=0, help="check invariants every N requests")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _tier_args(r)
 
     v = sub.add_parser("verify", help="reference model through the cache vs a dense forward")
     v.add_argument("trace", nargs="?", default=None, help="trace (default: the bundled Mooncake sample)")
@@ -102,6 +103,25 @@ def _load(args: argparse.Namespace) -> tuple[list, str]:
     return load_trace(path, limit=limit), path
 
 
+def _tier_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--l2-gb", type=_positive_float, default=None,
+                    help="L2 host tier budget in GB (enables tiers for the hybridkv system)")
+    sp.add_argument("--l3", default=None, metavar="URL",
+                    help="L3 storage backend URL (file:///dir, redis://host:port/db, ...; needs --l2-gb)")
+    sp.add_argument("--write-policy", default="write_through", choices=("write_through", "write_back"),
+                    help="L1 -> L2 write policy (default write_through)")
+
+
+def _tier_config(args: argparse.Namespace) -> Any:
+    if getattr(args, "l2_gb", None) is None:
+        if getattr(args, "l3", None):
+            raise ValueError("--l3 needs --l2-gb (L3 loads go through the L2 host tier)")
+        return None
+    from .tiers.tiered import TierConfig
+    return TierConfig(l2_bytes=int(args.l2_gb * _GB), l3=args.l3, write_policy=args.write_policy,
+                      l3_timeout_s=60.0)
+
+
 def _replay(args: argparse.Namespace) -> int:
     from .replay import SYSTEMS, replay, stderr_progress
 
@@ -119,7 +139,7 @@ def _replay(args: argparse.Namespace) -> int:
         progress = None if (args.no_progress or not sys.stderr.isatty()) else stderr_progress(f"{gb:g} GB")
         out = replay(requests, spec, int(gb * _GB), systems=systems, swa_checkpoint=args.swa_checkpoint,
                      chunk=args.chunk, extension_rule=not args.no_extension_rule, progress=progress,
-                     check_every=args.check_every)
+                     check_every=args.check_every, tiers=_tier_config(args))
         out["trace"] = path
         out["hbm_gb"] = gb
         runs.append(_flatten(out))

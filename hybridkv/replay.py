@@ -75,6 +75,8 @@ class ReplayStats:
         for key in ("full_pool_tokens", "swa_pool_tokens", "cached_tokens", "cached_swa_tokens",
                     "evicted_tokens", "evicted_swa_tokens"):
             out[key] = st.get(key, 0)
+        if hasattr(self.cache, "tier_counters"):  # TieredCache (--l2-gb / --l3)
+            out.update(tier_summary(st))
         for name, values in (("match_us", self.match_us), ("begin_us", self.begin_us),
                              ("request_ops_us", self.request_us)):
             arr = np.asarray(values) if values else np.zeros(1)
@@ -109,18 +111,19 @@ def run_request(cache: HybridKVCache, tokens: np.ndarray, namespace: str, chunk:
 def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int, *,
            systems: Iterable[str] = SYSTEMS, swa_checkpoint: int = 16384, chunk: int = 8192,
            extension_rule: bool = True, progress: Callable[[int, int], None] | None = None,
-           check_every: int = 0) -> dict[str, Any]:
+           check_every: int = 0, tiers: Any = None) -> dict[str, Any]:
     """Replay ``requests`` through each system in lockstep; returns a JSON-able dict.
 
     ``check_every > 0`` runs every cache's ``check_invariants()`` that often.
+    ``tiers`` (a :class:`hybridkv.tiers.TierConfig`) gives the ``hybridkv``
+    system L2/L3 tiers; its summary then has per-tier hit tokens and bytes moved.
     """
     if not isinstance(budget_bytes, (int, np.integer)) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     systems = list(systems)
-    caches = {s: HybridKVCache(spec, system_config(s, spec, budget_bytes, swa_checkpoint=swa_checkpoint))
-              for s in systems}
+    caches = {s: _make_cache(s, spec, budget_bytes, swa_checkpoint, tiers) for s in systems}
     stats = {s: ReplayStats(s, cache=caches[s]) for s in systems}
     mat = TokenMaterializer(extension_rule=extension_rule)
     bound = PrefixBound(spec.page_size)
@@ -139,6 +142,9 @@ def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int,
                 caches[s].check_invariants()
         if progress is not None:
             progress(i + 1, total)
+    for c in caches.values():
+        if hasattr(c, "close"):  # TieredCache: drain L3 writes so its counters are final
+            c.close()
     elapsed = time.perf_counter() - t0
     out: dict[str, Any] = {
         "model": spec.name, "page_size": spec.page_size, "budget_bytes": int(budget_bytes),
@@ -152,6 +158,30 @@ def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int,
     out["systems"] = {s: stats[s].summary(input_tokens) for s in systems}
     if "hybridkv" in caches:
         out["metadata_bytes_per_cached_token"] = metadata_bytes_per_token(caches["hybridkv"])
+    return out
+
+
+def _make_cache(system: str, spec: ModelSpec, budget_bytes: int, swa_checkpoint: int,
+                tiers: Any) -> HybridKVCache:
+    config = system_config(system, spec, budget_bytes, swa_checkpoint=swa_checkpoint)
+    if tiers is None or system != "hybridkv":
+        return HybridKVCache(spec, config)
+    from .tiers.tiered import TieredCache
+    return TieredCache(spec, config, tiers=tiers)
+
+
+_TIER_KEYS = ("l1_hit_tokens", "l2_hit_tokens", "l3_hit_tokens", "bytes_h2d", "bytes_d2h",
+              "bytes_l3_read", "bytes_l3_written", "l3_clamped_pages", "tier_errors")
+
+
+def tier_summary(st: dict[str, Any]) -> dict[str, Any]:
+    """Per-tier figures of a TieredCache's ``stats()`` (bytes are what the real model moves)."""
+    out = {k: st.get(k, 0) for k in _TIER_KEYS}
+    out["bytes_moved"] = out["bytes_h2d"] + out["bytes_d2h"] + out["bytes_l3_read"] + out["bytes_l3_written"]
+    out["l3_backend"] = {k[len("l3_backend_"):]: v for k, v in st.items() if k.startswith("l3_backend_")}
+    out["l3_manager"] = {k: v for k, v in st.items() if k.startswith("l3_") and not k.startswith("l3_backend_")
+                         and k not in _TIER_KEYS}
+    out["l2"] = {k[3:]: v for k, v in st.items() if k.startswith("l2_") and k not in _TIER_KEYS}
     return out
 
 
