@@ -301,16 +301,30 @@ class WindowSafeTree:
         return MatchResult(safe * self.page_size, raw_pages * self.page_size, full, swa, node)
 
     def _touch(self, node: TreeNode, now: int) -> None:
+        # Recency only: heap entries are refreshed lazily when popped (see _pop).
         node.last_access = now
-        entry = (now, node.nid, node)
-        if not node.children and node.lock == 0:
+
+    def _enqueue(self, node: TreeNode, leaf: bool = True, swa: bool = True) -> None:
+        """Make sure ``node`` has heap entries after a state change that can make
+        it evictable (new leaf, unlocked, lost a child, gained SWA)."""
+        entry = (node.last_access, node.nid, node)
+        if leaf and not node.children and node.lock == 0:
             heapq.heappush(self._leaf_heap, entry)
-        if node.swa_valid and self.config.swa_eviction != "none":
+        if swa and node.swa_valid and self.config.swa_eviction != "none":
             heapq.heappush(self._swa_heap, entry)
             if self.config.swa_eviction == "page":
                 heapq.heappush(self._anchor_heap, entry)
         if max(len(self._swa_heap), len(self._leaf_heap)) > 4 * self.num_nodes + 4096:
             self._rebuild_heaps()
+
+    @staticmethod
+    def _fresh(heap: list, t: int, node: TreeNode) -> bool:
+        """True if a popped entry is current; a stale one is pushed back with the
+        node's current recency (lazy LRU: touching a node costs O(1))."""
+        if t == node.last_access:
+            return True
+        heapq.heappush(heap, (node.last_access, node.nid, node))
+        return False
 
     def _rebuild_heaps(self) -> None:
         leaves, swa = [], []
@@ -345,11 +359,7 @@ class WindowSafeTree:
         upper.children[node.key[:self.page_size].tobytes()] = node
         node.parent = upper
         self.num_nodes += 1  # a locked node's halves stay locked: protected count unchanged
-        if upper.swa_valid:
-            entry = (upper.last_access, upper.nid, upper)
-            heapq.heappush(self._swa_heap, entry)
-            if self.config.swa_eviction == "page":
-                heapq.heappush(self._anchor_heap, entry)
+        self._enqueue(upper, leaf=False)
 
     # ================================================================ insert
     def insert(self, key: object, full_pages: object, swa_pages: object,
@@ -403,6 +413,7 @@ class WindowSafeTree:
                 child.swa_valid += got
                 self.swa_pages_cached += got
                 adopted += got
+                self._enqueue(child, leaf=False)
                 if self.listeners:
                     self._emit("swa_store", child)
             drop_swa.append(ours_s[have & mine & (ours_s != child.swa)])
@@ -417,7 +428,9 @@ class WindowSafeTree:
             self.num_nodes += 1
             self.full_pages_cached += new_pages
             self.swa_pages_cached += leaf.swa_valid
-            self._touch(leaf, now)
+            self._enqueue(leaf)
+            if node is not root:
+                self._enqueue(node, leaf=False)  # its tail is no longer a leaf tail
             node = leaf
             if self.listeners:
                 self._emit("store", leaf)
@@ -461,19 +474,16 @@ class WindowSafeTree:
         if node is None:
             return
         self._pin(handle.swa_pages, -1)
+        window = self.config.window_pages
         n: TreeNode | None = node
         while n is not None and n.parent is not None:
             n.lock -= 1
             assert n.lock >= 0
             if n.lock == 0:
                 self.protected_full_pages -= n.n_pages
-                if not n.children:
-                    heapq.heappush(self._leaf_heap, (n.last_access, n.nid, n))
-            if n.swa_valid and self.config.swa_eviction != "none":
-                entry = (n.last_access, n.nid, n)
-                heapq.heappush(self._swa_heap, entry)
-                if self.config.swa_eviction == "page":
-                    heapq.heappush(self._anchor_heap, entry)
+            # pins were released on the window nodes: their SWA may be evictable now
+            self._enqueue(n, leaf=n.lock == 0, swa=window > 0)
+            window -= n.n_pages
             n = n.parent
 
     def _window_pages(self, node: TreeNode) -> np.ndarray:
@@ -569,8 +579,9 @@ class WindowSafeTree:
         heap = self._leaf_heap
         while heap:
             t, _, node = heapq.heappop(heap)
-            if (not node.alive or node.children or node.lock or t != node.last_access
-                    or node.parent is None):
+            if not node.alive or node.children or node.lock or node.parent is None:
+                continue
+            if not self._fresh(heap, t, node):
                 continue
             parent = node.parent
             freed_f.append(node.full)
@@ -586,8 +597,8 @@ class WindowSafeTree:
                 self._emit("remove", node)
             node.key = None  # type: ignore[assignment]
             node.parent = None
-            if parent.parent is not None and not parent.children and parent.lock == 0:
-                heapq.heappush(heap, (parent.last_access, parent.nid, parent))
+            if parent.parent is not None:
+                self._enqueue(parent)  # may be a leaf now; its tail became a leaf tail
             return got
         return 0, 0
 
@@ -598,7 +609,7 @@ class WindowSafeTree:
         heap = self._anchor_heap if anchored else self._swa_heap
         while heap:
             t, _, node = heapq.heappop(heap)
-            if not node.alive or not node.swa_valid or t != node.last_access:
+            if not node.alive or not node.swa_valid or not self._fresh(heap, t, node):
                 continue
             valid = node.swa >= 0
             pinned = self._pinned(node.swa)
