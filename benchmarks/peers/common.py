@@ -108,22 +108,30 @@ class OpTimes:
 
     ``match``: prefix lookup; ``alloc``: allocation of the uncached suffix,
     eviction included, summed over prefill chunks; ``insert``: caching the
-    prompt and freeing the request.  ``total`` is their sum per request.
+    prompt and freeing the request.  ``op`` is their sum per request.
+    ``kernel``: the part of ``alloc`` spent in a CPU stand-in for a peer's
+    GPU allocation kernel (SGLang's paged ``alloc_extend``);
+    ``op_excl_kernel`` leaves it out, so a peer is not charged for running
+    its GPU path on a CPU.
     """
 
     match: list[float] = field(default_factory=list)
     alloc: list[float] = field(default_factory=list)
     insert: list[float] = field(default_factory=list)
+    kernel: list[float] = field(default_factory=list)
 
-    def add(self, match_s: float, alloc_s: float, insert_s: float) -> None:
+    def add(self, match_s: float, alloc_s: float, insert_s: float, kernel_s: float = 0.0) -> None:
         self.match.append(match_s * 1e6)
         self.alloc.append(alloc_s * 1e6)
         self.insert.append(insert_s * 1e6)
+        self.kernel.append(kernel_s * 1e6)
 
     def summary(self) -> dict[str, float]:
         out: dict[str, float] = {}
         cols = {"match": self.match, "alloc": self.alloc, "insert": self.insert}
         cols["op"] = [a + b + c for a, b, c in zip(self.match, self.alloc, self.insert)]
+        cols["kernel"] = self.kernel
+        cols["op_excl_kernel"] = [o - k for o, k in zip(cols["op"], self.kernel)]
         for name, values in cols.items():
             arr = np.asarray(values, dtype=np.float64) if values else np.zeros(1)
             out[f"{name}_us_p50"] = float(np.percentile(arr, 50))
@@ -158,22 +166,27 @@ class Run:
     t0: float = field(default_factory=time.perf_counter)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    peak_rss: int = 0
+
     def record(self, prompt_len: int, hit: int) -> None:
         self.requests += 1
         self.input_tokens += prompt_len
         self.hit_tokens += hit
+        if self.requests % 16 == 1:  # sampled: ru_maxrss would include import-time peaks
+            self.peak_rss = max(self.peak_rss, rss_bytes())
 
     def result(self, kv_buffer_bytes: int = 0) -> dict[str, Any]:
-        """The JSON record.  ``peak_metadata_mb``: peak RSS growth from before
-        the cache was built, minus KV buffers the peer allocates for real
-        (an upper bound on metadata: it also holds allocator slack)."""
+        """The JSON record.  ``peak_metadata_mb``: peak resident-set growth
+        (sampled every 16 requests and at the end) from before the cache was
+        built, minus KV buffers the peer allocates for real: an upper bound on
+        metadata (it also holds allocator slack and transient request objects)."""
         out: dict[str, Any] = {
             "system": self.system, "budget_gb": self.budget_gb, "requests": self.requests,
             "input_tokens": self.input_tokens, "hit_tokens": self.hit_tokens,
             "token_hit_rate": self.hit_tokens / max(1, self.input_tokens),
             "prefill_tokens_saved": self.hit_tokens, "rejected_requests": self.rejected,
             "replay_s": time.perf_counter() - self.t0,
-            "peak_metadata_mb": max(0, peak_rss_bytes() - self.rss_before - kv_buffer_bytes) / 2**20,
+            "peak_metadata_mb": max(0, max(self.peak_rss, rss_bytes()) - self.rss_before - kv_buffer_bytes) / 2**20,
         }
         out.update(self.times.summary())
         out.update(self.extra)

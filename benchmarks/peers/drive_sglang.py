@@ -43,6 +43,26 @@ import torch  # noqa: E402
 SWA_RATIO = 0.8  # SGLang's default --swa-full-tokens-ratio
 
 
+def _cpu_extend_path() -> None:
+    """SGLang 0.5.20 always launches its Triton ``alloc_extend_kernel``, which
+    cannot run without a GPU; it ships ``alloc_extend_naive``, the same
+    computation in torch, which 0.5.23 dispatches to on CPU.  Route 0.5.20's
+    launch to it (0.5.23 needs nothing)."""
+    import sglang.srt.mem_cache.allocator.paged as paged
+
+    if "use_triton_kernels" in paged.PagedTokenToKVPoolAllocator.alloc_extend.__code__.co_names:
+        return
+
+    class _NaiveLaunch:
+        def __getitem__(self, grid: object) -> Callable[..., None]:
+            def launch(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
+                       free_pages: torch.Tensor, out: torch.Tensor, _bs_pow2: int, page: int) -> None:
+                paged.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out, page, out.device)
+            return launch
+
+    paged.alloc_extend_kernel = _NaiveLaunch()
+
+
 def _server_args() -> None:
     """Publish default server args (scheduler helpers read config bags)."""
     try:
@@ -90,6 +110,7 @@ class Flow:
 
         self._Req, self._Sampling, self._Finish = Req, SamplingParams, FINISH_LENGTH
         self._rid = 0
+        self.kernel_s = 0.0  # time inside alloc_extend (a Triton kernel on GPU, torch here)
 
     def kv_buffer_bytes(self) -> int:
         """Bytes of the (tiny) KV tensors SGLang really allocates: not metadata."""
@@ -147,7 +168,10 @@ class Flow:
             evict_from_tree_cache(self.cache, need)
         last = int(self.req_to_token.req_to_token[idx, start - 1]) if start else -1
         pl, sl = torch.tensor([start], dtype=torch.int64), torch.tensor([end], dtype=torch.int64)
-        return self.alloc.alloc_extend(pl, pl, sl, sl, torch.tensor([last], dtype=torch.int64), n)
+        t0 = time.perf_counter()
+        out = self.alloc.alloc_extend(pl, pl, sl, sl, torch.tensor([last], dtype=torch.int64), n)
+        self.kernel_s += time.perf_counter() - t0
+        return out
 
     def _checkpoint(self, req: Any, start: int, end: int) -> None:
         if self.flavour == "unified":
@@ -186,6 +210,7 @@ def drive(seqs: Sequences, flavour: str, budget_gb: float, chunk: int) -> dict[s
     clock: Callable[[], float] = time.perf_counter
     for tokens, ns in seqs:
         req = flow.new_req(tokens, ns)  # request object construction is not a cache operation
+        flow.kernel_s = 0.0
         t0 = clock()
         hit = flow.match(req)
         t1 = clock()
@@ -195,7 +220,7 @@ def drive(seqs: Sequences, flavour: str, budget_gb: float, chunk: int) -> dict[s
         t3 = clock()
         if not ok:
             run.rejected += 1
-        run.times.add(t1 - t0, t2 - t1, t3 - t2)
+        run.times.add(t1 - t0, t2 - t1, t3 - t2, flow.kernel_s)
         run.record(len(tokens), hit)
     import sglang
 
@@ -208,6 +233,7 @@ def main() -> None:
     args = driver_args(__doc__, extra={"--flavour": {"choices": ["unified", "swa-radix"], "required": True}})
     os.environ.setdefault("SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK", "0")
     _server_args()
+    _cpu_extend_path()
     seqs = load_sequences(args.sequences)
     for gb in args.budgets:
         emit(drive(seqs, args.flavour, gb, args.chunk))

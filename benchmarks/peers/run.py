@@ -44,7 +44,7 @@ ALL = HYBRIDKV_SYSTEMS + tuple(PEERS)
 
 
 def materialize(trace: str | None, limit: int | None, model: str, page: int, extension_rule: bool,
-                out: Path) -> dict[str, Any]:
+                out: Path, ident: dict[str, Any]) -> dict[str, Any]:
     """Token sequences of ``trace`` (default: the shared Mooncake trace) into ``out``."""
     from hybridkv.spec import ModelSpec
     from hybridkv.traces import PrefixBound, TokenMaterializer, bundled_sample, default_shared_traces, load_trace
@@ -67,7 +67,7 @@ def materialize(trace: str | None, limit: int | None, model: str, page: int, ext
         seqs.append(t)
         names.append(r.namespace)
     total = sum(len(s) for s in seqs)
-    meta = {"trace": path.name, "requests": len(seqs), "input_tokens": total,
+    meta = {**ident, "trace": path.name, "requests": len(seqs), "input_tokens": total,
             "extension_rule": "on" if extension_rule else "off", "model": spec.name, "page_size": page,
             "window": spec.window, "full_bpt": spec.bytes_per_token_full, "swa_bpt": spec.bytes_per_token_swa,
             "full_layers": len(spec.full_layers), "swa_layers": len(spec.swa_layers),
@@ -121,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="hybridkv-peers-")
         seq_dir = Path(tmp.name)
     t0 = time.perf_counter()
-    if (seq_dir / "meta.json").exists():
-        meta = json.loads((seq_dir / "meta.json").read_text())
-        meta.pop("namespaces", None)
-    else:
-        meta = materialize(args.trace, args.limit, args.model, args.page_size, not args.no_extension_rule, seq_dir)
+    want = {"source": str(Path(args.trace).resolve()) if args.trace else "default", "limit": args.limit,
+            "model": args.model, "page_size": args.page_size,
+            "extension_rule": "off" if args.no_extension_rule else "on"}
+    meta = json.loads((seq_dir / "meta.json").read_text()) if (seq_dir / "meta.json").exists() else {}
+    meta.pop("namespaces", None)
+    if any(meta.get(k) != v for k, v in want.items()):  # absent or made for another replay
+        meta = materialize(args.trace, args.limit, args.model, args.page_size, not args.no_extension_rule,
+                           seq_dir, want)
     meta["materialize_s"] = time.perf_counter() - t0
     results: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
@@ -141,14 +144,18 @@ def main(argv: list[str] | None = None) -> int:
                 skipped[s] = f"no interpreter (--{opt.replace('_', '-')} or ${opt.upper()})"
                 continue
             jobs.append(([s], py, driver, extra))
-    for names, py, driver, extra in jobs:  # one at a time: timings must not share the cores
-        if not args.json:
-            print(f"[peers] {','.join(names)} ...", file=sys.stderr, flush=True)
-        rows, err = _drive(py, driver, seq_dir, budgets, args.chunk, extra, args.timeout)
-        results.extend(rows)
-        if err:
-            for n in names:
-                skipped[n] = err
+    # One process per (system, budget), one at a time: timings must not share
+    # the cores, and each peak-RSS figure must be that system's alone.
+    for names, py, driver, extra in jobs:
+        for name in names:
+            args_n = extra if driver != "drive_hybridkv.py" else ["--systems", name]
+            for gb in budgets.split(","):
+                if not args.json:
+                    print(f"[peers] {name} at {float(gb):g} GB ...", file=sys.stderr, flush=True)
+                rows, err = _drive(py, driver, seq_dir, gb, args.chunk, args_n, args.timeout)
+                results.extend(rows)
+                if err:
+                    skipped[f"{name}@{float(gb):g}GB"] = err
     if tmp is not None:
         tmp.cleanup()
     _ratios(results)
@@ -178,16 +185,17 @@ def table(out: dict[str, Any]) -> str:
     lines = [f"Trace `{m['trace']}`: {m['requests']:,} requests, {m['input_tokens']:,} input tokens, "
              f"model {m['model']}, page {m['page_size']}, extension rule {m['extension_rule']}, "
              f"prefix bound {m['prefix_bound_hit_rate']:.2%}.", "",
-             "| system | budget GB | token hit rate | prefill tokens saved | op p50 us | op p99 us "
+             "| system | budget GB | token hit rate | prefill tokens saved | op p50 us | op p99 us | op excl. alloc kernel p50/p99 us "
              "| match p50/p99 us | alloc+evict p50/p99 us | insert+free p50/p99 us | peak metadata MB "
              "| replay s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(out["results"], key=lambda r: (r["budget_gb"], ALL.index(r["system"]))):
         lines.append(
             f"| {r['system']} | {r['budget_gb']:g} | {r['token_hit_rate']:.2%} | {r['prefill_tokens_saved']:,} "
-            f"| {r['op_us_p50']:.0f} | {r['op_us_p99']:.0f} | {r['match_us_p50']:.0f} / {r['match_us_p99']:.0f} "
+            f"| {r['op_us_p50']:.0f} | {r['op_us_p99']:.0f} | {r['op_excl_kernel_us_p50']:.0f} / "
+            f"{r['op_excl_kernel_us_p99']:.0f} | {r['match_us_p50']:.0f} / {r['match_us_p99']:.0f} "
             f"| {r['alloc_us_p50']:.0f} / {r['alloc_us_p99']:.0f} | {r['insert_us_p50']:.0f} / "
-            f"{r['insert_us_p99']:.0f} | {r['peak_metadata_mb']:.0f} | {r['replay_s']:.0f} |")
+            f"{r['insert_us_p99']:.0f} | {r['peak_metadata_mb']:.0f} | {r['replay_s']:.1f} |")
     for s, why in out.get("skipped", {}).items():
         lines.append(f"\nSkipped {s}: {why}")
     return "\n".join(lines)
