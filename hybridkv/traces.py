@@ -68,18 +68,21 @@ def default_shared_traces() -> Path | None:
     return None
 
 
-def load_trace(path: str | os.PathLike, *, limit: int | None = None) -> list[TraceRequest]:
+def load_trace(path: str | os.PathLike, *, limit: int | None = None,
+               max_sessions: int | None = None) -> list[TraceRequest]:
     """Load a trace file or a folder of kv-cache-tester sessions.
 
     A folder is replayed as interleaved tenants: each session is its own
     namespace and requests are merged by timestamp.  Mooncake traces use the
-    namespace ``"default"``.  Raises ValueError for unknown formats.
+    namespace ``"default"``.  ``max_sessions`` keeps the first N session files of a
+    folder; ``limit`` the first N requests.  Raises ValueError for unknown formats.
     """
     p = Path(path)
     if not p.exists():
         raise ValueError(f"trace path {str(p)!r} does not exist")
     if p.is_dir():
         files = sorted([f for f in p.iterdir() if f.name.endswith((".json", ".json.gz", ".jsonl"))])
+        files = files[:max_sessions] if max_sessions is not None else files
         if not files:
             raise ValueError(f"trace folder {str(p)!r} holds no .json/.json.gz/.jsonl files")
         reqs: list[TraceRequest] = []
