@@ -1,0 +1,422 @@
+"""``HybridKVConnector``: hybridkv's window-safe L3 page store as a vLLM v1 KV connector.
+
+Load it without patching vLLM::
+
+    --kv-transfer-config '{"kv_connector": "HybridKVConnector",
+                           "kv_connector_module_path": "hybridkv_vllm.connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"l3_url": "file:///var/cache/hkv"}}'
+
+How it maps onto vLLM 0.32 (``SupportsHMA``: vLLM keeps its hybrid KV-cache
+manager, one block table per KV-cache group):
+
+* Scheduler: ``get_num_new_matched_tokens`` hashes the prompt into hybridkv's
+  chained page keys (one chain per group), asks storage which pages exist and
+  returns the largest *window-safe* hit (:func:`.plan.window_safe_pages`):
+  full-attention pages for the whole prefix, SWA pages only for the window
+  before the hit end.  Loads are reported asynchronous because that is the
+  path on which vLLM 0.32 accepts per-request load failures for models with
+  several KV-cache groups (``failed_recving``; block-level failure reports
+  raise for hybrid models): a page that vanished between lookup and load
+  degrades to a recompute, never to garbage KV.
+* ``update_state_after_alloc`` turns the hit into per-group (block id, key)
+  load lists; SWA groups get only their non-null window blocks.
+* Saves: full pages as soon as a prefill chunk completes them; SWA pages only
+  for the window before the prompt end and before the request end (the only
+  places a later hit can end).  The finish save holds the request's blocks
+  (``request_finished_all_groups`` returns ``True``) until the worker reports it.
+* Worker: ``register_kv_caches`` wraps vLLM's per-layer tensors per group
+  (:class:`.kvio.GroupBuffers`); loads run in ``start_load_kv``, saves in
+  ``wait_for_save`` (after the forward wrote this step's KV).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hybridkv.tiers.keys import model_fingerprint, page_keys
+from hybridkv.tiers.storage import open_backend
+
+from .config import ConnectorConfig
+from .kvio import GroupBuffers, as_np_tokens, load_pages, save_pages
+from .plan import GroupInfo, pages_to_save, swa_first_page, window_safe_pages
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["HybridKVConnector", "HybridKVMetadata", "PageJob"]
+
+logger = logging.getLogger("hybridkv_vllm")
+
+
+@dataclass
+class PageJob:
+    """Pages of one request to move: per group index, parallel block ids and keys."""
+
+    req_id: str
+    groups: dict[int, tuple[list[int], list[bytes]]] = field(default_factory=dict)
+    finish: bool = False  # a finish save: report the request in finished_sending
+
+    def num_pages(self) -> int:
+        return sum(len(b) for b, _ in self.groups.values())
+
+
+@dataclass
+class HybridKVMetadata(KVConnectorMetadata):
+    """What the workers do this step (built by the scheduler side)."""
+
+    loads: list[PageJob] = field(default_factory=list)
+    saves: list[PageJob] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    request: "Request"
+    namespace: str
+    keys: dict[int, list[bytes]] = field(default_factory=dict)
+    hit_pages: int = 0
+    saved_full: int = 0       # full-group pages already handed to a save job
+    saved_swa: set[int] = field(default_factory=set)  # SWA pages handed to a save job
+    reported: bool = False
+
+
+def _groups_from_config(kv_cache_config: "KVCacheConfig", page_size: int) -> list[GroupInfo]:
+    groups = []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            window: int | None = int(spec.sliding_window)
+        elif isinstance(spec, FullAttentionSpec):
+            # With the hybrid manager off, vLLM keeps SWA layers' KV for every
+            # token (FullAttentionSpec with sliding_window set): all pages are valid.
+            window = None
+        else:
+            raise ValueError(f"HybridKVConnector: KV-cache group {i} has unsupported spec "
+                             f"{type(spec).__name__} (full attention and sliding window only)")
+        if spec.block_size != page_size:
+            raise ValueError(f"HybridKVConnector: group {i} block_size {spec.block_size} != "
+                             f"cache block_size {page_size}; mixed block sizes are not supported")
+        groups.append(GroupInfo(i, window, tuple(g.layer_names)))
+    return groups
+
+
+def _fingerprints(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
+                  groups: list[GroupInfo], model_id: str) -> dict[int, str]:
+    if not model_id:
+        hf = vllm_config.model_config.hf_config
+        model_id = os.path.basename(str(getattr(hf, "_name_or_path", "") or
+                                        vllm_config.model_config.model).rstrip("/"))
+    out = {}
+    for g in groups:
+        spec = kv_cache_config.kv_cache_groups[g.index].kv_cache_spec
+        desc = {"model": model_id, "group": g.index, "window": g.window,
+                "layers": list(g.layer_names), "block_size": spec.block_size,
+                "kv_heads": getattr(spec, "num_kv_heads", None),
+                "head_size": getattr(spec, "head_size", None),
+                "head_size_v": getattr(spec, "head_size_v", None),
+                "dtype": str(getattr(spec, "dtype", ""))}
+        out[g.index] = model_fingerprint(desc, "swa" if g.is_swa else "full")
+    return out
+
+
+class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM v1 KV connector backed by hybridkv's L3 storage (see module docstring)."""
+
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.cfg = ConnectorConfig.from_extra(extra)
+        self.page_size = int(vllm_config.cache_config.block_size)
+        if self.cfg.checkpoint_interval % self.page_size:
+            raise ValueError(f"kv_connector_extra_config['checkpoint_interval'] "
+                             f"({self.cfg.checkpoint_interval}) must be a multiple of the "
+                             f"block size {self.page_size}")
+        self.groups = _groups_from_config(kv_cache_config, self.page_size)
+        self.fingerprints = _fingerprints(vllm_config, kv_cache_config, self.groups,
+                                          self.cfg.model_id)
+        self.backend = open_backend(self.cfg.l3_url, **dict(self.cfg.backend_options or {}))
+        self.stats: dict[str, int] = {"lookups": 0, "hit_requests": 0, "hit_tokens": 0,
+                                      "load_pages": 0, "load_failures": 0, "save_pages": 0,
+                                      "save_skipped": 0, "finish_saves": 0}
+        self._stats_lock = threading.Lock()
+        # scheduler side
+        self._reqs: dict[str, _ReqState] = {}
+        self._pending_loads: dict[str, PageJob] = {}
+        self._pending_saves: list[PageJob] = []
+        # worker side
+        self._buffers: dict[int, GroupBuffers] = {}
+        self._done_recv: set[str] = set()
+        self._failed_recv: set[str] = set()
+        self._done_send: set[str] = set()
+        logger.info("HybridKVConnector role=%s l3=%s page=%d groups=%s", role.name,
+                    self.cfg.l3_url, self.page_size,
+                    [(g.index, g.window, len(g.layer_names)) for g in self.groups])
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped save is only a future miss.
+        return False
+
+    # ------------------------------------------------------------------ stats
+    def _record(self, **event: Any) -> None:
+        if not self.cfg.stats_file:
+            return
+        event.update(role=self.role.name.lower(), pid=os.getpid(), t=time.time())
+        with self._stats_lock, open(self.cfg.stats_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(event) + "\n")
+
+    # ============================================================ scheduler
+    def _state(self, request: "Request") -> _ReqState:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            ns = self.cfg.namespace
+            salt = getattr(request, "cache_salt", None)
+            if salt:
+                ns = f"{ns}/{salt}"
+            st = self._reqs[request.request_id] = _ReqState(request, ns)
+        return st
+
+    def _keys(self, st: _ReqState, pages: int) -> dict[int, list[bytes]]:
+        """Chained keys of the first ``pages`` pages per group, extended incrementally."""
+        tokens = st.request.all_token_ids
+        ps = self.page_size
+        for g in self.groups:
+            have = st.keys.setdefault(g.index, [])
+            if len(have) < pages:
+                parent = have[-1] if have else None
+                chunk = as_np_tokens(tokens[len(have) * ps: pages * ps])
+                have.extend(page_keys(chunk, ps, namespace=st.namespace,
+                                      fingerprint=self.fingerprints[g.index], parent=parent))
+        return {g: k[:pages] for g, k in st.keys.items()}
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Window-safe external hit beyond ``num_computed_tokens`` (page aligned).
+
+        Side-effect free towards vLLM (only caches keys).  Cost: one batched
+        ``exists`` over the prompt's page keys of every group.
+        """
+        ps = self.page_size
+        max_pages = (request.num_tokens - 1) // ps  # vLLM must compute >= 1 token
+        if self.cfg.max_hit_tokens:
+            max_pages = min(max_pages, self.cfg.max_hit_tokens // ps)
+        local_pages = num_computed_tokens // ps
+        st = self._state(request)  # every request gets state: its pages are saved later
+        st.hit_pages = 0
+        if max_pages <= local_pages:
+            return 0, False
+        keys = self._keys(st, max_pages)
+        flat = [k for g in self.groups for k in keys[g.index]]
+        present = np.asarray(self.backend.exists(flat), dtype=bool).reshape(len(self.groups),
+                                                                            max_pages)
+        full_rows = [present[i] for i, g in enumerate(self.groups) if not g.is_swa]
+        full = np.logical_and.reduce(full_rows) if full_rows else np.ones(max_pages, bool)
+        swa = [present[i] for i, g in enumerate(self.groups) if g.is_swa]
+        windows = [int(g.window) for g in self.groups if g.is_swa]  # type: ignore[arg-type]
+        hit = window_safe_pages(full, swa, windows, ps, local_pages)
+        with self._stats_lock:
+            self.stats["lookups"] += 1
+        st.hit_pages = hit if hit > local_pages else 0
+        if not st.hit_pages:
+            return 0, False
+        return st.hit_pages * ps - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        """Turn the reported hit into a per-group load job (window blocks for SWA)."""
+        st = self._reqs.get(request.request_id)
+        if st is not None and not st.reported:
+            st.reported = True
+            self._record(event="alloc", req=request.request_id,
+                         prompt_tokens=request.num_prompt_tokens,
+                         external_tokens=int(num_external_tokens))
+        if num_external_tokens <= 0 or st is None or not st.hit_pages:
+            return
+        ps = self.page_size
+        end = st.hit_pages
+        start = end - num_external_tokens // ps
+        keys = self._keys(st, end)
+        job = PageJob(request.request_id)
+        for g in self.groups:
+            blk = blocks.blocks[g.index]
+            lo = max(start, swa_first_page(end, ps, g.window)) if g.is_swa else start
+            sel = [i for i in range(lo, min(end, len(blk))) if not blk[i].is_null]
+            job.groups[g.index] = ([blk[i].block_id for i in sel], [keys[g.index][i] for i in sel])
+        self._pending_loads[request.request_id] = job
+        st.saved_full = max(st.saved_full, end)  # these pages are in storage already
+        with self._stats_lock:
+            self.stats["hit_requests"] += 1
+            self.stats["hit_tokens"] += int(num_external_tokens)
+
+    def _save_job(self, st: _ReqState, block_ids: tuple[list[int], ...], end_pages: int,
+                  final: bool, null_id: int) -> PageJob | None:
+        keys = self._keys(st, end_pages)
+        job = PageJob(st.request.request_id)
+        ckpt = self.cfg.checkpoint_interval // self.page_size
+        for g in self.groups:
+            ids = block_ids[g.index]
+            pages = pages_to_save(g, st.saved_full, end_pages, self.page_size, final, ckpt)
+            sel = [i for i in pages if i < len(ids) and ids[i] != null_id
+                   and not (g.is_swa and i in st.saved_swa)]
+            if g.is_swa:
+                st.saved_swa.update(sel)
+            if sel:
+                job.groups[g.index] = ([ids[i] for i in sel], [keys[g.index][i] for i in sel])
+        st.saved_full = max(st.saved_full, end_pages)
+        return job if job.groups else None
+
+    def _null_block_id(self) -> int:
+        mgr = self._kv_cache_manager
+        return int(mgr.block_pool.null_block.block_id) if mgr is not None else 0
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        """Loads decided since the last step, and prefill saves of this step."""
+        meta = HybridKVMetadata(loads=list(self._pending_loads.values()))
+        self._pending_loads.clear()
+        null_id = self._null_block_id()
+        sched: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens)
+                                        for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        sched += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, computed in sched:
+            st = self._reqs.get(req_id)
+            n_new = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if st is None or n_new <= 0 or self._kv_cache_manager is None:
+                continue
+            prompt = st.request.num_prompt_tokens
+            if computed >= prompt:
+                continue  # decode: saved at finish
+            end = min(computed + n_new, prompt)
+            final = end >= prompt
+            block_ids = self._kv_cache_manager.get_block_ids(req_id)
+            job = self._save_job(st, block_ids, end // self.page_size, final, null_id)
+            if job is not None:
+                meta.saves.append(job)
+        meta.saves.extend(self._pending_saves)
+        self._pending_saves.clear()
+        return meta
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """Queue the decode-time pages (and the final SWA window) for saving.
+
+        Returns ``(True, None)`` when a save was queued: vLLM then keeps the
+        blocks until the worker lists the request in ``finished_sending``.
+        """
+        st = self._reqs.pop(request.request_id, None)
+        self._pending_loads.pop(request.request_id, None)
+        if st is None or not self.cfg.save_on_finish or not any(block_ids):
+            return False, None
+        computed = min(request.num_computed_tokens, len(request.all_token_ids))
+        end_pages = computed // self.page_size
+        if end_pages <= 0:
+            return False, None
+        job = self._save_job(st, block_ids, end_pages, True, self._null_block_id())
+        if job is None:
+            return False, None
+        job.finish = True
+        self._pending_saves.append(job)
+        return True, None
+
+    def request_finished(self, request: "Request", block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        # Called instead of the all-groups variant when vLLM runs one group.
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def has_pending_push_work(self) -> bool:
+        # Keep the engine stepping until queued finish saves reach a worker.
+        return bool(self._pending_saves)
+
+    def get_kv_connector_stats(self) -> None:
+        return None
+
+    # =============================================================== worker
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Wrap vLLM's per-layer KV tensors per group (no copy, no registration cost)."""
+        n = self._kv_cache_config.num_blocks
+        self._buffers = {g.index: GroupBuffers(kv_caches, g.layer_names, n) for g in self.groups}
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Run this step's loads (all or nothing per request)."""
+        meta = self._connector_metadata
+        if not isinstance(meta, HybridKVMetadata) or not meta.loads:
+            return
+        for job in meta.loads:
+            ok = True
+            for gi, (ids, keys) in job.groups.items():
+                if ok and ids:
+                    ok = load_pages(self.backend, self._buffers[gi], keys, ids)
+            with self._stats_lock:
+                self.stats["load_pages" if ok else "load_failures"] += job.num_pages() if ok else 1
+            (self._done_recv if ok else self._failed_recv).add(job.req_id)
+            self._record(event="load", req=job.req_id, pages=job.num_pages(), ok=ok)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv (asynchronous-load path, see module doc)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # saved in wait_for_save, once the whole step's KV is written
+
+    def wait_for_save(self) -> None:
+        """Store this step's save jobs (existing keys are skipped)."""
+        meta = self._connector_metadata
+        if not isinstance(meta, HybridKVMetadata) or not meta.saves:
+            return
+        for job in meta.saves:
+            stored = skipped = 0
+            for gi, (ids, keys) in job.groups.items():
+                s, k = save_pages(self.backend, self._buffers[gi], keys, ids)
+                stored, skipped = stored + s, skipped + k
+            with self._stats_lock:
+                self.stats["save_pages"] += stored
+                self.stats["save_skipped"] += skipped
+                self.stats["finish_saves"] += int(job.finish)
+            if job.finish:
+                self._done_send.add(job.req_id)
+            self._record(event="save", req=job.req_id, stored=stored, skipped=skipped,
+                         finish=job.finish)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        res = KVConnectorTransferResults(finished_sending=self._done_send,
+                                         finished_recving=self._done_recv | self._failed_recv,
+                                         failed_recving=self._failed_recv)
+        self._done_send, self._done_recv, self._failed_recv = set(), set(), set()
+        return res
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def shutdown(self) -> None:
+        self._record(event="shutdown", **self.stats)
+        try:
+            self.backend.close()
+        except Exception:  # closing is best effort at interpreter exit
+            logger.warning("hybridkv: backend close failed", exc_info=True)

