@@ -1,14 +1,14 @@
 """``open_backend(url, **opts)``: one entry point for every L3 backend.
 
-=========================================  ========================================
-URL                                        backend
-=========================================  ========================================
-``file:///abs/dir``, ``file:rel/dir``      :class:`.FileBackend` (embedded default)
-``redis://host:port/db``, ``rediss://``    :class:`.RedisBackend`
-``redis+cluster://host:port``              :class:`.RedisBackend` with RedisCluster
-``mooncake://host:rpc_port?metadata=...``  :class:`.MooncakeBackend`
+=============================================  ========================================
+URL                                            backend
+=============================================  ========================================
+``file:///abs/dir``, ``file:rel/dir``          :class:`.FileBackend` (embedded default)
+``redis://host:port/db``, ``rediss://``        :class:`.RedisBackend`
+``redis+cluster://host:port``                  :class:`.RedisBackend` with RedisCluster
+``mooncake://host:rpc_port?metadata=...``      :class:`.MooncakeBackend`
 ``nixl+posix:///abs/dir``, ``nixl+posix:rel``  :class:`.NixlPosixBackend`
-=========================================  ========================================
+=============================================  ========================================
 
 Query parameters set backend options (``file:///d?max_bytes=1000000``);
 keyword ``opts`` override them.  Options common to all backends:
