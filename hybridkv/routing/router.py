@@ -115,9 +115,16 @@ class Router:
             self.counters["fallbacks"] += 1
         return self._charge(RouteDecision(self._least_loaded(), 0, n, "least_loaded", []))
 
-    def _least_loaded(self, allowed: np.ndarray | None = None) -> int:
-        loads = self.loads if allowed is None else np.where(allowed, self.loads, np.inf)
-        return int(np.argmin(loads))  # ties: lowest id (deterministic)
+    def _least_loaded(self) -> int:
+        return self._pick(self.loads)
+
+    def _pick(self, values: np.ndarray) -> int:
+        """Argmin of ``values``; ties rotate.  A fixed lowest-id tie-break would
+        pin an idle cluster's traffic (and every cold session) to worker 0."""
+        ties = np.flatnonzero(values == values.min())
+        w = int(ties[np.searchsorted(ties, self._rr % self.num_workers) % ties.size])
+        self._rr = w + 1
+        return w
 
     def _affinity(self, tokens: np.ndarray, namespace: str, n: int) -> RouteDecision:
         assert self.index is not None
@@ -128,12 +135,8 @@ class Router:
         after = self.loads + uncached
         total = self.loads.sum() + uncached
         allowed = (after <= self.max_share * total) | (total <= self.guard_min_tokens)
-        favourite = int(np.argmin(cost))
-        guarded = not bool(allowed[favourite])
-        if not allowed.any():
-            w = self._least_loaded()
-        else:
-            w = int(np.argmin(np.where(allowed, cost, np.inf)))
+        guarded = not bool(allowed[cost == cost.min()].any())
+        w = self._pick(np.where(allowed, cost, np.inf)) if allowed.any() else self._least_loaded()
         if guarded:
             self.counters["guarded"] += 1
         l1 = int(pred.tokens["L1"][w]) if "L1" in pred.tokens else 0

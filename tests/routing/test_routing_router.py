@@ -35,6 +35,13 @@ def test_round_robin_and_least_loaded() -> None:
     assert d.worker == 1 and ll.loads[1] == 10 + len(PROMPT)
     ll.release(d)
     assert ll.loads[1] == 10
+    idle = Router(3, policy="least_loaded")  # ties rotate instead of pinning worker 0
+    picks = []
+    for _ in range(6):
+        d = idle.route(PROMPT)
+        picks.append(d.worker)
+        idle.release(d)
+    assert picks == [0, 1, 2, 0, 1, 2]
 
 
 def test_affinity_goes_to_the_worker_holding_the_prefix() -> None:
