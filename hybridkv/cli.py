@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--requests", type=int, default=60, help="requests to run (default 60)")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--json", action="store_true", help="print one JSON object")
+    _tier_args(v)
 
     i = sub.add_parser("info", help="bytes per token and what fits, single vs dual pool")
     common(i)
@@ -209,7 +210,14 @@ def _plot(runs: list[dict[str, Any]], path: str, model: str) -> None:
 def _verify(args: argparse.Namespace) -> int:
     from .model.verify import run_verify
 
-    out = run_verify(args.trace, requests=args.requests, seed=args.seed)
+    if getattr(args, "l2_gb", None) is not None or getattr(args, "l3", None):
+        from .tiers.verify import run_tier_verify  # forced evict -> reload through L2/L3
+        if args.l2_gb is None:
+            raise ValueError("--l3 needs --l2-gb (L3 loads go through the L2 host tier)")
+        out = run_tier_verify(args.trace, requests=args.requests, seed=args.seed, l2_gb=args.l2_gb,
+                              l3=args.l3, write_policy=args.write_policy)
+    else:
+        out = run_verify(args.trace, requests=args.requests, seed=args.seed)
     if args.json:
         print(json.dumps(out, indent=1))
     else:

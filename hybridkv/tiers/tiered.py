@@ -394,9 +394,7 @@ class TieredCache(HybridKVCache):
         m = min(h, len(origin))
         src[:m] = np.where(origin[:m] > 0, origin[:m], 1)
         per = {f"l{t}_hit_tokens": int(np.count_nonzero(src == t)) * self.page_size for t in (1, 2, 3)}
-        req.extra["tiers"] = per
-        for k, v in per.items():
-            self.tier_counters[k] += v
+        req.extra["tiers"] = per  # added to the totals when the request finishes (not on abort)
         if h:
             with self._mutex:
                 self.host.lookup_full(keys[:h], touch=True)
@@ -409,9 +407,12 @@ class TieredCache(HybridKVCache):
     def finish(self, req: Request, cache: bool = True) -> int:
         """End ``req`` (see :meth:`HybridKVCache.finish`); before the insert, register its
         pages' keys for write-back and copy to L2 what the write policy (and repair
-        case 1) asks for."""
+        case 1) asks for.  Per-tier hit tokens count requests that finish with
+        ``cache=True`` (an aborted request's hit is not counted, as in replays)."""
         self._check_live(req)
         if cache:
+            for k, v in req.extra.get("tiers", {}).items():
+                self.tier_counters[k] += v
             aligned = max(req.computed // self.page_size, req.tree_pages)
             try:
                 with self._mutex:

@@ -1,0 +1,94 @@
+"""``hybridkv verify --l2-gb X --l3 URL``: the reference model through a TieredCache.
+
+Same workload and oracle as :mod:`hybridkv.model.verify` (every logit of the
+cached path equals a cache-free forward), but the cache is a
+:class:`~hybridkv.tiers.tiered.TieredCache` with real CPU buffers in L1 and
+L2 and real page bytes in L3, and evict -> reload cycles are forced:
+
+* every ``l1_flush_every`` requests all unlocked L1 content is evicted, so the
+  next hits must come back from L2 (write-back copies pages down as they go);
+* every ``l2_flush_every`` requests L2 is emptied as well, so hits must come
+  back from L3 (checksummed values, unpacked into host pages, then H2D).
+
+The L2 budget is the smaller of ``--l2-gb`` and what the tiny model needs,
+so the run stays small whatever is asked.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ..cache import CacheConfig
+from ..model.reference import ReferenceModel, tiny_spec
+from ..model.verify import scaled_prompts, verify_requests
+from ..traces import bundled_sample
+from .tiered import TierConfig, TieredCache
+
+__all__ = ["run_tier_verify", "flush_l2"]
+
+_GB = 10**9
+
+
+def flush_l2(cache: TieredCache) -> int:
+    """Drop every L2 page (as a host restart would).  Returns pages dropped.  O(pages)."""
+    host = cache.host
+    with cache._mutex:
+        n = 0
+        for table, free in ((host._full, host.pool.free_full), (host._swa, host.pool.free_swa),
+                            (host._anchor, host.pool.free_swa)):
+            pages = np.fromiter(table.values(), dtype=np.int32, count=len(table))
+            if pages.size:
+                free(pages)
+            n += pages.size
+            table.clear()
+    return n
+
+
+def run_tier_verify(trace: str | None = None, *, requests: int = 60, seed: int = 0, l2_gb: float = 1.0,
+                    l3: str | None = None, write_policy: str = "write_back", l1_flush_every: int = 3,
+                    l2_flush_every: int = 7) -> dict[str, Any]:
+    """Run the verify workload through L1/L2/L3 with forced reloads; returns its JSON dict."""
+    if l2_gb <= 0:
+        raise ValueError(f"l2_gb must be > 0, got {l2_gb}")
+    t0 = time.perf_counter()
+    spec = tiny_spec()
+    model = ReferenceModel(spec, seed=seed)
+    prompts = scaled_prompts(trace, requests)
+    fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
+    l2_bytes = int(min(l2_gb * _GB, 4000 * (fpb + spb)))
+    l1 = CacheConfig(budget_bytes=150 * fpb + 40 * spb, full_pages=300, swa_pages=80, device="cpu",
+                     swa_checkpoint=32)
+    cache = TieredCache(spec, l1, tiers=TierConfig(l2_bytes=l2_bytes, l3=l3, write_policy=write_policy,
+                                                   l3_timeout_s=30.0))
+    cycles = {"l1_flushes": 0, "l2_flushes": 0}
+
+    def on_request(idx: int) -> None:
+        if (idx + 1) % l1_flush_every == 0:
+            cache.tree.evict(full_pages=cache.tree.evictable_full_pages(),
+                             swa_pages=cache.tree.evictable_swa_pages())
+            cycles["l1_flushes"] += 1
+        if l3 is not None and (idx + 1) % l2_flush_every == 0:
+            cache.flush()  # the L3 writes of what L2 holds land before L2 forgets it
+            flush_l2(cache)
+            cycles["l2_flushes"] += 1
+
+    try:
+        out = verify_requests(prompts, cache, model, on_request=on_request)
+        cache.check_invariants()
+        st = cache.stats()
+    finally:
+        cache.close()
+    out.update(cycles)
+    for k in ("l1_hit_tokens", "l2_hit_tokens", "l3_hit_tokens", "bytes_h2d", "bytes_d2h", "bytes_l3_read",
+              "bytes_l3_written", "l3_clamped_pages", "tier_errors", "repair_swa_h2d_pages",
+              "repair_swa_d2h_pages"):
+        out[k] = st[k]
+    out["l3_backend_corrupt"] = st.get("l3_backend_corrupt", 0)
+    out["l3"] = l3
+    out["write_policy"] = write_policy
+    out["trace"] = str(trace or bundled_sample())
+    out["elapsed_s"] = time.perf_counter() - t0
+    return out

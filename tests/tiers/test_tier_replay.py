@@ -1,0 +1,175 @@
+"""Tiers under replay and verify, a redis crash mid-replay, and the L2/manager units."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hybridkv.cli import main
+from hybridkv.replay import replay
+from hybridkv.spec import AttnKind, ModelSpec
+from hybridkv.tiers.host import HostTier
+from hybridkv.tiers.manager import TierManager
+from hybridkv.tiers.storage import open_backend
+from hybridkv.tiers.tiered import TierConfig
+from hybridkv.traces import bundled_sample, load_trace
+
+GB = 10**9
+SPEC = ModelSpec.preset("mimo-v2.5-pro")
+
+
+def test_replay_reports_hits_per_tier(tmp_path, capsys):
+    url = f"file://{tmp_path / 'l3'}"
+    assert main(["replay", "--limit", "300", "--hbm-gb", "20", "--l2-gb", "300", "--l3", url,
+                 "--systems", "hybridkv", "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["l1_hit_tokens"] + out["l2_hit_tokens"] + out["l3_hit_tokens"] == out["hit_tokens"]
+    assert out["l2_hit_tokens"] > 0 and out["tier_errors"] == 0
+    assert out["bytes_moved"] > 0 and out["l3_backend"]["puts"] > 0
+    assert main(["replay", "--limit", "5", "--l3", url, "--systems", "hybridkv"]) == 2  # --l3 needs --l2-gb
+
+
+def test_replay_survives_redis_kill_and_restart(own_redis):
+    """Kill redis-server (SIGKILL) a third into the replay, restart it two thirds in."""
+    reqs = load_trace(bundled_sample(), limit=90)
+    url = own_redis.url + "?breaker_cooldown_s=0.2&socket_timeout=0.5&socket_connect_timeout=0.5"
+    seen: dict[str, Any] = {}
+
+    def progress(done: int, total: int) -> None:
+        if done == 30:
+            own_redis.kill()
+        elif done == 60:
+            own_redis.start()
+
+    t0 = time.monotonic()
+    tiers = TierConfig(l2_bytes=4 * GB, l3=url, l3_timeout_s=5.0)
+    out = replay(reqs, SPEC, 2 * GB, systems=["hybridkv"], progress=progress, tiers=tiers, check_every=30)
+    assert time.monotonic() - t0 < 90
+    res = out["systems"]["hybridkv"]
+    seen.update(res["l3_backend"])
+    assert res["tier_errors"] == 0
+    assert seen["errors"] + seen["skipped"] + seen["timeouts"] > 0  # the crash was noticed
+    assert seen["puts"] > 0 and seen["corrupt"] == 0                 # and writes resumed after it
+    assert res["l1_hit_tokens"] + res["l2_hit_tokens"] + res["l3_hit_tokens"] == res["hit_tokens"]
+
+
+def test_verify_through_l2_and_l3_has_no_mismatch(tmp_path):
+    from hybridkv.tiers.verify import run_tier_verify
+    out = run_tier_verify(requests=10, l3=f"file://{tmp_path / 'l3'}", write_policy="write_back",
+                          l1_flush_every=2, l2_flush_every=4)
+    assert out["mismatched_requests"] == 0 and out["tier_errors"] == 0
+    assert out["l2_hit_tokens"] > 0 and out["l1_flushes"] > 0 and out["l2_flushes"] > 0
+
+
+def test_host_tier_evicts_plain_swa_then_full_then_anchored():
+    spec = ModelSpec.preset("mimo-v2.5", page_size=4)
+    fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
+    host = HostTier(spec, 4 * fpb + 4 * spb)
+    f, s = host.alloc(4, 4)
+    keys = [bytes([i]) * 16 for i in range(8)]
+    host.insert_full(keys[:4], f)
+    host.insert_swa(keys[4:], s, np.array([True, False, False, True]))
+    host.check_invariants()
+    f2, s2 = host.alloc(0, 2)  # two plain SWA pages go first
+    assert host.stats()["anchored_swa_pages"] == 2 and host.num_full_pages == 4
+    got = host.alloc(2, 0, protect=[int(f[0])])  # no plain SWA left: full LRU next, protected kept
+    assert got is not None and (host.lookup_full(keys[:1]) >= 0).all()
+    assert host.lookup_full(keys[1:3]).tolist() == [-1, -1]
+    assert host.stats()["anchored_swa_pages"] == 2  # anchored SWA goes last
+    host.free(*got)
+    host.free(f2, s2)
+    host.check_invariants()
+    with pytest.raises(ValueError, match="budget_bytes"):
+        HostTier(spec, 0)
+
+
+class SlowBackend:
+    """A file backend whose reads take ``delay`` seconds (a slow server)."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def exists(self, keys):  # noqa: ANN001, ANN201
+        time.sleep(self.delay)
+        return self.inner.exists(keys)
+
+    def get(self, keys):  # noqa: ANN001, ANN201
+        time.sleep(self.delay)
+        return self.inner.get(keys)
+
+    def get_into(self, keys, buffers):  # noqa: ANN001, ANN201
+        return self.inner.get_into(keys, buffers)
+
+    def put(self, keys, values):  # noqa: ANN001, ANN201
+        return self.inner.put(keys, values)
+
+    def touch(self, keys):  # noqa: ANN001, ANN201
+        return self.inner.touch(keys)
+
+    def delete(self, keys):  # noqa: ANN001, ANN201
+        return self.inner.delete(keys)
+
+    def stats(self):  # noqa: ANN201
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_manager_slow_reads_time_out_as_misses_and_writes_drop_when_full(tmp_path):
+    inner = open_backend(f"file://{tmp_path / 'l3'}")
+    slow = SlowBackend(inner, delay=0.5)
+    m = TierManager(slow, timeout_s=0.05, max_queued_writes=3)
+    key = b"k" * 16
+    assert m.put_async([key], [b"v"])
+    t0 = time.monotonic()
+    assert m.get([key]) == [None]  # late: a miss, the engine does not wait
+    assert time.monotonic() - t0 < 0.4
+    assert m.stats()["l3_timeouts"] == 1
+    assert m.put_async([b"a" * 16, b"b" * 16], [b"1", b"2"])  # queued behind the slow read
+    assert not m.put_async([b"c" * 16, b"d" * 16], [b"3", b"4"])  # 2 + 2 > 3: dropped, not blocking
+    assert m.stats()["l3_writes_dropped"] == 2
+    assert m.flush(5)
+    assert bytes(m.get([key], timeout_s=5)[0]) == b"v"
+    m.close()
+    assert m.get([key]) == [None]  # closed: a miss, no exception
+    inner.close()
+
+
+def test_manager_touch_is_rate_limited():
+    clock = [100.0]
+    calls: list[list[bytes]] = []
+
+    class Rec(SlowBackend):
+        def touch(self, keys):  # noqa: ANN001, ANN201
+            calls.append(list(keys))
+
+    m = TierManager(Rec(None, 0), touch_interval_s=10, clock=lambda: clock[0])
+    keys = [bytes([i]) * 16 for i in range(3)]
+    assert m.touch(keys) == 3 and m.touch(keys) == 0
+    clock[0] += 11
+    assert m.touch(keys[:1]) == 1
+    m.flush(5)
+    assert calls == [keys, keys[:1]]
+    m.close()
+    with pytest.raises(TypeError, match="backend"):
+        TierManager(object())  # type: ignore[arg-type]
+    _ = threading.active_count()
+
+
+def test_scaled_payload_rejects_a_value_of_another_key():
+    from hybridkv.tiers.payload import ScaledPayload
+    codec = ScaledPayload(SPEC)
+    a, b = b"a" * 16, b"b" * 16
+    va = codec.encode(AttnKind.FULL, [a], np.array([0]))
+    assert codec.decode(AttnKind.FULL, [a, b], [va[0], va[0]], np.array([0, 1])).tolist() == [True, False]
+    assert codec.decode(AttnKind.SWA, [a], va, np.array([0])).tolist() == [False]  # kind matters
+    assert codec.nominal_bytes(AttnKind.FULL) == SPEC.bytes_per_page("full")
