@@ -26,15 +26,27 @@ TOLERANCE = 1e-9
 
 
 def scaled_prompts(trace: str | None, requests: int, *, scale: int = 64, max_tokens: int = 192,
-                   vocab: int = 64) -> list[tuple[str, np.ndarray]]:
-    """``(namespace, tokens)`` of the first ``requests`` prompts, scaled down."""
+                   vocab: int = 64, branch_every: int = 3, seed: int = 0) -> list[tuple[str, np.ndarray]]:
+    """``(namespace, tokens)`` of the first ``requests`` prompts, scaled down.
+
+    Every ``branch_every``-th prompt is followed by a *branch*: a random-length
+    prefix of an earlier prompt plus new tokens.  Branches end hits in the
+    middle of cached sequences, where SWA was released, which is exactly where
+    a cache without window safety would serve a pseudo-hit.
+    """
     reqs = load_trace(trace or bundled_sample(), limit=requests)
     mat = TokenMaterializer()
-    out = []
-    for r in reqs:
+    rng = np.random.default_rng(seed)
+    out: list[tuple[str, np.ndarray]] = []
+    for i, r in enumerate(reqs):
         toks = mat.tokens(r)[::scale][:max_tokens] % vocab
         if len(toks) >= 2:
             out.append((r.namespace, toks.astype(np.int32)))
+        if branch_every and i % branch_every == branch_every - 1 and out:
+            ns, src = out[int(rng.integers(len(out)))]
+            cut = int(rng.integers(1, len(src)))
+            tail = rng.integers(0, vocab, int(rng.integers(1, 12)))
+            out.append((ns, np.concatenate([src[:cut], tail]).astype(np.int32)))
     return out
 
 
@@ -72,7 +84,7 @@ def verify_requests(prompts: list[tuple[str, np.ndarray]], cache: HybridKVCache,
 
 
 def small_cache(spec: Any, *, full_pages: int = 150, swa_pages: int = 40, swa_checkpoint: int = 32,
-                retention: str = "adaptive") -> HybridKVCache:
+                retention: str = "eager") -> HybridKVCache:
     """A CPU-buffer cache small enough that the verify workload evicts constantly."""
     budget = full_pages * spec.bytes_per_page("full") + swa_pages * spec.bytes_per_page("swa")
     return HybridKVCache(spec, CacheConfig(budget_bytes=budget, full_pages=full_pages * 2, swa_pages=swa_pages * 2,

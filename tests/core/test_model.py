@@ -16,7 +16,8 @@ def model():
 
 def test_cached_equals_dense_with_every_kind_of_hit(model):
     spec = model.spec
-    cache = HybridKVCache(spec, CacheConfig(full_pages=200, swa_pages=60, device="cpu", swa_checkpoint=32))
+    cache = HybridKVCache(spec, CacheConfig(full_pages=200, swa_pages=60, device="cpu", swa_checkpoint=32,
+                                            retention="eager"))
     rng = np.random.default_rng(0)
     base = rng.integers(0, 64, 120).astype(np.int32)
     prompts = [
