@@ -48,7 +48,7 @@ def gemma2_config(window: int = 64) -> dict[str, Any]:
         "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None,
         "attn_logit_softcapping": None, "attention_bias": False,
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-        "tie_word_embeddings": False, "torch_dtype": "float32",
+        "tie_word_embeddings": True, "torch_dtype": "float32",
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
                         for i in range(4)],
     }
@@ -87,10 +87,18 @@ def _random_state(cfg: dict[str, Any], arch: str) -> dict[str, torch.Tensor]:
                                             if k not in ("architectures", "model_type")})
         torch.manual_seed(0)
         model = transformers.Gemma2ForCausalLM(conf)
-        with torch.no_grad():  # larger weights: varied greedy outputs, not one token forever
-            for p in model.parameters():
+        # vLLM ties Gemma-2's embeddings; with default init the residual stream
+        # echoes the input token and greedy decoding repeats one token forever.
+        # Unit-norm embeddings, larger weights and strong post-norms give varied
+        # outputs, so "equal outputs" in the tests means something.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
                 if p.dim() >= 2:
-                    p.normal_(0.0, 0.15)
+                    p.normal_(0.0, 0.5)
+                elif "post_" in name:
+                    p.fill_(5.0)
+            e = model.model.embed_tokens.weight
+            e.copy_(e / e.norm(dim=1, keepdim=True))
         return model.state_dict()
     raise ValueError(f"arch {arch!r} has no HF builder")
 
