@@ -15,5 +15,17 @@ from .index import GlobalPrefixIndex, HitPrediction
 from .queue import UncachedFirstQueue
 from .router import POLICIES, RouteDecision, Router
 
-__all__ = ["BusError", "EventBatch", "GlobalPrefixIndex", "HitPrediction", "KVEvent", "KVEventPublisher",
-           "MemoryBus", "POLICIES", "RedisStreamBus", "RouteDecision", "Router", "UncachedFirstQueue"]
+__all__ = [
+           "POLICIES",
+           "BusError",
+           "EventBatch",
+           "GlobalPrefixIndex",
+           "HitPrediction",
+           "KVEvent",
+           "KVEventPublisher",
+           "MemoryBus",
+           "RedisStreamBus",
+           "RouteDecision",
+           "Router",
+           "UncachedFirstQueue",
+]

@@ -18,8 +18,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["BusError", "EventBatch", "KVEvent", "EventBus", "MemoryBus", "RedisStreamBus",
-           "encode_batch", "decode_batch"]
+__all__ = [
+    "BusError",
+    "EventBatch",
+    "EventBus",
+    "KVEvent",
+    "MemoryBus",
+    "RedisStreamBus",
+    "decode_batch",
+    "encode_batch",
+]
 
 #: Event kinds.  ``store``/``remove`` add/drop pages (full KV, SWA with it);
 #: ``swa_store``/``swa_remove`` change only SWA validity; ``reset`` drops

@@ -11,7 +11,7 @@ from ..spec import ModelSpec, preset_names
 from .router import POLICIES
 from .sim import SimConfig, simulate
 
-__all__ = ["add_route_sim_parser", "run_route_sim", "load_requests"]
+__all__ = ["add_route_sim_parser", "load_requests", "run_route_sim"]
 
 _GB = 10**9
 

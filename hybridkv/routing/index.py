@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
 from ..tiers.keys import page_keys
 from .bus import BusError, EventBatch, EventBus
 
-__all__ = ["GlobalPrefixIndex", "HitPrediction", "TIERS"]
+__all__ = ["TIERS", "GlobalPrefixIndex", "HitPrediction"]
 
 log = logging.getLogger(__name__)
 

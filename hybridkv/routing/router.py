@@ -28,7 +28,7 @@ import numpy as np
 
 from .index import GlobalPrefixIndex
 
-__all__ = ["Router", "RouteDecision", "POLICIES"]
+__all__ = ["POLICIES", "RouteDecision", "Router"]
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,7 @@ from .index import GlobalPrefixIndex
 from .queue import UncachedFirstQueue
 from .router import POLICIES, RouteDecision, Router
 
-__all__ = ["SimConfig", "simulate", "run_policy"]
+__all__ = ["SimConfig", "run_policy", "simulate"]
 
 _ARRIVE, _PREFILL_DONE, _DECODE_DONE = 0, 1, 2
 

@@ -9,12 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from routing_helpers import fingerprint, serve, truth, wire
 
-from hybridkv import ModelSpec
+from hybridkv import HybridKVCache, ModelSpec
 from hybridkv.replay import system_config
 from hybridkv.routing import EventBatch, GlobalPrefixIndex, KVEvent, MemoryBus
 from hybridkv.routing.bus import decode_batch, encode_batch
 from hybridkv.traces import TokenMaterializer, bundled_sample, load_trace
-from hybridkv import HybridKVCache
 
 seqs = st.lists(st.integers(1, 2), min_size=5, max_size=48).map(lambda x: np.array(x, dtype=np.int32))
 
@@ -156,7 +155,7 @@ def test_foreign_worker_ignored_and_bad_args() -> None:
     for kw, name in (({"num_workers": 0}, "num_workers"), ({"num_workers": 65}, "num_workers"),
                      ({"page_size": 0}, "page_size"), ({"window": 0}, "window"),
                      ({"stale_after_s": 0}, "stale_after_s")):
-        args = dict(num_workers=2, page_size=4, window=8, fingerprint="f") | kw
+        args = {"num_workers": 2, "page_size": 4, "window": 8, "fingerprint": "f"} | kw
         n = args.pop("num_workers")
         with pytest.raises(ValueError, match=name):
             GlobalPrefixIndex(n, **args)

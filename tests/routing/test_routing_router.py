@@ -95,7 +95,7 @@ def test_stale_entry_costs_a_miss_not_a_wrong_hit() -> None:
     """Worker 0 evicted the prefix while its events were lost: the index still
     believes it holds it.  The router sends the request there; the worker's own
     tree answers with the truth (a miss), and feedback repairs the index."""
-    caches, bus, pubs, index = _cluster(2)
+    caches, _, pubs, index = _cluster(2)
     serve(caches[0], PROMPT[:33])
     _sync(pubs, index)
     pubs[0].detach()  # events of the eviction never reach the index
