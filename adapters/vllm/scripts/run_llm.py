@@ -61,7 +61,7 @@ def main(job_path: str, out_path: str) -> None:
     llm = LLM(model=job["model"], enforce_eager=True, dtype="float32",
               max_model_len=job.get("max_model_len", 512), block_size=job.get("block_size", 32),
               kv_transfer_config=_connector(job["connector"], job.get("extra", {})),
-              seed=0, max_num_seqs=4, disable_log_stats=True,
+              seed=0, max_num_seqs=4, trust_remote_code=job.get("trust_remote_code", False), disable_log_stats=True,
               gpu_memory_utilization=job.get("memory_fraction", 0.05),
               kv_cache_memory_bytes=job.get("kv_cache_bytes", 64 << 20))
     init_s = time.perf_counter() - t0

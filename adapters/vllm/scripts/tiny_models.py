@@ -133,6 +133,17 @@ def _mimo_state(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     return sd
 
 
+_MIMO_CONFIG_PY = """from transformers import PretrainedConfig
+
+
+class MiMoV2Config(PretrainedConfig):
+    model_type = "mimo_v2"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+"""
+
+
 def build(arch: str, out: str | Path, window: int = 64) -> Path:
     """Write a tiny ``arch`` checkpoint (``gemma2`` or ``mimo_v2``) into ``out``."""
     from safetensors.torch import save_file
@@ -145,6 +156,10 @@ def build(arch: str, out: str | Path, window: int = 64) -> Path:
     elif arch == "mimo_v2":
         cfg = mimo_v2_config(window)
         sd = _mimo_state(cfg)
+        # Real MiMo checkpoints ship their config class as remote code (transformers
+        # has no mimo_v2); a minimal one is written here (load with trust_remote_code).
+        cfg["auto_map"] = {"AutoConfig": "configuration_mimo_v2.MiMoV2Config"}
+        (out / "configuration_mimo_v2.py").write_text(_MIMO_CONFIG_PY)
     else:
         raise ValueError(f"arch must be 'gemma2' or 'mimo_v2', got {arch!r}")
     (out / "config.json").write_text(json.dumps(cfg, indent=1))

@@ -101,3 +101,28 @@ def test_side_by_side_with_offloading_connector(runs: dict[str, Any]) -> None:
             assert runs["offload"]["sets"][s]["outputs"] == res["outputs"], ("offload", s)
     assert rows[0][1] == 0  # no connector and no local cache between requests: no hits
     assert rows[1][1] > 0
+
+
+def test_tiny_mimo_v2(work: Path) -> None:
+    """MiMo-V2 shape (hybrid pattern, SWA sinks, K 192 / V 128) through the connector.
+
+    vLLM routes K != V head dims to its DiffKV attention backends (Triton or
+    FlashAttention); when the CPU build cannot run them the exact engine error
+    is reported as the xfail reason (the connector is not involved).
+    """
+    model = build("mimo_v2", work / "mimo_v2", window=64)
+    extra = {**EXTRA, "l3_url": f"file:{work / 'l3-mimo'}"}
+    job = {"model": str(model), "block_size": PAGE, "max_tokens": 8, "reset_between": True,
+           "connector": "hybridkv", "extra": extra, "sets": ["repeat"],
+           "trust_remote_code": True}
+    try:
+        res = run_llm(job, work, "mimo")
+    except RuntimeError as exc:
+        msg = str(exc)
+        if "mixed block sizes are not supported" in msg:
+            # vLLM gives MiMo's full and SWA groups different block sizes (equal page
+            # bytes); the connector keys one page size for all groups so far.
+            pytest.xfail(f"known connector gap: {msg[:300]}")
+        assert "hybridkv" not in msg.lower(), msg  # a connector fault is a real failure
+        pytest.xfail(f"vLLM 0.32 CPU cannot run tiny mimo_v2: {msg[:400]}")
+    assert res["sets"]["repeat"]["cached_tokens"][1] > 0
