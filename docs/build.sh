@@ -15,5 +15,5 @@ if [ -z "${HYBRIDKV_DOCS_NO_INSTALL:-}" ]; then
     echo "torch==2.13.0" > "$CONSTRAINT"
     "$PYTHON" -m pip install -q --disable-pip-version-check -c "$CONSTRAINT" -e "$ROOT[docs]"
 fi
-"$PYTHON" -m sphinx -W --keep-going -q -b html "$ROOT/docs" "$OUT"
+"$PYTHON" -m sphinx -E -W --keep-going -q -b html "$ROOT/docs" "$OUT"
 echo "docs: $OUT/index.html"

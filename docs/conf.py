@@ -30,15 +30,22 @@ exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "README.md"]
 
 # Pages other engineers own are listed in the index's how-to toctree when
 # they exist (a toctree entry for a missing page fails the -W build).
-GUIDES = ("sglang", "vllm", "tiers", "storage", "transfer")
+# Every other top-level page is a guide: known ones in this order, then the
+# rest alphabetically.  Build with -E (build.sh does) so a new page is listed.
+MY_PAGES = {"index", "quickstart", "concepts", "budgets", "benchmarks", "correctness", "api"}
+GUIDE_ORDER = ("sglang", "vllm", "tiers", "storage", "transfer", "routing")
 GUIDES_MARKER = "<!-- guides: conf.py lists the engineers' pages that exist here -->"
+
+
+def guide_pages() -> list[str]:
+    here = Path(__file__).resolve().parent
+    found = {p.stem for p in here.glob("*.md")} - MY_PAGES - {"README"}
+    return [g for g in GUIDE_ORDER if g in found] + sorted(found - set(GUIDE_ORDER))
 
 
 def _insert_guides(app: object, docname: str, source: list[str]) -> None:
     if docname == "index":
-        here = Path(__file__).resolve().parent
-        present = [g for g in GUIDES if (here / f"{g}.md").is_file()]
-        source[0] = source[0].replace(GUIDES_MARKER, "\n".join(present))
+        source[0] = source[0].replace(GUIDES_MARKER, "\n".join(guide_pages()))
 
 
 def setup(app: object) -> None:

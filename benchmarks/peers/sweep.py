@@ -33,6 +33,9 @@ def merge(outs: list[dict[str, Any]]) -> dict[str, Any]:
         for r in o["results"]:
             rows[(r["system"], float(r["budget_gb"]))] = r
         skipped.update(o.get("skipped", {}))
+    # a system skipped in one run but measured in another is not skipped
+    done = {f"{s}@{gb:g}GB" for s, gb in rows}
+    skipped = {k: v for k, v in skipped.items() if k not in done}
     return {"trace": outs[-1]["trace"], "meta": outs[-1]["meta"], "results": list(rows.values()),
             "skipped": skipped}
 
