@@ -14,7 +14,7 @@ author = "hybridkv contributors"
 copyright = "2026, hybridkv contributors"
 try:
     from hybridkv import __version__ as release
-except Exception:  # the docs must still build if an optional import breaks
+except ImportError:  # the docs must still build if an optional import breaks
     release = "0.1.0"
 version = release
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GB, Run, Sequences, driver_args, emit, load_sequences  # noqa: E402
+from common import GB, Run, Sequences, driver_args, emit, load_sequences
 
-from hybridkv.cache import CacheFullError, HybridKVCache  # noqa: E402
-from hybridkv.replay import system_config  # noqa: E402
-from hybridkv.spec import ModelSpec  # noqa: E402
+from hybridkv.cache import CacheFullError, HybridKVCache
+from hybridkv.replay import system_config
+from hybridkv.spec import ModelSpec
 
 SYSTEMS = {"hybridkv": ("hybridkv", None), "hybridkv-no-ckpt": ("hybridkv", 0), "naive": ("naive", None)}
 
@@ -37,6 +37,7 @@ def drive(seqs: Sequences, system: str, budget_gb: float, chunk: int, checkpoint
         t0 = clock()
         req = cache.begin(tokens, ns)
         t1 = clock()
+        ok = True
         try:
             while req.computed < len(tokens):
                 n = min(chunk, len(tokens) - req.computed)
@@ -45,12 +46,13 @@ def drive(seqs: Sequences, system: str, budget_gb: float, chunk: int, checkpoint
             t2 = clock()
             cache.finish(req)
         except CacheFullError:
+            t2 = clock()
             cache.abort(req)
             run.rejected += 1
-            t2 = clock()
+            ok = False
         t3 = clock()
         run.times.add(t1 - t0, t2 - t1, t3 - t2)
-        run.record(len(tokens), req.prefix_len)
+        run.record(len(tokens), req.prefix_len if ok else 0)  # a rejected request saved nothing
     st = cache.stats()
     run.extra.update({"full_pool_tokens": st.get("full_pool_tokens", 0),
                       "swa_pool_tokens": st.get("swa_pool_tokens", 0),

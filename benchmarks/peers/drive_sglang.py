@@ -25,20 +25,28 @@ import os
 import sys
 import time
 from array import array
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent.parent / "adapters" / "sglang" / "tests"))
 
-from common import GB, Run, Sequences, driver_args, emit, load_sequences, sglang_pool_tokens  # noqa: E402
-
-from _torchvision_stub import install as _stub_torchvision  # noqa: E402
+from _torchvision_stub import install as _stub_torchvision
+from common import (
+    GB,
+    Run,
+    Sequences,
+    driver_args,
+    emit,
+    load_sequences,
+    sglang_pool_tokens,
+)
 
 _stub_torchvision()  # SGLang imports torchvision eagerly; PyPI builds cannot load beside CPU torch
 
-import torch  # noqa: E402
+import torch
 
 SWA_RATIO = 0.8  # SGLang's default --swa-full-tokens-ratio
 
@@ -48,7 +56,7 @@ def _cpu_extend_path() -> None:
     cannot run without a GPU; it ships ``alloc_extend_naive``, the same
     computation in torch, which 0.5.23 dispatches to on CPU.  Route 0.5.20's
     launch to it (0.5.23 needs nothing)."""
-    import sglang.srt.mem_cache.allocator.paged as paged
+    from sglang.srt.mem_cache.allocator import paged
 
     if "use_triton_kernels" in paged.PagedTokenToKVPoolAllocator.alloc_extend.__code__.co_names:
         return
@@ -68,7 +76,10 @@ def _server_args() -> None:
     try:
         from sglang.srt.runtime_context import get_context  # 0.5.23
     except ImportError:
-        from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # 0.5.20
+        from sglang.srt.server_args import (  # 0.5.20
+            ServerArgs,
+            set_global_server_args_for_scheduler,
+        )
 
         set_global_server_args_for_scheduler(ServerArgs(model_path="dummy"))
         return
@@ -221,7 +232,7 @@ def drive(seqs: Sequences, flavour: str, budget_gb: float, chunk: int) -> dict[s
         if not ok:
             run.rejected += 1
         run.times.add(t1 - t0, t2 - t1, t3 - t2, flow.kernel_s)
-        run.record(len(tokens), hit)
+        run.record(len(tokens), hit if ok else 0)  # a rejected request saved nothing
     import sglang
 
     run.extra.update({"full_pool_tokens": full, "swa_pool_tokens": swa, "swa_full_tokens_ratio": SWA_RATIO,

@@ -30,12 +30,20 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import GB, Run, Sequences, driver_args, emit, load_sequences, vllm_num_blocks  # noqa: E402
+from common import (
+    GB,
+    Run,
+    Sequences,
+    driver_args,
+    emit,
+    load_sequences,
+    vllm_num_blocks,
+)
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
-import torch  # noqa: E402
+import torch
 
 HEAD_SIZE = 128  # K and V head size of the stand-in layer specs; heads are chosen to match bytes
 
@@ -129,7 +137,7 @@ def drive(seqs: Sequences, budget_gb: float, chunk: int) -> dict[str, Any]:
         # block hashing happens when the engine admits the request; it is the
         # prefix cache's keying cost, so it counts as part of the match
         run.times.add(t1 - t0 + (t0 - t_h), t2 - t1, t3 - t2)
-        run.record(n, hit if ok else hit)
+        run.record(n, hit if ok else 0)  # a rejected request saved nothing
     import numpy as np
     import vllm
 

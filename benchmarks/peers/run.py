@@ -32,7 +32,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import save_sequences  # noqa: E402
+from common import save_sequences
 
 HYBRIDKV_SYSTEMS = ("hybridkv", "hybridkv-no-ckpt", "naive")
 PEERS = {  # system -> (driver, interpreter option, extra driver args)
@@ -47,7 +47,13 @@ def materialize(trace: str | None, limit: int | None, model: str, page: int, ext
                 out: Path, ident: dict[str, Any]) -> dict[str, Any]:
     """Token sequences of ``trace`` (default: the shared Mooncake trace) into ``out``."""
     from hybridkv.spec import ModelSpec
-    from hybridkv.traces import PrefixBound, TokenMaterializer, bundled_sample, default_shared_traces, load_trace
+    from hybridkv.traces import (
+        PrefixBound,
+        TokenMaterializer,
+        bundled_sample,
+        default_shared_traces,
+        load_trace,
+    )
 
     if trace is None:
         shared = default_shared_traces()
@@ -81,7 +87,7 @@ def _drive(python: str, driver: str, seq_dir: Path, budgets: str, chunk: int, ex
     cmd = [python, str(HERE / driver), str(seq_dir), "--budgets", budgets, "--chunk", str(chunk), *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     except subprocess.TimeoutExpired:
         return [], f"timed out after {timeout:.0f} s"
     rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -182,12 +188,13 @@ def _ratios(results: list[dict[str, Any]]) -> None:
 def table(out: dict[str, Any]) -> str:
     """A markdown table of ``out["results"]``."""
     m = out["meta"]
-    lines = [f"Trace `{m['trace']}`: {m['requests']:,} requests, {m['input_tokens']:,} input tokens, "
-             f"model {m['model']}, page {m['page_size']}, extension rule {m['extension_rule']}, "
-             f"prefix bound {m['prefix_bound_hit_rate']:.2%}.", "",
-             "| system | budget GB | token hit rate | prefill tokens saved | op p50 us | op p99 us | op excl. alloc kernel p50/p99 us "
-             "| match p50/p99 us | alloc+evict p50/p99 us | insert+free p50/p99 us | peak metadata MB "
-             "| replay s |",
+    head = (f"Trace `{m['trace']}`: {m['requests']:,} requests, {m['input_tokens']:,} input tokens, "
+            f"model {m['model']}, page {m['page_size']}, extension rule {m['extension_rule']}, "
+            f"prefix bound {m['prefix_bound_hit_rate']:.2%}.")
+    cols = ("| system | budget GB | token hit rate | prefill tokens saved | op p50 us | op p99 us "
+            "| op excl. alloc kernel p50/p99 us | match p50/p99 us | alloc+evict p50/p99 us "
+            "| insert+free p50/p99 us | peak metadata MB | replay s |")
+    lines = [head, "", cols,
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(out["results"], key=lambda r: (r["budget_gb"], ALL.index(r["system"]))):
         lines.append(

@@ -20,7 +20,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import ALL, table  # noqa: E402
+from run import ALL, table
 
 
 def merge(outs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 def ratios(out: dict[str, Any]) -> str:
     """hybridkv's hit rate and per-request op latency against each system, same run, same budget."""
     ref = {r["budget_gb"]: r for r in out["results"] if r["system"] == "hybridkv"}
-    lines = ["| system | budget GB | hybridkv hit rate / system's | system's op p50 / hybridkv's "
-             "| system's op p50 excl. alloc kernel / hybridkv's |", "|---|---|---|---|---|"]
+    lines = [("| system | budget GB | hybridkv hit rate / system's | system's op p50 / hybridkv's "
+              "| system's op p50 excl. alloc kernel / hybridkv's |"), "|---|---|---|---|---|"]
     for r in sorted(out["results"], key=lambda r: (r["budget_gb"], ALL.index(r["system"]))):
         h = ref.get(r["budget_gb"])
         if h is None or r["system"] == "hybridkv":
