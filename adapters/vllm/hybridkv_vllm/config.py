@@ -41,6 +41,8 @@ class ConnectorConfig:
             every such position of a prompt is stored too, so shared prefixes
             that branch there stay hittable.
         backend_options: extra keyword options for ``open_backend``.
+        l2_gb: host-memory L2 page cache per worker, in GiB (0 disables it):
+            saves are written to L2 and through to L3; loads read L2 first.
     """
 
     l3_url: str = "file:hybridkv-l3"
@@ -51,6 +53,7 @@ class ConnectorConfig:
     max_hit_tokens: int = 0
     checkpoint_interval: int = 4096
     backend_options: Mapping[str, Any] | None = None
+    l2_gb: float = 1.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
@@ -78,6 +81,11 @@ class ConnectorConfig:
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                     raise ValueError(f"kv_connector_extra_config[{name!r}] must be an int >= 0")
                 kw[name] = v
+        if "l2_gb" in extra:
+            v = extra["l2_gb"]
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+                raise ValueError("kv_connector_extra_config['l2_gb'] must be a number >= 0")
+            kw["l2_gb"] = float(v)
         if "backend_options" in extra:
             if not isinstance(extra["backend_options"], Mapping):
                 raise TypeError("kv_connector_extra_config['backend_options'] must be a dict")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -57,7 +58,8 @@ from hybridkv.tiers.storage import open_backend
 
 from .config import ConnectorConfig
 from .kvio import GroupBuffers, as_np_tokens, load_pages, save_pages
-from .plan import GroupInfo, pages_to_save, swa_first_page, window_safe_pages
+from .l2 import HostPageCache
+from .plan import GroupInfo, pages_to_save, window_safe_tokens
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -96,14 +98,14 @@ class HybridKVMetadata(KVConnectorMetadata):
 class _ReqState:
     request: "Request"
     namespace: str
-    keys: dict[int, list[bytes]] = field(default_factory=dict)
-    hit_pages: int = 0
-    saved_full: int = 0       # full-group pages already handed to a save job
-    saved_swa: set[int] = field(default_factory=set)  # SWA pages handed to a save job
+    keys: dict[int, list[bytes]] = field(default_factory=dict)  # per group, its block size
+    hit_tokens: int = 0
+    saved_tokens: int = 0     # full-group KV up to here already handed to a save job
+    saved_swa: dict[int, set[int]] = field(default_factory=dict)  # per SWA group: pages saved
     reported: bool = False
 
 
-def _groups_from_config(kv_cache_config: "KVCacheConfig", page_size: int) -> list[GroupInfo]:
+def _groups_from_config(kv_cache_config: "KVCacheConfig") -> list[GroupInfo]:
     groups = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
@@ -116,10 +118,10 @@ def _groups_from_config(kv_cache_config: "KVCacheConfig", page_size: int) -> lis
         else:
             raise ValueError(f"HybridKVConnector: KV-cache group {i} has unsupported spec "
                              f"{type(spec).__name__} (full attention and sliding window only)")
-        if spec.block_size != page_size:
-            raise ValueError(f"HybridKVConnector: group {i} block_size {spec.block_size} != "
-                             f"cache block_size {page_size}; mixed block sizes are not supported")
-        groups.append(GroupInfo(i, window, tuple(g.layer_names)))
+        # Groups may differ in block size (vLLM equalises page bytes: MiMo-V2's
+        # full group gets 64-token blocks, its SWA groups 32): keys and block
+        # ids of a group are always at its own block size.
+        groups.append(GroupInfo(i, window, tuple(g.layer_names), int(spec.block_size)))
     return groups
 
 
@@ -152,17 +154,20 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.cfg = ConnectorConfig.from_extra(extra)
-        self.page_size = int(vllm_config.cache_config.block_size)
-        if self.cfg.checkpoint_interval % self.page_size:
+        self.groups = _groups_from_config(kv_cache_config)
+        # A hit must end on a block boundary of every group: the lcm (vLLM's
+        # scheduler block size for mixed groups, and what it aligns local hits to).
+        self.unit = math.lcm(*(g.block_size for g in self.groups))
+        if self.cfg.checkpoint_interval % self.unit:
             raise ValueError(f"kv_connector_extra_config['checkpoint_interval'] "
                              f"({self.cfg.checkpoint_interval}) must be a multiple of the "
-                             f"block size {self.page_size}")
-        self.groups = _groups_from_config(kv_cache_config, self.page_size)
+                             f"hit unit {self.unit} (lcm of the groups' block sizes)")
         self.fingerprints = _fingerprints(vllm_config, kv_cache_config, self.groups,
                                           self.cfg.model_id)
         self.backend = open_backend(self.cfg.l3_url, **dict(self.cfg.backend_options or {}))
         self.stats: dict[str, int] = {"lookups": 0, "hit_requests": 0, "hit_tokens": 0,
-                                      "load_pages": 0, "load_failures": 0, "save_pages": 0,
+                                      "load_pages": 0, "load_pages_l2": 0, "load_pages_l3": 0,
+                                      "load_failures": 0, "save_pages": 0, "save_pages_l2": 0,
                                       "save_skipped": 0, "finish_saves": 0}
         self._stats_lock = threading.Lock()
         # scheduler side
@@ -171,12 +176,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_saves: list[PageJob] = []
         # worker side
         self._buffers: dict[int, GroupBuffers] = {}
+        self._l2: HostPageCache | None = None
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
         self._done_send: set[str] = set()
-        logger.info("HybridKVConnector role=%s l3=%s page=%d groups=%s", role.name,
-                    self.cfg.l3_url, self.page_size,
-                    [(g.index, g.window, len(g.layer_names)) for g in self.groups])
+        logger.info("HybridKVConnector role=%s l3=%s l2_gb=%s unit=%d groups=%s", role.name,
+                    self.cfg.l3_url, self.cfg.l2_gb, self.unit,
+                    [(g.index, g.window, g.block_size, len(g.layer_names)) for g in self.groups])
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -202,18 +208,23 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             st = self._reqs[request.request_id] = _ReqState(request, ns)
         return st
 
-    def _keys(self, st: _ReqState, pages: int) -> dict[int, list[bytes]]:
-        """Chained keys of the first ``pages`` pages per group, extended incrementally."""
-        tokens = st.request.all_token_ids
-        ps = self.page_size
+    def _keys(self, st: _ReqState, tokens: int) -> dict[int, list[bytes]]:
+        """Chained keys of each group's pages inside ``[0, tokens)``, extended incrementally.
+
+        Group ``g`` gets ``tokens // g.block_size`` keys at its own block size.
+        """
+        all_tokens = st.request.all_token_ids
+        out = {}
         for g in self.groups:
+            bs, pages = g.block_size, tokens // g.block_size
             have = st.keys.setdefault(g.index, [])
             if len(have) < pages:
                 parent = have[-1] if have else None
-                chunk = as_np_tokens(tokens[len(have) * ps: pages * ps])
-                have.extend(page_keys(chunk, ps, namespace=st.namespace,
+                chunk = as_np_tokens(all_tokens[len(have) * bs: pages * bs])
+                have.extend(page_keys(chunk, bs, namespace=st.namespace,
                                       fingerprint=self.fingerprints[g.index], parent=parent))
-        return {g: k[:pages] for g, k in st.keys.items()}
+            out[g.index] = have[:pages]
+        return out
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -222,30 +233,29 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         Side-effect free towards vLLM (only caches keys).  Cost: one batched
         ``exists`` over the prompt's page keys of every group.
         """
-        ps = self.page_size
-        max_pages = (request.num_tokens - 1) // ps  # vLLM must compute >= 1 token
+        unit = self.unit
+        max_tokens = (request.num_tokens - 1) // unit * unit  # vLLM must compute >= 1 token
         if self.cfg.max_hit_tokens:
-            max_pages = min(max_pages, self.cfg.max_hit_tokens // ps)
-        local_pages = num_computed_tokens // ps
+            max_tokens = min(max_tokens, self.cfg.max_hit_tokens // unit * unit)
         st = self._state(request)  # every request gets state: its pages are saved later
-        st.hit_pages = 0
-        if max_pages <= local_pages:
+        st.hit_tokens = 0
+        if max_tokens <= num_computed_tokens:
             return 0, False
-        keys = self._keys(st, max_pages)
+        keys = self._keys(st, max_tokens)
         flat = [k for g in self.groups for k in keys[g.index]]
-        present = np.asarray(self.backend.exists(flat), dtype=bool).reshape(len(self.groups),
-                                                                            max_pages)
-        full_rows = [present[i] for i, g in enumerate(self.groups) if not g.is_swa]
-        full = np.logical_and.reduce(full_rows) if full_rows else np.ones(max_pages, bool)
-        swa = [present[i] for i, g in enumerate(self.groups) if g.is_swa]
-        windows = [int(g.window) for g in self.groups if g.is_swa]  # type: ignore[arg-type]
-        hit = window_safe_pages(full, swa, windows, ps, local_pages)
+        got = np.asarray(self.backend.exists(flat), dtype=bool)
+        present, off = [], 0
+        for g in self.groups:
+            n = len(keys[g.index])
+            present.append(got[off:off + n])
+            off += n
+        hit = window_safe_tokens(present, self.groups, unit, num_computed_tokens, max_tokens)
         with self._stats_lock:
             self.stats["lookups"] += 1
-        st.hit_pages = hit if hit > local_pages else 0
-        if not st.hit_pages:
+        st.hit_tokens = hit if hit > num_computed_tokens else 0
+        if not st.hit_tokens:
             return 0, False
-        return st.hit_pages * ps - num_computed_tokens, True
+        return st.hit_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -256,39 +266,50 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._record(event="alloc", req=request.request_id,
                          prompt_tokens=request.num_prompt_tokens,
                          external_tokens=int(num_external_tokens))
-        if num_external_tokens <= 0 or st is None or not st.hit_pages:
+        if num_external_tokens <= 0 or st is None or not st.hit_tokens:
             return
-        ps = self.page_size
-        end = st.hit_pages
-        start = end - num_external_tokens // ps
+        end = st.hit_tokens
+        start = end - int(num_external_tokens)
         keys = self._keys(st, end)
         job = PageJob(request.request_id)
         for g in self.groups:
             blk = blocks.blocks[g.index]
-            lo = max(start, swa_first_page(end, ps, g.window)) if g.is_swa else start
-            sel = [i for i in range(lo, min(end, len(blk))) if not blk[i].is_null]
+            bs = g.block_size
+            lo_tok = max(start, end - int(g.window)) if g.is_swa else start  # type: ignore[arg-type]
+            lo, hi = max(0, lo_tok) // bs, end // bs
+            sel = [i for i in range(lo, min(hi, len(blk))) if not blk[i].is_null]
             job.groups[g.index] = ([blk[i].block_id for i in sel], [keys[g.index][i] for i in sel])
         self._pending_loads[request.request_id] = job
-        st.saved_full = max(st.saved_full, end)  # these pages are in storage already
+        st.saved_tokens = max(st.saved_tokens, end)  # these pages are in storage already
         with self._stats_lock:
             self.stats["hit_requests"] += 1
             self.stats["hit_tokens"] += int(num_external_tokens)
 
-    def _save_job(self, st: _ReqState, block_ids: tuple[list[int], ...], end_pages: int,
+    def _save_job(self, st: _ReqState, block_ids: tuple[list[int], ...], end_tokens: int,
                   final: bool, null_id: int) -> PageJob | None:
-        keys = self._keys(st, end_pages)
+        """Pages of every group completed in ``(saved_tokens, end_tokens]`` worth storing.
+
+        Full groups: every complete block.  SWA groups: the windows before
+        checkpoints and (``final``) before the last hit-able end, both on the
+        hit unit (a hit can only end there).
+        """
+        keys = self._keys(st, end_tokens)
         job = PageJob(st.request.request_id)
-        ckpt = self.cfg.checkpoint_interval // self.page_size
+        swa_end = end_tokens // self.unit * self.unit
         for g in self.groups:
-            ids = block_ids[g.index]
-            pages = pages_to_save(g, st.saved_full, end_pages, self.page_size, final, ckpt)
-            sel = [i for i in pages if i < len(ids) and ids[i] != null_id
-                   and not (g.is_swa and i in st.saved_swa)]
+            ids, bs = block_ids[g.index], g.block_size
             if g.is_swa:
-                st.saved_swa.update(sel)
+                done = st.saved_swa.setdefault(g.index, set())
+                pages = pages_to_save(g, st.saved_tokens // bs, swa_end // bs, bs, final,
+                                      self.cfg.checkpoint_interval // bs)
+            else:
+                done = set()
+                pages = pages_to_save(g, st.saved_tokens // bs, end_tokens // bs, bs, final)
+            sel = [i for i in pages if i < len(ids) and ids[i] != null_id and i not in done]
+            done.update(sel if g.is_swa else ())
             if sel:
                 job.groups[g.index] = ([ids[i] for i in sel], [keys[g.index][i] for i in sel])
-        st.saved_full = max(st.saved_full, end_pages)
+        st.saved_tokens = max(st.saved_tokens, end_tokens)
         return job if job.groups else None
 
     def _null_block_id(self) -> int:
@@ -315,7 +336,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             end = min(computed + n_new, prompt)
             final = end >= prompt
             block_ids = self._kv_cache_manager.get_block_ids(req_id)
-            job = self._save_job(st, block_ids, end // self.page_size, final, null_id)
+            job = self._save_job(st, block_ids, end, final, null_id)
             if job is not None:
                 meta.saves.append(job)
         meta.saves.extend(self._pending_saves)
@@ -334,10 +355,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if st is None or not self.cfg.save_on_finish or not any(block_ids):
             return False, None
         computed = min(request.num_computed_tokens, len(request.all_token_ids))
-        end_pages = computed // self.page_size
-        if end_pages <= 0:
+        if computed < min(g.block_size for g in self.groups):
             return False, None
-        job = self._save_job(st, block_ids, end_pages, True, self._null_block_id())
+        job = self._save_job(st, block_ids, computed, True, self._null_block_id())
         if job is None:
             return False, None
         job.finish = True
@@ -361,21 +381,42 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Wrap vLLM's per-layer KV tensors per group (no copy, no registration cost)."""
         n = self._kv_cache_config.num_blocks
         self._buffers = {g.index: GroupBuffers(kv_caches, g.layer_names, n) for g in self.groups}
+        page_bytes = {b.page_bytes for b in self._buffers.values()}
+        budget = int(self.cfg.l2_gb * (1 << 30))
+        if budget <= 0:
+            self._l2 = None
+        elif len(page_bytes) != 1:
+            # vLLM equalises page bytes across groups; if a layout ever does not, the
+            # host rows cannot be shared, so go without L2 rather than guess.
+            logger.warning("hybridkv: groups differ in page bytes %s; L2 disabled",
+                           sorted(page_bytes))
+        else:
+            windows = [int(g.window) for g in self.groups if g.is_swa] or [1]
+            self._l2 = HostPageCache(page_bytes.pop(), budget, min(windows))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Run this step's loads (all or nothing per request)."""
         meta = self._connector_metadata
         if not isinstance(meta, HybridKVMetadata) or not meta.loads:
             return
+        swa = {g.index: g.is_swa for g in self.groups}
         for job in meta.loads:
-            ok = True
+            ok, l2_pages, l3_pages = True, 0, 0
             for gi, (ids, keys) in job.groups.items():
                 if ok and ids:
-                    ok = load_pages(self.backend, self._buffers[gi], keys, ids)
+                    ok, a, b = load_pages(self.backend, self._buffers[gi], keys, ids,
+                                          self._l2, swa[gi])
+                    l2_pages, l3_pages = l2_pages + a, l3_pages + b
             with self._stats_lock:
-                self.stats["load_pages" if ok else "load_failures"] += job.num_pages() if ok else 1
+                if ok:
+                    self.stats["load_pages"] += job.num_pages()
+                    self.stats["load_pages_l2"] += l2_pages
+                    self.stats["load_pages_l3"] += l3_pages
+                else:
+                    self.stats["load_failures"] += 1
             (self._done_recv if ok else self._failed_recv).add(job.req_id)
-            self._record(event="load", req=job.req_id, pages=job.num_pages(), ok=ok)
+            self._record(event="load", req=job.req_id, pages=job.num_pages(), ok=ok,
+                         l2_pages=l2_pages, l3_pages=l3_pages)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv (asynchronous-load path, see module doc)
@@ -389,19 +430,22 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if not isinstance(meta, HybridKVMetadata) or not meta.saves:
             return
+        swa = {g.index: g.is_swa for g in self.groups}
         for job in meta.saves:
-            stored = skipped = 0
+            stored = skipped = in_l2 = 0
             for gi, (ids, keys) in job.groups.items():
-                s, k = save_pages(self.backend, self._buffers[gi], keys, ids)
-                stored, skipped = stored + s, skipped + k
+                s, k, h = save_pages(self.backend, self._buffers[gi], keys, ids, self._l2,
+                                     swa[gi])
+                stored, skipped, in_l2 = stored + s, skipped + k, in_l2 + h
             with self._stats_lock:
                 self.stats["save_pages"] += stored
+                self.stats["save_pages_l2"] += in_l2
                 self.stats["save_skipped"] += skipped
                 self.stats["finish_saves"] += int(job.finish)
             if job.finish:
                 self._done_send.add(job.req_id)
             self._record(event="save", req=job.req_id, stored=stored, skipped=skipped,
-                         finish=job.finish)
+                         stored_l2=in_l2, finish=job.finish)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         res = KVConnectorTransferResults(finished_sending=self._done_send,
@@ -415,7 +459,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return r.finished_sending or None, r.finished_recving or None
 
     def shutdown(self) -> None:
-        self._record(event="shutdown", **self.stats)
+        extra = {"l2": self._l2.stats()} if self._l2 is not None else {}
+        self._record(event="shutdown", **self.stats, **extra)
         try:
             self.backend.close()
         except Exception:  # closing is best effort at interpreter exit

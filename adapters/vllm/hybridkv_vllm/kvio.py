@@ -1,4 +1,4 @@
-"""Worker side: vLLM's per-layer KV tensors <-> page payloads <-> L3.
+"""Worker side: vLLM's per-layer KV tensors <-> page payloads <-> L2 (host) / L3.
 
 vLLM hands the connector one tensor per attention layer (``register_kv_caches``).
 Whatever the backend's layout, one dimension indexes blocks (size
@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
 from hybridkv.tiers.storage import StorageBackend
+
+if TYPE_CHECKING:
+    from .l2 import HostPageCache
 
 __all__ = ["GroupBuffers", "save_pages", "load_pages"]
 
@@ -98,45 +101,67 @@ class GroupBuffers:
 
 
 def save_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[bytes],
-               block_ids: Sequence[int]) -> tuple[int, int]:
-    """Store pages whose key is not in ``backend`` yet.
+               block_ids: Sequence[int], l2: "HostPageCache | None" = None,
+               swa: bool = False) -> tuple[int, int, int]:
+    """Store pages into L2 (when given) and into L3 where its key is missing.
 
-    Returns ``(stored, skipped_existing)``.  Backend faults come back as
-    ``False`` from ``put`` (counted by the backend); nothing raises.
-    O(n * page bytes) for the missing pages.
+    L3 is written through (a fresh process or another server can only hit
+    there); L2 keeps a host copy so this worker's next load skips L3.
+    Returns ``(stored_l3, skipped_existing_l3, stored_l2)``.  Backend faults
+    come back as ``False`` from ``put`` (counted by the backend); nothing
+    raises.  O(n * page bytes).
     """
     if not keys:
-        return 0, 0
+        return 0, 0, 0
     present = backend.exists(list(keys))
     todo = [i for i, p in enumerate(present) if not p]
+    need_l2 = l2 is not None and l2.page_bytes == group.page_bytes
+    if not todo and not need_l2:
+        return 0, len(keys), 0
+    rows = group.gather(list(block_ids)).view(torch.uint8)
+    in_l2 = l2.store(swa, list(keys), rows) if need_l2 else 0  # type: ignore[union-attr]
     if not todo:
-        return 0, len(keys)
-    rows = group.gather([block_ids[i] for i in todo])
-    raw = rows.view(torch.uint8).numpy()
-    ok = backend.put([keys[i] for i in todo], [raw[j] for j in range(len(todo))])
-    return sum(ok), len(keys) - len(todo)
+        return 0, len(keys), in_l2
+    raw = rows.numpy()
+    ok = backend.put([keys[i] for i in todo], [raw[i] for i in todo])
+    return sum(ok), len(keys) - len(todo), in_l2
 
 
 def load_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[bytes],
-               block_ids: Sequence[int]) -> bool:
-    """Read every page and write it into its block; all or nothing.
+               block_ids: Sequence[int], l2: "HostPageCache | None" = None,
+               swa: bool = False) -> tuple[bool, int, int]:
+    """Read every page (L2 first, the rest from L3) into its block; all or nothing.
 
-    Returns ``True`` when every page was read intact and scattered; on any
-    miss nothing is written and ``False`` comes back (the caller reports the
-    request as a failed load so vLLM recomputes it).  O(n * page bytes).
+    Returns ``(ok, pages_from_l2, pages_from_l3)``.  ``ok`` is ``True`` when
+    every page was read intact and scattered; on any miss nothing is written
+    (the caller reports the request as a failed load so vLLM recomputes it).
+    Pages read from L3 are copied into L2.  O(n * page bytes).
     """
-    if not keys:
-        return True
-    buf = torch.empty((len(keys), group.page_bytes), dtype=torch.uint8)
-    arr = buf.numpy()
-    got = backend.get_into(list(keys), [memoryview(arr[i]) for i in range(len(keys))])
-    bad = [i for i, n in enumerate(got) if n != group.page_bytes]
-    if bad:
-        logger.warning("hybridkv: %d of %d pages missing or short at load; request recomputes",
-                       len(bad), len(keys))
-        return False
-    group.scatter(buf.view(group.dtype).view(len(keys), group.page_elems), block_ids)
-    return True
+    n = len(keys)
+    if not n:
+        return True, 0, 0
+    buf = torch.empty((n, group.page_bytes), dtype=torch.uint8)
+    use_l2 = l2 is not None and l2.page_bytes == group.page_bytes
+    host = l2.lookup(swa, list(keys)) if use_l2 else np.full(n, -1)  # type: ignore[union-attr]
+    hit = np.flatnonzero(host >= 0)
+    if hit.size:
+        buf.index_copy_(0, torch.as_tensor(hit, dtype=torch.long),
+                        l2.read(swa, host[hit]))  # type: ignore[union-attr]
+    miss = np.flatnonzero(host < 0)
+    if miss.size:
+        arr = buf.numpy()
+        got = backend.get_into([keys[i] for i in miss.tolist()],
+                               [memoryview(arr[i]) for i in miss.tolist()])
+        bad = [i for i, nb in enumerate(got) if nb != group.page_bytes]
+        if bad:
+            logger.warning("hybridkv: %d of %d pages missing or short at load; request "
+                           "recomputes", len(bad), n)
+            return False, int(hit.size), 0
+        if use_l2:
+            l2.store(swa, [keys[i] for i in miss.tolist()],  # type: ignore[union-attr]
+                     buf.index_select(0, torch.as_tensor(miss, dtype=torch.long)))
+    group.scatter(buf.view(group.dtype).view(n, group.page_elems), block_ids)
+    return True, int(hit.size), int(miss.size)
 
 
 def as_np_tokens(tokens: Sequence[int]) -> np.ndarray:

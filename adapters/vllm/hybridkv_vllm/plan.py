@@ -15,7 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["GroupInfo", "swa_first_page", "window_safe_pages", "pages_to_save"]
+__all__ = ["GroupInfo", "swa_first_page", "window_safe_pages", "window_safe_tokens",
+           "pages_to_save"]
 
 
 @dataclass(frozen=True)
@@ -23,11 +24,15 @@ class GroupInfo:
     """One vLLM KV-cache group as the connector sees it.
 
     ``window`` is ``None`` for full attention, else the sliding window in tokens.
+    ``block_size`` is this group's tokens per block (vLLM may give groups of
+    one model different block sizes at equal page bytes, e.g. MiMo-V2: full
+    64, SWA 32); ``0`` means "the caller's single page size".
     """
 
     index: int
     window: int | None
     layer_names: tuple[str, ...]
+    block_size: int = 0
 
     @property
     def is_swa(self) -> bool:
@@ -75,6 +80,50 @@ def window_safe_pages(full_present: np.ndarray, swa_present: Sequence[np.ndarray
         lo = np.maximum(0, ends * page_size - window) // page_size
         lo = np.maximum(lo, local_pages)  # the engine's own hit covers pages below
         ok &= (csum[ends] - csum[lo]) == (ends - lo)
+    good = ends[ok]
+    return int(good[-1]) if good.size else 0
+
+
+def window_safe_tokens(present: Sequence[np.ndarray], groups: Sequence[GroupInfo], unit: int,
+                       local_tokens: int, max_tokens: int) -> int:
+    """Largest window-safe hit in tokens over groups with their own block sizes.
+
+    Args:
+        present: per group (same order as ``groups``) a bool array, page ``i``
+            (of that group's ``block_size``) is stored; at least
+            ``max_tokens // block_size`` long.
+        groups: the KV-cache groups; every ``block_size`` divides ``unit``.
+        unit: hit granularity in tokens (the lcm of the groups' block sizes:
+            a hit must end on a block boundary of every group).
+        local_tokens: tokens the engine already holds (a multiple of ``unit``);
+            pages below it need not come from storage (for SWA: the engine's
+            own hit keeps the window before it).
+        max_tokens: upper bound of the hit.
+
+    Returns:
+        ``L``, a multiple of ``unit`` in ``[0, max_tokens]``: the largest end
+        such that every full group holds pages ``[local, L)`` and every SWA
+        group the pages covering ``[max(local, L - W), L)``; ``L <= local_tokens``
+        means "nothing to load".  Pure; O(P * groups) numpy, no per-page loop.
+    """
+    if unit <= 0 or any(unit % g.block_size for g in groups):
+        raise ValueError(f"unit {unit} must be a positive multiple of every block size "
+                         f"{[g.block_size for g in groups]}")
+    first, last = local_tokens // unit + 1, max_tokens // unit
+    if last < first:
+        return 0
+    ends = np.arange(first, last + 1, dtype=np.int64) * unit  # candidate ends, tokens
+    ok = np.ones(ends.size, dtype=bool)
+    for pres, g in zip(present, groups):
+        bs = g.block_size
+        pres = np.asarray(pres, dtype=bool)[: last * unit // bs]
+        csum = np.concatenate(([0], np.cumsum(pres, dtype=np.int64)))
+        hi = ends // bs
+        lo = np.full(ends.size, local_tokens // bs, dtype=np.int64)
+        if g.is_swa:
+            lo = np.maximum(lo, np.maximum(0, ends - int(g.window)) // bs)  # type: ignore[arg-type]
+        # full groups: [local, L) complete, so a gap fails every end past it
+        ok &= (csum[hi] - csum[lo]) == (hi - lo)
     good = ends[ok]
     return int(good[-1]) if good.size else 0
 

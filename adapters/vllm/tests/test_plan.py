@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from hybridkv_vllm.config import ConnectorConfig
-from hybridkv_vllm.plan import GroupInfo, pages_to_save, swa_first_page, window_safe_pages
+from hybridkv_vllm.plan import (GroupInfo, pages_to_save, swa_first_page, window_safe_pages,
+                                window_safe_tokens)
 
 FULL = GroupInfo(0, None, ("l1",))
 SWA = GroupInfo(1, 64, ("l0",))
@@ -57,6 +58,42 @@ def test_pages_to_save_full_and_swa() -> None:
     assert pages_to_save(SWA, 4, 7, 32, final=False, checkpoint_pages=2) == [4, 5]
 
 
+def test_mixed_block_sizes_hit_on_lcm() -> None:
+    """MiMo-V2 layout in vLLM: full group at block 64, SWA group at block 32 (W=64)."""
+    full, swa = GroupInfo(0, None, ("f",), 64), GroupInfo(1, 64, ("s",), 32)
+    # 256 tokens: full pages 0-3 (64 each), SWA pages 0-7 (32 each)
+    f = np.ones(4, bool)
+    # SWA window before 256 = pages 6, 7 only -> hit 256
+    assert window_safe_tokens([f, _arr(8, {6, 7})], [full, swa], 64, 0, 256) == 256
+    # window before 192 = SWA pages 4, 5 -> hit 192 when 7 is gone
+    assert window_safe_tokens([f, _arr(8, {4, 5, 6})], [full, swa], 64, 0, 256) == 192
+    # SWA window ending at 224 (pages 5, 6) is not on the 64-token unit: no hit there
+    assert window_safe_tokens([f, _arr(8, {5, 6})], [full, swa], 64, 0, 256) == 0
+    # full page 2 (tokens 128-191) missing: nothing beyond 128
+    assert window_safe_tokens([_arr(4, {0, 1, 3}), np.ones(8, bool)], [full, swa],
+                              64, 0, 256) == 128
+    # the engine's own hit of 128 covers everything below it
+    assert window_safe_tokens([_arr(4, {2}), _arr(8, {4, 5})], [full, swa], 64, 128, 256) == 192
+    assert window_safe_tokens([_arr(4, {2}), _arr(8, {5})], [full, swa], 64, 128, 256) == 0
+    assert window_safe_tokens([f, np.ones(8, bool)], [full, swa], 64, 0, 200) == 192  # cap
+    with pytest.raises(ValueError, match="multiple"):
+        window_safe_tokens([f], [GroupInfo(0, None, ("f",), 48)], 64, 0, 256)
+
+
+def test_mixed_sizes_agree_with_single_size_rule() -> None:
+    """With one block size the token rule equals the page rule on random layouts."""
+    rng = np.random.default_rng(0)
+    full, swa = GroupInfo(0, None, ("f",), 32), GroupInfo(1, 64, ("s",), 32)
+    for _ in range(200):
+        f = rng.random(10) < 0.9
+        w = rng.random(10) < 0.5
+        local = int(rng.integers(0, 4))
+        f[:local] = True  # the engine's own hit is a complete prefix
+        pages = window_safe_pages(f, [w], [64], 32, local)
+        toks = window_safe_tokens([f, w], [full, swa], 32, local * 32, 320)
+        assert toks == (pages * 32 if pages > local else 0), (f, w, local)
+
+
 def test_config_parsing_and_errors() -> None:
     cfg = ConnectorConfig.from_extra({"l3_url": "file:x", "checkpoint_interval": 64,
                                       "save_on_finish": "false"})
@@ -66,5 +103,8 @@ def test_config_parsing_and_errors() -> None:
         ConnectorConfig.from_extra({"l3url": "file:x"})
     with pytest.raises(ValueError, match="checkpoint_interval"):
         ConnectorConfig.from_extra({"checkpoint_interval": -1})
+    assert ConnectorConfig().l2_gb == 1.0 and ConnectorConfig.from_extra({"l2_gb": 0}).l2_gb == 0
+    with pytest.raises(ValueError, match="l2_gb"):
+        ConnectorConfig.from_extra({"l2_gb": -1})
     with pytest.raises(TypeError, match="l3_url"):
         ConnectorConfig.from_extra({"l3_url": 3})

@@ -1,0 +1,104 @@
+"""L2: a host-memory page cache in the worker, in front of the L3 backend.
+
+Index, budget and eviction are hybridkv's :class:`~hybridkv.tiers.host.HostTier`
+(chained page keys, full pages and SWA pages with their own validity, plain SWA
+evicted before full, tail/checkpoint SWA windows last).  The HostTier runs in
+accounting mode (``device="meta"``); the page bytes live here, in one uint8
+row per host page, because a vLLM page is an opaque ``page_bytes`` blob (all
+layers of one KV-cache group for one block) rather than hybridkv's
+per-layer K/V layout.
+
+vLLM gives every KV-cache group the same page bytes (it changes block sizes to
+get there), so one row size serves every group; the group identity is in the
+key (per-group fingerprint), so groups never collide.
+
+Memory: ``torch.empty`` rows (untouched rows are not resident); resident
+bytes stay within ``budget_bytes`` plus the pages HostTier has freed but the
+allocator has not reused yet.  Not thread-safe: the worker calls it from its
+one execute thread.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from hybridkv.spec import AttnKind, KVShape, ModelSpec
+from hybridkv.tiers.host import HostTier
+
+__all__ = ["HostPageCache"]
+
+
+class HostPageCache:
+    """L2 page store for one worker.
+
+    Args:
+        page_bytes: bytes of one page (one block of every layer of a group); > 0, even.
+        budget_bytes: host bytes for full and SWA pages together (> 0).
+        window: the smallest sliding window of the model (informational for the spec).
+    """
+
+    def __init__(self, page_bytes: int, budget_bytes: int, window: int) -> None:
+        if page_bytes < 4 or page_bytes % 2:
+            raise ValueError(f"page_bytes must be a positive even int, got {page_bytes}")
+        if budget_bytes < page_bytes:
+            raise ValueError(f"budget_bytes ({budget_bytes}) must hold at least one page "
+                             f"of {page_bytes} bytes")
+        elems = page_bytes // 2
+        # One "layer" of each kind, 1 token per page, 2-byte elements: the spec's
+        # bytes_per_page equals page_bytes, so HostTier's byte budget is exact.
+        shape = KVShape(1, elems // 2, elems - elems // 2)
+        spec = ModelSpec(name="vllm-page", layer_kinds=(AttnKind.FULL, AttnKind.SWA),
+                         window=max(1, int(window)), full=shape, swa=shape, dtype="float16",
+                         page_size=1)
+        assert spec.bytes_per_page(AttnKind.FULL) == page_bytes
+        self.page_bytes = int(page_bytes)
+        self.tier = HostTier(spec, int(budget_bytes), device="meta")
+        rows = int(budget_bytes) // self.page_bytes
+        self._rows = {AttnKind.FULL: torch.empty((rows, self.page_bytes), dtype=torch.uint8),
+                      AttnKind.SWA: torch.empty((rows, self.page_bytes), dtype=torch.uint8)}
+
+    def lookup(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:
+        """Host page of each key, ``-1`` where absent (touches hits).  O(n)."""
+        if swa:
+            return self.tier.lookup_swa(keys, touch=True)
+        return self.tier.lookup_full(keys, touch=True)
+
+    def read(self, swa: bool, pages: np.ndarray) -> torch.Tensor:
+        """``[n, page_bytes]`` uint8 copies of host ``pages``.  O(n * page_bytes)."""
+        kind = AttnKind.SWA if swa else AttnKind.FULL
+        return self._rows[kind].index_select(0, torch.as_tensor(pages, dtype=torch.long))
+
+    def store(self, swa: bool, keys: Sequence[bytes], rows: torch.Tensor) -> int:
+        """Copy ``rows`` (``[n, page_bytes]`` uint8) in under ``keys``; returns pages stored.
+
+        Keys already held are only touched.  When the budget cannot make room
+        (everything else protected) nothing is stored: L2 is best effort.
+        Mutates the index (may evict LRU pages).  O(n * page_bytes + evicted).
+        """
+        if rows.dim() != 2 or rows.shape[1] != self.page_bytes or rows.shape[0] != len(keys):
+            raise ValueError(f"rows must be [{len(keys)}, {self.page_bytes}] uint8, "
+                             f"got {tuple(rows.shape)}")
+        have = self.lookup(swa, keys)
+        todo = np.flatnonzero(have < 0)
+        if todo.size == 0:
+            return 0
+        got = self.tier.alloc(0 if swa else int(todo.size), int(todo.size) if swa else 0)
+        if got is None:
+            return 0
+        pages = got[1] if swa else got[0]
+        kind = AttnKind.SWA if swa else AttnKind.FULL
+        self._rows[kind].index_copy_(0, torch.as_tensor(pages, dtype=torch.long),
+                                     rows.index_select(0, torch.as_tensor(todo, dtype=torch.long)))
+        sel = [keys[i] for i in todo.tolist()]
+        if swa:
+            # Only tail and checkpoint windows are ever saved: all are anchors.
+            self.tier.insert_swa(sel, pages, np.ones(todo.size, dtype=bool))
+        else:
+            self.tier.insert_full(sel, pages)
+        return int(todo.size)
+
+    def stats(self) -> dict[str, int]:
+        return self.tier.stats()
