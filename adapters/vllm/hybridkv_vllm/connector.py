@@ -1,4 +1,4 @@
-"""``HybridKVConnector``: hybridkv's window-safe L3 page store as a vLLM v1 KV connector.
+"""``HybridKVConnector``: hybridkv's window-safe L2/L3 page store as a vLLM v1 KV connector.
 
 Load it without patching vLLM::
 
@@ -10,9 +10,13 @@ Load it without patching vLLM::
 How it maps onto vLLM 0.32 (``SupportsHMA``: vLLM keeps its hybrid KV-cache
 manager, one block table per KV-cache group):
 
+* Groups may have different block sizes (vLLM equalises page bytes: MiMo-V2's
+  full group gets block 64, its SWA groups 32).  Each group's keys and block
+  ids are at its own block size; a hit ends on a multiple of the lcm of all
+  block sizes (``self.unit``, also vLLM's scheduler block size).
 * Scheduler: ``get_num_new_matched_tokens`` hashes the prompt into hybridkv's
-  chained page keys (one chain per group), asks storage which pages exist and
-  returns the largest *window-safe* hit (:func:`.plan.window_safe_pages`):
+  chained page keys (one chain per group), asks L3 which pages exist and
+  returns the largest *window-safe* hit (:func:`.plan.window_safe_tokens`):
   full-attention pages for the whole prefix, SWA pages only for the window
   before the hit end.  Loads are reported asynchronous because that is the
   path on which vLLM 0.32 accepts per-request load failures for models with
@@ -28,6 +32,11 @@ manager, one block table per KV-cache group):
 * Worker: ``register_kv_caches`` wraps vLLM's per-layer tensors per group
   (:class:`.kvio.GroupBuffers`); loads run in ``start_load_kv``, saves in
   ``wait_for_save`` (after the forward wrote this step's KV).
+* L2: each worker keeps a host page cache (:class:`.l2.HostPageCache`, hybridkv's
+  ``HostTier`` index, ``l2_gb``).  Saves go to L2 and through to L3; loads read
+  L2 first and L3 for the rest (L3 reads fill L2).  The scheduler decides hits
+  from L3 presence (it runs in another process than the worker's L2), so L2
+  saves L3 reads but never adds hits L3 cannot back.
 """
 
 from __future__ import annotations
@@ -180,6 +189,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
         self._done_send: set[str] = set()
+        self._record(event="init", unit=self.unit, l2_gb=self.cfg.l2_gb,
+                     groups=[[g.index, g.window, g.block_size] for g in self.groups])
         logger.info("HybridKVConnector role=%s l3=%s l2_gb=%s unit=%d groups=%s", role.name,
                     self.cfg.l3_url, self.cfg.l2_gb, self.unit,
                     [(g.index, g.window, g.block_size, len(g.layer_names)) for g in self.groups])

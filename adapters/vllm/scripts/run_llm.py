@@ -1,8 +1,11 @@
-"""Run one vLLM ``LLM`` over prompt sets and write outputs, cache hits and times as JSON.
+"""Run vLLM ``LLM``s over prompt sets and write outputs, cache hits and times as JSON.
 
     python scripts/run_llm.py JOB.json OUT.json
 
-JOB keys: ``model`` (dir), ``connector`` (``none`` | ``hybridkv`` | ``offloading``),
+JOB: ``runs`` (list of per-run dicts with a ``name``; run one after another in
+this process, each with fresh vLLM engine/worker processes) plus defaults for
+every run.  OUT: ``{name: result}``.  Per-run keys: ``model`` (dir),
+``connector`` (``none`` | ``hybridkv`` | ``offloading``),
 ``extra`` (connector extra config), ``sets`` (see :func:`prompt_sets`),
 ``reset_between`` (drop vLLM's own prefix cache before every request so hits
 must come through the connector), ``max_tokens``, ``block_size``,
@@ -52,8 +55,10 @@ def _connector(kind: str, extra: dict[str, Any]) -> Any:
     raise ValueError(f"connector must be none|hybridkv|offloading, got {kind!r}")
 
 
-def main(job_path: str, out_path: str) -> None:
-    job = json.load(open(job_path))
+def _run_one(job: dict[str, Any]) -> dict[str, Any]:
+    """Start one ``LLM``, run its prompt sets, shut it down (engine and worker exit)."""
+    import gc
+
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -61,9 +66,12 @@ def main(job_path: str, out_path: str) -> None:
     llm = LLM(model=job["model"], enforce_eager=True, dtype="float32",
               max_model_len=job.get("max_model_len", 512), block_size=job.get("block_size", 32),
               kv_transfer_config=_connector(job["connector"], job.get("extra", {})),
-              seed=0, max_num_seqs=4, trust_remote_code=job.get("trust_remote_code", False), disable_log_stats=True,
-              gpu_memory_utilization=job.get("memory_fraction", 0.05),
-              kv_cache_memory_bytes=job.get("kv_cache_bytes", 64 << 20))
+              seed=0, max_num_seqs=4, trust_remote_code=job.get("trust_remote_code", False),
+              disable_log_stats=True, gpu_memory_utilization=job.get("memory_fraction", 0.05),
+              kv_cache_memory_bytes=job.get("kv_cache_bytes", 64 << 20),
+              # worker inside the engine-core process: one process spawn (and
+              # vLLM import, ~15-20 s here) less per LLM; still a fresh process per LLM
+              distributed_executor_backend=job.get("executor", "uni"))
     init_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 12),
                             ignore_eos=True)
@@ -88,9 +96,34 @@ def main(job_path: str, out_path: str) -> None:
         result["sets"][name] = {"prompt_lens": [len(p) for p in prompts], "outputs": outs,
                                 "cached_tokens": cached, "wall_s": walls}
     result["total_s"] = time.perf_counter() - t0
-    with open(out_path, "w") as f:
-        json.dump(result, f)
-    llm.llm_engine.engine_core.shutdown()  # lets queued finish saves drain
+    llm.llm_engine.engine_core.shutdown()  # lets queued finish saves drain; workers exit
+    del llm
+    gc.collect()
+    return result
+
+
+def main(job_path: str, out_path: str) -> None:
+    """Run ``job["runs"]`` one after another in this process (one vLLM import).
+
+    Each run gets a fresh engine-core and worker process from vLLM, so a
+    later run's connector starts with empty memory (its L2 is new): it can
+    only hit through L3.  A run whose ``LLM`` fails to start records
+    ``{"error": ...}`` and the next run still goes ahead.
+    """
+    job = json.load(open(job_path))
+    common = {k: v for k, v in job.items() if k != "runs"}
+    out: dict[str, Any] = {}
+    for run in job.get("runs", [{}]):
+        spec = {**common, **run}
+        name = spec.get("name", spec.get("connector", "run"))
+        print(f"### hybridkv run {name} start", flush=True)
+        try:
+            out[name] = _run_one(spec)
+        except Exception as exc:  # a refused start is a result (e.g. no CUDA for offload)
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"### hybridkv run {name} end", flush=True)
+        with open(out_path, "w") as f:  # after every run: a later crash keeps earlier ones
+            json.dump(out, f)
     os._exit(0)  # skip slow interpreter teardown of vLLM's workers
 
 
