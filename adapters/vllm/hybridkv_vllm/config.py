@@ -6,8 +6,9 @@ never silently falls back to a default.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = ["ConnectorConfig"]
 
@@ -56,7 +57,7 @@ class ConnectorConfig:
     l2_gb: float = 1.0
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         """Parse vLLM's ``kv_connector_extra_config`` dict (``None`` = defaults).
 
         Raises ``TypeError``/``ValueError`` naming the offending key.  O(keys).

@@ -105,7 +105,7 @@ class HybridKVMetadata(KVConnectorMetadata):
 
 @dataclass
 class _ReqState:
-    request: "Request"
+    request: Request
     namespace: str
     keys: dict[int, list[bytes]] = field(default_factory=dict)  # per group, its block size
     hit_tokens: int = 0
@@ -114,7 +114,7 @@ class _ReqState:
     reported: bool = False
 
 
-def _groups_from_config(kv_cache_config: "KVCacheConfig") -> list[GroupInfo]:
+def _groups_from_config(kv_cache_config: KVCacheConfig) -> list[GroupInfo]:
     groups = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
@@ -125,7 +125,7 @@ def _groups_from_config(kv_cache_config: "KVCacheConfig") -> list[GroupInfo]:
             # token (FullAttentionSpec with sliding_window set): all pages are valid.
             window = None
         else:
-            raise ValueError(f"HybridKVConnector: KV-cache group {i} has unsupported spec "
+            raise TypeError(f"HybridKVConnector: KV-cache group {i} has unsupported spec "
                              f"{type(spec).__name__} (full attention and sliding window only)")
         # Groups may differ in block size (vLLM equalises page bytes: MiMo-V2's
         # full group gets 64-token blocks, its SWA groups 32): keys and block
@@ -134,7 +134,7 @@ def _groups_from_config(kv_cache_config: "KVCacheConfig") -> list[GroupInfo]:
     return groups
 
 
-def _fingerprints(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
+def _fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                   groups: list[GroupInfo], model_id: str) -> dict[int, str]:
     if not model_id:
         hf = vllm_config.model_config.hf_config
@@ -158,8 +158,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.cfg = ConnectorConfig.from_extra(extra)
@@ -209,7 +209,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             f.write(json.dumps(event) + "\n")
 
     # ============================================================ scheduler
-    def _state(self, request: "Request") -> _ReqState:
+    def _state(self, request: Request) -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None:
             ns = self.cfg.namespace
@@ -237,7 +237,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             out[g.index] = have[:pages]
         return out
 
-    def get_num_new_matched_tokens(self, request: "Request",
+    def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         """Window-safe external hit beyond ``num_computed_tokens`` (page aligned).
 
@@ -268,7 +268,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         return st.hit_tokens - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         """Turn the reported hit into a per-group load job (window blocks for SWA)."""
         st = self._reqs.get(request.request_id)
@@ -327,7 +327,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         mgr = self._kv_cache_manager
         return int(mgr.block_pool.null_block.block_id) if mgr is not None else 0
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Loads decided since the last step, and prefill saves of this step."""
         meta = HybridKVMetadata(loads=list(self._pending_loads.values()))
         self._pending_loads.clear()
@@ -354,7 +354,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_saves.clear()
         return meta
 
-    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """Queue the decode-time pages (and the final SWA window) for saving.
 
@@ -375,7 +375,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_saves.append(job)
         return True, None
 
-    def request_finished(self, request: "Request", block_ids: list[int]
+    def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         # Called instead of the all-groups variant when vLLM runs one group.
         return self.request_finished_all_groups(request, (block_ids,))
@@ -405,7 +405,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             windows = [int(g.window) for g in self.groups if g.is_swa] or [1]
             self._l2 = HostPageCache(page_bytes.pop(), budget, min(windows))
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Run this step's loads (all or nothing per request)."""
         meta = self._connector_metadata
         if not isinstance(meta, HybridKVMetadata) or not meta.loads:

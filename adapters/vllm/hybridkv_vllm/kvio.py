@@ -13,8 +13,9 @@ work; the only Python loops run over layers and pages, never tokens).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from hybridkv.tiers.storage import StorageBackend
 if TYPE_CHECKING:
     from .l2 import HostPageCache
 
-__all__ = ["GroupBuffers", "save_pages", "load_pages"]
+__all__ = ["GroupBuffers", "load_pages", "save_pages"]
 
 logger = logging.getLogger("hybridkv_vllm")
 
@@ -101,7 +102,7 @@ class GroupBuffers:
 
 
 def save_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[bytes],
-               block_ids: Sequence[int], l2: "HostPageCache | None" = None,
+               block_ids: Sequence[int], l2: HostPageCache | None = None,
                swa: bool = False) -> tuple[int, int, int]:
     """Store pages into L2 (when given) and into L3 where its key is missing.
 
@@ -128,7 +129,7 @@ def save_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[byte
 
 
 def load_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[bytes],
-               block_ids: Sequence[int], l2: "HostPageCache | None" = None,
+               block_ids: Sequence[int], l2: HostPageCache | None = None,
                swa: bool = False) -> tuple[bool, int, int]:
     """Read every page (L2 first, the rest from L3) into its block; all or nothing.
 

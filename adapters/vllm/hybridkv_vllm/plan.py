@@ -10,13 +10,18 @@ with window ``W``.  Hits are page aligned.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-__all__ = ["GroupInfo", "swa_first_page", "window_safe_pages", "window_safe_tokens",
-           "pages_to_save"]
+__all__ = [
+    "GroupInfo",
+    "pages_to_save",
+    "swa_first_page",
+    "window_safe_pages",
+    "window_safe_tokens",
+]
 
 
 @dataclass(frozen=True)

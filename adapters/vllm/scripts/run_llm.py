@@ -20,6 +20,7 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -110,7 +111,7 @@ def main(job_path: str, out_path: str) -> None:
     only hit through L3.  A run whose ``LLM`` fails to start records
     ``{"error": ...}`` and the next run still goes ahead.
     """
-    job = json.load(open(job_path))
+    job = json.loads(Path(job_path).read_text())
     common = {k: v for k, v in job.items() if k != "runs"}
     out: dict[str, Any] = {}
     for run in job.get("runs", [{}]):
@@ -119,7 +120,7 @@ def main(job_path: str, out_path: str) -> None:
         print(f"### hybridkv run {name} start", flush=True)
         try:
             out[name] = _run_one(spec)
-        except Exception as exc:  # a refused start is a result (e.g. no CUDA for offload)
+        except Exception as exc:  # noqa: BLE001 - a refused start is a result (e.g. no CUDA for offload)
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
         print(f"### hybridkv run {name} end", flush=True)
         with open(out_path, "w") as f:  # after every run: a later crash keeps earlier ones

@@ -23,7 +23,7 @@ SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 def write_tokenizer(out: Path, vocab: int = VOCAB) -> None:
     """tokenizer.json + tokenizer_config.json: ids 0-3 specials, then ``w<i>`` words."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     words = {tok: i for i, tok in enumerate(SPECIALS)}
     words.update({f"w{i}": i + len(SPECIALS) for i in range(vocab - len(SPECIALS))})

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+from hybridkv_vllm.kvio import GroupBuffers, as_np_tokens, load_pages, save_pages
+from hybridkv_vllm.l2 import HostPageCache
 
 from hybridkv.tiers.keys import page_keys
 from hybridkv.tiers.storage import open_backend
-from hybridkv_vllm.kvio import GroupBuffers, as_np_tokens, load_pages, save_pages
-from hybridkv_vllm.l2 import HostPageCache
 
 
 def _caches(num_blocks: int = 10, seed: int = 0) -> dict[str, torch.Tensor]:

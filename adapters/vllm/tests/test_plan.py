@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from hybridkv_vllm.config import ConnectorConfig
-from hybridkv_vllm.plan import (GroupInfo, pages_to_save, swa_first_page, window_safe_pages,
-                                window_safe_tokens)
+from hybridkv_vllm.plan import (
+    GroupInfo,
+    pages_to_save,
+    swa_first_page,
+    window_safe_pages,
+    window_safe_tokens,
+)
 
 FULL = GroupInfo(0, None, ("l1",))
 SWA = GroupInfo(1, 64, ("l0",))

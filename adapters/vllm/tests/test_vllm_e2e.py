@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from tiny_models import build
 from vllm_helpers import read_stats, run_llm
 
@@ -167,6 +166,12 @@ def test_side_by_side_with_offloading_connector(runs: dict[str, Any]) -> None:
             l2, l3, _ = _loads(r[name]) if "stats" in r[name] else (0, 0, 0)
             print(f"{model:<6} {name:<8} {_hits(r[name]):>10} {l2:>9} {l3:>9} "
                   f"{wall:>16.2f} {r[name]['init_s']:>7.1f}")
+    print("cached tokens per request (prompt lengths in brackets):")
+    for model, r in runs.items():
+        for name in ("hkv1", "hkv2"):
+            for s in SETS:
+                x = r[name]["sets"][s]
+                print(f"  {model:<6} {name:<5} {s:<14} {x['cached_tokens']} {x['prompt_lens']}")
     if "sets" in off:
         for s in SETS:
             assert off["sets"][s]["outputs"] == g["none"]["sets"][s]["outputs"], ("offload", s)

@@ -29,7 +29,7 @@ def run_llm(job: dict[str, Any], workdir: Path, name: str) -> dict[str, Any]:
     with open(log_path, "w") as log:
         proc = subprocess.run([sys.executable, str(SCRIPTS / "run_llm.py"), str(job_path),
                                str(out_path)], stdout=log, stderr=subprocess.STDOUT,
-                              timeout=TIMEOUT_S, env=env, cwd=workdir)
+                              timeout=TIMEOUT_S, env=env, cwd=workdir, check=False)
     if proc.returncode != 0 or not out_path.exists():
         raise RuntimeError(f"{name} failed (rc={proc.returncode}): {root_cause(log_path)}")
     out = json.loads(out_path.read_text())
@@ -47,7 +47,7 @@ def root_cause(log_path: Path) -> str:
 
 
 def _first_error(text: str) -> str:
-    hits = re.findall(r"^(?:.*\] )?\s*([A-Za-z_.]*(?:Error|Exception): .+)$", text, re.M)
+    hits = re.findall(r"^(?:.*\] )?\s*([A-Za-z_.]*(?:Error|Exception): .+)$", text, re.MULTILINE)
     return hits[0].strip() if hits else text[-2000:]
 
 
