@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -142,14 +141,11 @@ class OpTimes:
 
 
 def rss_bytes() -> int:
-    """Current resident set size of this process."""
+    """Anonymous resident memory of this process (resident minus file-backed
+    pages), so the memory-mapped token file the replay reads is not counted."""
     with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (ru_maxrss is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        fields = fh.read().split()
+    return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -177,10 +173,11 @@ class Run:
             self.peak_rss = max(self.peak_rss, rss_bytes())
 
     def result(self, kv_buffer_bytes: int = 0) -> dict[str, Any]:
-        """The JSON record.  ``peak_metadata_mb``: peak resident-set growth
-        (sampled every 16 requests and at the end) from before the cache was
-        built, minus KV buffers the peer allocates for real: an upper bound on
-        metadata (it also holds allocator slack and transient request objects)."""
+        """The JSON record.  ``peak_metadata_mb``: peak growth of anonymous
+        resident memory (sampled every 16 requests and at the end) from before
+        the cache was built, minus KV buffers the peer allocates for real: an
+        upper bound on metadata (it also holds allocator slack and transient
+        request objects)."""
         out: dict[str, Any] = {
             "system": self.system, "budget_gb": self.budget_gb, "requests": self.requests,
             "input_tokens": self.input_tokens, "hit_tokens": self.hit_tokens,
