@@ -18,6 +18,15 @@ buffer (one memcpy).  The header's length and checksum bind the pair: a torn
 pair (one half evicted, or a read racing an overwrite) is a miss, never wrong
 bytes.  :meth:`get` (no buffers) uses ``get_batch``.
 
+Thread safety: one batch upsert of the two halves is not atomic, so a read
+racing an overwrite or a delete of the same key can see the new payload with
+the old header (or a header whose payload is mid-replace and reads back
+empty).  That would be a spurious miss counted as ``corrupt``.  Every read,
+write and delete of one backend object therefore runs under its lock (the
+same lock that guards the staging buffer); exists/touch are hints and stay
+unlocked.  Two *different* clients writing one key can still tear a pair:
+that stays a verified miss.
+
 Mooncake specifics: a read grants the reader a lease during which a plain
 remove fails, so :meth:`delete` removes with ``force=True``.  The master
 evicts on its own (watermark + lease expiry); :meth:`touch` only probes the
@@ -108,7 +117,7 @@ class MooncakeBackend(BaseBackend):
         self._setup_args = (local_host, metadata, segment_bytes, buffer_bytes, protocol, device, master)
         self._prefix = key_prefix
         self._connect_timeout = float(connect_timeout_s)
-        self._lock = threading.Lock()  # guards setup, the staging buffer and registrations
+        self._lock = threading.Lock()  # guards setup, staging, registrations and every get/put/delete
         self._store: Any = None
         self._borrowed = store is not None
         self._staging = np.empty(0, dtype=np.uint8)
@@ -185,7 +194,9 @@ class MooncakeBackend(BaseBackend):
 
     def _get(self, keys: list[bytes]) -> list[Any]:
         pn, hn = self._names(keys)
-        vals = self._ensure().get_batch(pn + hn)  # b"" for a missing object
+        store = self._ensure()
+        with self._lock:  # not concurrently with a put/delete of this client (module doc)
+            vals = store.get_batch(pn + hn)  # b"" for a missing object
         n = len(keys)
         out: list[Any] = []
         for i in range(n):
@@ -293,8 +304,10 @@ class MooncakeBackend(BaseBackend):
 
     def _delete(self, keys: list[bytes]) -> int:
         pn, hn = self._names(keys)
-        # force=True: a recent reader's lease would otherwise block the removal.
-        rcs = self._ensure().batch_remove(pn + hn, True)
+        store = self._ensure()
+        with self._lock:  # a reader must not see one half removed (module doc)
+            # force=True: a recent reader's lease would otherwise block the removal.
+            rcs = store.batch_remove(pn + hn, True)
         return sum(1 for rc in rcs[:len(keys)] if rc == 0)
 
     def _close(self) -> None:
