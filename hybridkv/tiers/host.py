@@ -187,6 +187,17 @@ class HostTier:
         if dup:
             self.pool.free_swa(np.asarray(dup, dtype=np.int32))
 
+    def anchor(self, keys: Sequence[bytes]) -> int:
+        """Move plain SWA ``keys`` to the anchored class (absent/anchored keys are
+        ignored); returns how many moved.  O(n)."""
+        moved = 0
+        for k in keys:
+            page = self._swa.pop(k, None)
+            if page is not None:
+                self._anchor[k] = page
+                moved += 1
+        return moved
+
     # ------------------------------------------------------------- checking
     def check_invariants(self) -> None:
         """Every indexed page allocated exactly once, nothing leaked.  O(n)."""

@@ -32,7 +32,11 @@ asynchronous L3 write.
    LRU/TTL keeps hot prefixes;
 4. retention checkpoints apply below L1 too: SWA pages that end a sequence
    (tail window) or a checkpoint window are *anchored*; L2 evicts unanchored
-   SWA first and L3 receives only anchored SWA (``l3_swa="anchored"``).
+   SWA first and L3 receives only anchored SWA (``l3_swa="anchored"``).  The
+   window that ends a *hit* is a proven branch point: at ``begin`` it is
+   anchored in L1's registration and in L2 and queued for L3 if L3 lacks it
+   (otherwise a window first stored as plain, e.g. a shared system prompt
+   that is no request's tail, would never reach L3 under write-through).
 
 Faults never raise into the engine: storage faults are misses (the backend
 layer), and any unexpected error in the tier path is logged, counted in
@@ -398,10 +402,36 @@ class TieredCache(HybridKVCache):
         if h:
             with self._mutex:
                 self.host.lookup_full(keys[:h], touch=True)
+                try:
+                    self._anchor_hit_window(req, keys, h)
+                except Exception as exc:  # noqa: BLE001 - best effort, never fails the request
+                    self.tier_counters["tier_errors"] += 1
+                    logger.warning("anchoring the hit window failed (%s: %s)", type(exc).__name__, exc)
             if self.l3 is not None:  # repair 3: hot prefixes keep their L3 keys alive
                 served = [k for k, t in zip(keys[:h], src.tolist()) if t != 3]
                 served += [swa_key(k) for k in keys[max(0, h - self.spec.window_pages):h]]
                 self.l3.touch(served)
+
+    def _anchor_hit_window(self, req: Request, keys: list[bytes], h: int) -> None:
+        """Anchor the SWA window ``[h - W, h)`` that ends this hit (repair case 4).
+
+        L1 pages of the window are re-registered as anchored (write-back then
+        stores them anchored when the tree frees them, and write-through's
+        backup at finish keeps the flag); L2 copies are promoted to the
+        anchored class and queued for L3 if not known there.  Mutates the
+        registrations, L2's classes and the L3 write queue.  O(window pages).
+        """
+        lo = max(0, h - self.spec.window_pages)
+        for i, p in zip(range(lo, h), req.swa_pages[lo:h].tolist()):
+            if p >= 0 and p in self._l1_swa_key:
+                self._l1_swa_key[p] = (keys[i], True)
+        sk = [swa_key(k) for k in keys[lo:h]]
+        pages = self.host.lookup_swa(sk)
+        have = pages >= 0
+        if have.any():
+            wk = [k for k, o in zip(sk, have.tolist()) if o]
+            self.host.anchor(wk)
+            self._queue_l3(AttnKind.SWA, wk, pages[have])
 
     # ============================================================== finish
     def finish(self, req: Request, cache: bool = True) -> int:
@@ -458,8 +488,12 @@ class TieredCache(HybridKVCache):
         idx = idx[missing]
         if not through:
             self.tier_counters["repair_swa_d2h_pages"] += idx.size
-        self._store_l2(AttnKind.SWA, req.swa_pages[idx], [k for k, m in zip(sk, missing) if m],
-                       self._anchored(idx, aligned))
+        pages = req.swa_pages[idx]
+        # A window anchored since registration (it ended a hit) keeps its anchor.
+        marked = np.fromiter((self._l1_swa_key.get(p, (b"", False))[1] for p in pages.tolist()),
+                             bool, count=idx.size)
+        self._store_l2(AttnKind.SWA, pages, [k for k, m in zip(sk, missing) if m],
+                       self._anchored(idx, aligned) | marked)
 
     def _store_l2(self, kind: AttnKind, l1_pages: np.ndarray, keys: list[bytes],
                   anchored: np.ndarray | None) -> None:
@@ -482,21 +516,28 @@ class TieredCache(HybridKVCache):
         c = self.tier_counters
         c["l1_to_l2_full_pages" if kind is AttnKind.FULL else "l1_to_l2_swa_pages"] += n
         c["bytes_d2h"] += n * self.codec.nominal_bytes(kind)
-        if self.l3 is None:
-            return
-        sel = np.ones(n, bool)
+        sel = None
         if kind is AttnKind.SWA and self.tiers.l3_swa == "anchored" and anchored is not None:
-            sel = np.asarray(anchored, bool).copy()
+            sel = np.asarray(anchored, bool)
+        self._queue_l3(kind, keys, hp, sel)
+
+    def _queue_l3(self, kind: AttnKind, keys: list[bytes], host_pages: np.ndarray,
+                  sel: np.ndarray | None = None) -> None:
+        """Queue the L3 write of L2 pages ``host_pages`` (where ``sel``) not known in L3."""
+        if self.l3 is None or not keys:
+            return
+        n = len(keys)
+        sel = np.ones(n, bool) if sel is None else np.asarray(sel, bool).copy()
         sel &= np.fromiter((k not in self._l3_known for k in keys), bool, count=n)
         if not sel.any():
             return
         wk = [k for k, s in zip(keys, sel) if s]
-        values = self.codec.encode(kind, wk, hp[sel])  # snapshot now: the L2 page may be reused
+        values = self.codec.encode(kind, wk, np.asarray(host_pages)[sel])  # snapshot: the L2 page may be reused
         if self.l3.put_async(wk, values):
             self._l3_known.update(wk)
             if len(self._l3_known) > 4_000_000:
                 self._l3_known.clear()  # bounded; only redundant writes result
-            c["bytes_l3_written"] += len(wk) * self.codec.nominal_bytes(kind)
+            self.tier_counters["bytes_l3_written"] += len(wk) * self.codec.nominal_bytes(kind)
 
     def _on_l1_free(self, kind: AttnKind, pages: np.ndarray) -> None:
         """The L1 tree frees ``pages``: drop their keys, back them up first under write-back."""

@@ -255,6 +255,31 @@ def test_repair_checkpoints_apply_in_l3(tmp_path):
     b.close()
 
 
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_window_that_ends_a_hit_reaches_l3(tmp_path, policy):
+    """A shared prefix whose window is no request's tail nor a checkpoint: once a
+    hit ends there, its SWA window is anchored and written to L3, so after L1
+    and L2 are emptied L3 alone serves the prefix (write-through used to keep
+    that window in L2 only: 0 L3 hit tokens in ``hybridkv verify``)."""
+    from hybridkv.tiers.verify import flush_l2
+    cache = TieredCache(SPEC, CacheConfig(budget_bytes=60 * (FPB + SPB), device="cpu", retention="dense"),
+                        tiers=TierConfig(l2_bytes=200 * (FPB + SPB), l3=f"file://{tmp_path / 'l3'}",
+                                         write_policy=policy))
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(0, 5000, 32)  # 8 pages; every prompt continues past its window
+    a, b, c = (np.concatenate([prefix, rng.integers(0, 5000, 25)]) for _ in range(3))
+    run(cache, a)
+    assert run(cache, b)["hit"] == 32  # from L1: the hit ends at the shared prefix
+    cache.tree.evict(full_pages=cache.tree.evictable_full_pages(), swa_pages=cache.tree.evictable_swa_pages())
+    assert cache.flush(10)
+    flush_l2(cache)
+    r = run(cache, c)
+    assert r["hit"] == 32 and r["l3_hit_tokens"] == 32
+    st = cache.stats()
+    assert st["tier_errors"] == 0 and st["l3_backend_corrupt"] == 0
+    cache.close()
+
 def test_l3_down_degrades_to_l1_l2(caplog):
     from .conftest import free_port
     pytest.importorskip("redis", reason="redis-py is not installed (pip install 'hybridkv[redis]')")
