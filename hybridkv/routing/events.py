@@ -5,7 +5,13 @@
 :class:`~hybridkv.routing.bus.KVEvent` of tier ``"L1"``: the chained page keys
 of the affected pages plus their SWA validity after the event, which is all a
 reader needs to recompute the window-safe hit length this worker would give.
-Other tiers (an L2/L3 manager) call :meth:`KVEventPublisher.record` directly.
+Lower tiers: :meth:`KVEventPublisher.attach_tiers` subscribes to a
+:class:`~hybridkv.tiers.tiered.TieredCache`'s ``host.listeners`` (L2 pages
+stored/evicted) and ``l3.listeners`` (L3 pages written, or found gone by a
+read) and records their :class:`~hybridkv.tiers.events.TierEvent` as events
+of tier ``"L2"`` / ``"L3"``; anything else may call :meth:`record` directly.
+L3 events arrive on the tier manager's worker thread: recording and flushing
+are serialised by a lock.
 
 Events are batched: :meth:`flush` sends one :class:`EventBatch` (also when
 empty: it doubles as a heartbeat carrying the worker's load).  A failing bus
@@ -17,6 +23,7 @@ rate-limited warning record it, and the next successful flush first sends a
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -26,6 +33,7 @@ import numpy as np
 import xxhash
 
 from ..radix import TreeEvent, WindowSafeTree
+from ..tiers.events import TIER_EVENT_KINDS, TierEvent
 from ..tiers.keys import page_keys
 from .bus import BusError, EventBatch, EventBus, KVEvent
 
@@ -69,6 +77,8 @@ class KVEventPublisher:
         self.warn_interval_s = warn_interval_s
         self.epoch = uuid.uuid4().hex[:12]
         self.tree: WindowSafeTree | None = None
+        self.tiered: Any = None  # a TieredCache whose L2/L3 events we record
+        self._lock = threading.RLock()
         self._pending: list[KVEvent] = []
         self._seq = 0
         self._need_reset = True  # the first batch of an epoch tells readers to forget older state
@@ -93,6 +103,40 @@ class KVEventPublisher:
             self.tree.listeners.remove(self.on_tree_event)
         self.tree = None
 
+    def attach_tiers(self, cache: Any) -> None:
+        """Subscribe to the L2 host tier and L3 manager of ``cache`` (a
+        :class:`~hybridkv.tiers.tiered.TieredCache`; mutates their ``listeners``).
+
+        Its page keys must be the ones this publisher hashes: raises
+        ``ValueError`` unless ``cache.key_fingerprint == self.fingerprint``.  O(1).
+        """
+        host = getattr(cache, "host", None)
+        if host is None or not hasattr(cache, "key_fingerprint"):
+            raise TypeError(f"cache must be a TieredCache, got {type(cache).__name__}")
+        if cache.key_fingerprint != self.fingerprint:
+            raise ValueError(f"cache keys use fingerprint {cache.key_fingerprint!r}, the publisher "
+                             f"{self.fingerprint!r}: L1 and L2/L3 keys would not match")
+        if cache.page_size != self.page_size:
+            raise ValueError(f"cache page_size {cache.page_size} != publisher page_size {self.page_size}")
+        self.detach_tiers()
+        self.tiered = cache
+        host.listeners.append(self.on_tier_event)
+        if cache.l3 is not None:
+            cache.l3.listeners.append(self.on_tier_event)
+
+    def detach_tiers(self) -> None:
+        cache, self.tiered = self.tiered, None
+        if cache is None:
+            return
+        for owner in (cache.host, cache.l3):
+            if owner is not None and self.on_tier_event in owner.listeners:
+                owner.listeners.remove(self.on_tier_event)
+
+    def on_tier_event(self, event: TierEvent) -> None:
+        """Listener for L2/L3 tier events (any thread).  O(len(event.keys))."""
+        if event.kind in TIER_EVENT_KINDS:
+            self.record(event.tier, event.kind, "", list(event.keys), event.swa_valid)
+
     def on_tree_event(self, event: TreeEvent) -> None:
         """Listener: record ``event`` as an L1 event; flushes when the batch is full.
 
@@ -112,10 +156,11 @@ class KVEventPublisher:
             flags = ()
         elif len(flags) != len(keys):
             raise ValueError(f"swa_valid needs {len(keys)} flags, got {len(flags)}")
-        self._pending.append(KVEvent(tier, kind, namespace, tuple(keys), flags))
-        self.counters["events"] += 1
-        if len(self._pending) >= self.max_events:
-            self.flush()
+        with self._lock:
+            self._pending.append(KVEvent(tier, kind, namespace, tuple(keys), flags))
+            self.counters["events"] += 1
+            if len(self._pending) >= self.max_events:
+                self.flush()
 
     def _keys(self, tokens: np.ndarray, namespace: str, start_page: int, end_page: int) -> list[bytes]:
         p = self.page_size
@@ -144,10 +189,18 @@ class KVEventPublisher:
         dropped, counted, warned about (rate-limited) and the next successful
         flush starts with a reset and a snapshot.  Never raises for the bus.
         """
+        with self._lock:
+            return self._flush(load)
+
+    def _flush(self, load: float | None) -> bool:
         events = self._pending
         self._pending = []
         if self._need_reset:
-            events = self._reset_events() + events if self.tree is None else self._reset_events()
+            # The snapshot is taken now: pending events of a tier it covers are older, drop them.
+            covered = {"L1"} if self.tree is not None else set()
+            if self.tiered is not None:
+                covered.add("L2")
+            events = self._reset_events() + [e for e in events if e.tier not in covered]
         batch = EventBatch(self.worker, self.epoch, self._seq, time.time(), events, load)
         try:
             self.bus.publish(batch)
@@ -169,6 +222,8 @@ class KVEventPublisher:
     def _reset_events(self) -> list[KVEvent]:
         """A reset and, when attached to a tree, a snapshot of all it caches (O(cached pages))."""
         out = [KVEvent("*", "reset", "", (), ())]  # "*": every tier of the worker
+        if self.tiered is not None:  # L2 is known exactly; L3 comes back as pages are written/read
+            out.append(self._l2_snapshot())
         if self.tree is None:
             return out
         self.counters["snapshots"] += 1
@@ -183,6 +238,14 @@ class KVEventPublisher:
                               (node.start + len(node.key)) // self.page_size)
             out.append(KVEvent("L1", "store", node.namespace, tuple(keys), tuple(bool(v) for v in node.swa >= 0)))
         return out
+
+    def _l2_snapshot(self) -> KVEvent:
+        """A store event of every L2 full page, with its L2 SWA validity.  O(L2 pages)."""
+        from ..tiers.payload import swa_key
+        host = self.tiered.host
+        keys = list(host._full)  # same family: the host's own index, read-only
+        flags = host.lookup_swa([swa_key(k) for k in keys]) >= 0
+        return KVEvent("L2", "store", "", tuple(keys), tuple(bool(f) for f in flags))
 
     @property
     def pending(self) -> int:

@@ -19,6 +19,11 @@ Eviction (LRU within each class), cheapest loss first:
 3. *anchored* SWA pages (tails and checkpoint windows).
 
 Pages listed in ``protect`` are never evicted (a load in progress reads them).
+
+Events: ``listeners`` (callables taking a :class:`~hybridkv.tiers.events.TierEvent`
+of tier ``"L2"``, like the tree's ``listeners``) hear every full/SWA page
+stored or evicted, keyed by full-KV page keys: SWA entries inserted with
+``base_keys`` remember the full key they belong to.
 Not thread-safe: the owner (:class:`~hybridkv.tiers.tiered.TieredCache`)
 serialises access with its lock.
 """
@@ -33,6 +38,7 @@ import torch
 
 from ..pools import DualPool
 from ..spec import AttnKind, ModelSpec
+from .events import TierEvent, TierListener, emit
 
 __all__ = ["HostTier"]
 
@@ -67,6 +73,8 @@ class HostTier:
         self._full: OrderedDict[bytes, int] = OrderedDict()
         self._swa: OrderedDict[bytes, int] = OrderedDict()       # plain SWA (evicted first)
         self._anchor: OrderedDict[bytes, int] = OrderedDict()    # tails / checkpoints (last)
+        self._base: dict[bytes, bytes] = {}  # SWA key -> full-KV key of its page (for events)
+        self.listeners: list[TierListener] = []
         self.counters = {"evicted_full_pages": 0, "evicted_swa_pages": 0, "stored_full_pages": 0,
                          "stored_swa_pages": 0}
 
@@ -144,10 +152,33 @@ class HostTier:
         if stage == "full":
             self.pool.free_full(np.array([page], dtype=np.int32))
             self.counters["evicted_full_pages"] += 1
+            if self.listeners:
+                emit(self.listeners, TierEvent("L2", "remove", (victim,)))
         else:
             self.pool.free_swa(np.array([page], dtype=np.int32))
             self.counters["evicted_swa_pages"] += 1
+            base = self._base.pop(victim, None)
+            if base is not None and self.listeners:
+                emit(self.listeners, TierEvent("L2", "swa_remove", (base,), (False,)))
         return True
+
+    def clear(self) -> int:
+        """Drop every page (as a host restart would); returns pages dropped.  O(pages)."""
+        n = 0
+        for table, free in ((self._full, self.pool.free_full), (self._swa, self.pool.free_swa),
+                            (self._anchor, self.pool.free_swa)):
+            pages = np.fromiter(table.values(), dtype=np.int32, count=len(table))
+            if pages.size:
+                free(pages)
+            n += pages.size
+        keys = tuple(self._full)
+        self._full.clear()
+        self._swa.clear()
+        self._anchor.clear()
+        self._base.clear()
+        if self.listeners:
+            emit(self.listeners, TierEvent("L2", "remove", keys))
+        return n
 
     def free(self, full_pages: np.ndarray, swa_pages: np.ndarray) -> None:
         """Give back pages from :meth:`alloc` that were not inserted."""
@@ -163,20 +194,33 @@ class HostTier:
         A key already present keeps its old page and the new one is freed.  O(n).
         """
         dup = []
+        new = []
         for k, p in zip(keys, np.asarray(pages).tolist()):
             if k in self._full:
                 dup.append(p)
                 self._full.move_to_end(k)
             else:
                 self._full[k] = p
+                new.append(k)
                 self.counters["stored_full_pages"] += 1
         if dup:
             self.pool.free_full(np.asarray(dup, dtype=np.int32))
+        if new and self.listeners:
+            from .payload import swa_key  # only hashed when someone listens
+            flags = tuple(self.lookup_swa([swa_key(k) for k in new]) >= 0)
+            emit(self.listeners, TierEvent("L2", "store", tuple(new), tuple(bool(f) for f in flags)))
 
-    def insert_swa(self, keys: Sequence[bytes], pages: np.ndarray, anchored: np.ndarray) -> None:
-        """Index SWA ``pages`` under SWA ``keys``; ``anchored[i]`` picks the eviction class."""
+    def insert_swa(self, keys: Sequence[bytes], pages: np.ndarray, anchored: np.ndarray,
+                   base_keys: Sequence[bytes] | None = None) -> None:
+        """Index SWA ``pages`` under SWA ``keys``; ``anchored[i]`` picks the eviction class.
+
+        ``base_keys[i]``: the full-KV key of the page (named in events; SWA
+        inserted without it is stored but not announced).  O(n).
+        """
         dup = []
-        for k, p, a in zip(keys, np.asarray(pages).tolist(), np.asarray(anchored).tolist()):
+        new = []
+        bases = base_keys if base_keys is not None else [None] * len(keys)
+        for k, p, a, b in zip(keys, np.asarray(pages).tolist(), np.asarray(anchored).tolist(), bases):
             if k in self._swa or k in self._anchor:
                 dup.append(p)
                 if a and k in self._swa:  # promote: now known to end a window we keep
@@ -184,8 +228,13 @@ class HostTier:
                 continue
             (self._anchor if a else self._swa)[k] = p
             self.counters["stored_swa_pages"] += 1
+            if b is not None:
+                self._base[k] = b
+                new.append(b)
         if dup:
             self.pool.free_swa(np.asarray(dup, dtype=np.int32))
+        if new and self.listeners:
+            emit(self.listeners, TierEvent("L2", "swa_store", tuple(new), (True,) * len(new)))
 
     def anchor(self, keys: Sequence[bytes]) -> int:
         """Move plain SWA ``keys`` to the anchored class (absent/anchored keys are
@@ -206,6 +255,7 @@ class HostTier:
         swa = np.fromiter(list(self._swa.values()) + list(self._anchor.values()), dtype=np.int64,
                           count=self.num_swa_pages)
         assert not (set(self._swa) & set(self._anchor)), "a SWA key is in both classes"
+        assert set(self._base) <= set(self._swa) | set(self._anchor), "base key of a dropped SWA page"
         assert np.unique(full).size == full.size == self.pool.full.num_used, \
             ("L2 full pages", np.unique(full).size, full.size, self.pool.full.num_used)
         assert np.unique(swa).size == swa.size == self.pool.swa.num_used, \

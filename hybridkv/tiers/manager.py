@@ -14,6 +14,12 @@ On GPU the host<->device copies run on a side stream of the owner
 Counters (``stats()``): ``l3_reads``/``l3_read_pages``/``l3_read_hits``,
 ``l3_writes_queued``/``l3_writes_dropped``/``l3_write_pages_ok``/``l3_write_failed``,
 ``l3_touches``/``l3_touches_skipped``, ``l3_timeouts``, ``l3_errors``.
+
+Events: ``listeners`` (callables taking a :class:`~hybridkv.tiers.events.TierEvent`
+of tier ``"L3"``) hear pages whose write *succeeded* (on the worker thread,
+when the write was queued with ``event_keys``) and pages the owner found gone
+(:meth:`lost`).  L3 stores evict on their own without telling; a page is
+announced as removed when a read of it misses.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
+from .events import TierEvent, TierListener, emit
 from .storage.base import StorageBackend
 
 __all__ = ["TierManager"]
@@ -69,6 +76,8 @@ class TierManager:
             ("l3_reads", "l3_read_pages", "l3_read_hits", "l3_writes_queued", "l3_writes_dropped",
              "l3_write_pages_ok", "l3_write_failed", "l3_touches", "l3_touches_skipped",
              "l3_timeouts", "l3_errors"), 0)
+        self.listeners: list[TierListener] = []
+        self._swa_written: set[bytes] = set()  # full keys whose SWA was written (store events' flags)
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="hybridkv-l3", daemon=True)
         self._worker.start()
@@ -155,9 +164,18 @@ class TierManager:
         return self._submit(job, wait=False) is not None or not self._closed
 
     # -------------------------------------------------------------- writes
-    def put_async(self, keys: Sequence[bytes], values: Sequence[Any]) -> bool:
-        """Queue a write; False (counted as dropped) if the queue is full or closed."""
+    def put_async(self, keys: Sequence[bytes], values: Sequence[Any], *,
+                  event_keys: Sequence[bytes] | None = None, swa: bool = False) -> bool:
+        """Queue a write; False (counted as dropped) if the queue is full or closed.
+
+        ``event_keys[i]``: full-KV page key of value i, announced to
+        :attr:`listeners` as ``store`` (or ``swa_store`` when ``swa``) once the
+        write succeeded.
+        """
         keys, values = list(keys), list(values)
+        ev_keys = list(event_keys) if event_keys is not None else None
+        if ev_keys is not None and len(ev_keys) != len(keys):
+            raise ValueError(f"event_keys has {len(ev_keys)} entries for {len(keys)} keys")
         n = len(keys)
         if n == 0:
             return True
@@ -173,9 +191,38 @@ class TierManager:
             good = sum(bool(x) for x in ok)
             self._count("l3_write_pages_ok", good)
             self._count("l3_write_failed", n - good)
+            if ev_keys is not None:
+                self._announce([k for k, o in zip(ev_keys, ok) if o], swa)
 
         self._submit(job, wait=False, n_write=n)
         return True
+
+    def _announce(self, written: list[bytes], swa: bool) -> None:
+        """Tell listeners about pages now stored (worker thread)."""
+        if swa:
+            with self._lock:
+                self._swa_written.update(written)
+                if len(self._swa_written) > 4_000_000:
+                    self._swa_written.clear()  # bounded; only store flags get conservative
+        if not self.listeners or not written:
+            return
+        if swa:
+            emit(self.listeners, TierEvent("L3", "swa_store", tuple(written), (True,) * len(written)))
+        else:
+            with self._lock:
+                flags = tuple(k in self._swa_written for k in written)
+            emit(self.listeners, TierEvent("L3", "store", tuple(written), flags))
+
+    def lost(self, keys: Sequence[bytes], *, swa: bool = False) -> None:
+        """The owner found pages (full-KV keys) gone from L3 (a read missed): announce
+        ``remove`` (or ``swa_remove``) to listeners.  O(len(keys))."""
+        keys = list(keys)
+        if swa:
+            with self._lock:
+                self._swa_written.difference_update(keys)
+        if keys and self.listeners:
+            emit(self.listeners, TierEvent("L3", "swa_remove" if swa else "remove", tuple(keys),
+                                           (False,) * len(keys) if swa else ()))
 
     def touch(self, keys: Sequence[bytes]) -> int:
         """Refresh L3 recency of ``keys`` not touched within the interval; returns how many."""

@@ -301,7 +301,8 @@ class TieredCache(HybridKVCache):
             ok_f = self.codec.decode(AttnKind.FULL, fkeys, values[:fi.size], pf)
             ok_s = self.codec.decode(AttnKind.SWA, sk, values[fi.size:], ps)
             self.host.insert_full([k for k, o in zip(fkeys, ok_f) if o], pf[ok_f])
-            self.host.insert_swa([k for k, o in zip(sk, ok_s) if o], ps[ok_s], np.ones(int(ok_s.sum()), bool))
+            self.host.insert_swa([k for k, o in zip(sk, ok_s) if o], ps[ok_s], np.ones(int(ok_s.sum()), bool),
+                                 [keys[int(i)] for i in si[ok_s]])
             self.host.free(pf[~ok_f], ps[~ok_s])
             h_full[fi[ok_f]] = pf[ok_f]
             h_swa[si[ok_s]] = ps[ok_s]
@@ -315,6 +316,10 @@ class TieredCache(HybridKVCache):
         c["bytes_l3_read"] += (int(ok_f.sum()) * self.codec.nominal_bytes(AttnKind.FULL)
                                + int(ok_s.sum()) * self.codec.nominal_bytes(AttnKind.SWA))
         c["l3_clamped_pages"] += int((~ok_f).sum() + (~ok_s).sum())
+        if got is not None:  # a read that missed: L3 lost (evicted) or never finished those pages
+            self.l3.lost([k for k, o in zip(fkeys, ok_f) if not o])
+            self.l3.lost([keys[int(i)] for i in si[~ok_s]], swa=True)
+            self._l3_known.difference_update(k for k, o in zip(fkeys + sk, np.concatenate([ok_f, ok_s])) if not o)
         origin[fi[~ok_f]] = 0
         swa_src[si[~ok_s]] = 0
 
@@ -431,7 +436,7 @@ class TieredCache(HybridKVCache):
         if have.any():
             wk = [k for k, o in zip(sk, have.tolist()) if o]
             self.host.anchor(wk)
-            self._queue_l3(AttnKind.SWA, wk, pages[have])
+            self._queue_l3(AttnKind.SWA, wk, pages[have], base=[k for k, o in zip(keys[lo:h], have) if o])
 
     # ============================================================== finish
     def finish(self, req: Request, cache: bool = True) -> int:
@@ -493,11 +498,15 @@ class TieredCache(HybridKVCache):
         marked = np.fromiter((self._l1_swa_key.get(p, (b"", False))[1] for p in pages.tolist()),
                              bool, count=idx.size)
         self._store_l2(AttnKind.SWA, pages, [k for k, m in zip(sk, missing) if m],
-                       self._anchored(idx, aligned) | marked)
+                       self._anchored(idx, aligned) | marked, base=[keys[i] for i in idx])
 
     def _store_l2(self, kind: AttnKind, l1_pages: np.ndarray, keys: list[bytes],
-                  anchored: np.ndarray | None) -> None:
-        """Copy L1 pages to new L2 pages (D2H), index them, queue their L3 write."""
+                  anchored: np.ndarray | None, base: list[bytes] | None = None) -> None:
+        """Copy L1 pages to new L2 pages (D2H), index them, queue their L3 write.
+
+        ``keys``: storage keys (SWA keys for SWA); ``base``: their full-KV page
+        keys (named in tier events; defaults to ``keys`` for full KV).
+        """
         n = len(keys)
         if n == 0:
             return
@@ -512,18 +521,19 @@ class TieredCache(HybridKVCache):
         if kind is AttnKind.FULL:
             self.host.insert_full(keys, hp)
         else:
-            self.host.insert_swa(keys, hp, anchored if anchored is not None else np.ones(n, bool))
+            self.host.insert_swa(keys, hp, anchored if anchored is not None else np.ones(n, bool), base)
         c = self.tier_counters
         c["l1_to_l2_full_pages" if kind is AttnKind.FULL else "l1_to_l2_swa_pages"] += n
         c["bytes_d2h"] += n * self.codec.nominal_bytes(kind)
         sel = None
         if kind is AttnKind.SWA and self.tiers.l3_swa == "anchored" and anchored is not None:
             sel = np.asarray(anchored, bool)
-        self._queue_l3(kind, keys, hp, sel)
+        self._queue_l3(kind, keys, hp, sel, base=base)
 
     def _queue_l3(self, kind: AttnKind, keys: list[bytes], host_pages: np.ndarray,
-                  sel: np.ndarray | None = None) -> None:
-        """Queue the L3 write of L2 pages ``host_pages`` (where ``sel``) not known in L3."""
+                  sel: np.ndarray | None = None, base: list[bytes] | None = None) -> None:
+        """Queue the L3 write of L2 pages ``host_pages`` (where ``sel``) not known in L3
+        (``base``: full-KV keys for the L3 tier events, see :meth:`_store_l2`)."""
         if self.l3 is None or not keys:
             return
         n = len(keys)
@@ -532,8 +542,10 @@ class TieredCache(HybridKVCache):
         if not sel.any():
             return
         wk = [k for k, s in zip(keys, sel) if s]
+        names = keys if kind is AttnKind.FULL else base
+        ev = [k for k, s in zip(names, sel) if s] if names is not None else None
         values = self.codec.encode(kind, wk, np.asarray(host_pages)[sel])  # snapshot: the L2 page may be reused
-        if self.l3.put_async(wk, values):
+        if self.l3.put_async(wk, values, event_keys=ev, swa=kind is AttnKind.SWA):
             self._l3_known.update(wk)
             if len(self._l3_known) > 4_000_000:
                 self._l3_known.clear()  # bounded; only redundant writes result
@@ -549,6 +561,7 @@ class TieredCache(HybridKVCache):
                 else:
                     pairs = [self._l1_swa_key.pop(p, None) for p in pages.tolist()]
                     keys = [None if x is None else swa_key(x[0]) for x in pairs]
+                    bases = [None if x is None else x[0] for x in pairs]
                     anchored = np.array([bool(x and x[1]) for x in pairs], dtype=bool)
                 if self.tiers.write_policy != "write_back":
                     return
@@ -559,12 +572,19 @@ class TieredCache(HybridKVCache):
                 have = (self.host.lookup_full(ks) if kind is AttnKind.FULL else self.host.lookup_swa(ks)) >= 0
                 idx = np.flatnonzero(sel)[~have]
                 self._store_l2(kind, pages[idx], [keys[i] for i in idx],
-                               None if anchored is None else anchored[idx])
+                               None if anchored is None else anchored[idx],
+                               base=None if anchored is None else [bases[i] for i in idx])
         except Exception as exc:  # noqa: BLE001 - freeing must go on; the backup is best effort
             self.tier_counters["tier_errors"] += 1
             logger.warning("L1 -> L2 backup failed (%s: %s); pages dropped", type(exc).__name__, exc)
 
     # ============================================================== misc
+    @property
+    def key_fingerprint(self) -> str:
+        """Fingerprint in this cache's L2/L3 page keys (a KV-event publisher of its
+        tier events must hash L1 pages with the same one)."""
+        return self._fingerprint
+
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait for queued L3 writes/touches; False on timeout (or True without L3)."""
         return True if self.l3 is None else self.l3.flush(timeout_s)
