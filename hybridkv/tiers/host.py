@@ -14,8 +14,9 @@ accounting-only replays).
 Eviction (LRU within each class), cheapest loss first:
 
 1. *plain* SWA pages (not a sequence tail or retention checkpoint window);
-2. full pages (LRU); a SWA copy stays (it can still complete a window
-   whose full KV is in L1);
+2. full pages (LRU), each with that page's SWA entry: left alone, orphaned
+   SWA (much larger than full KV per token) filled L2 with windows it could
+   not serve; an anchored window was also queued for L3, so it is not lost;
 3. *anchored* SWA pages (tails and checkpoint windows).
 
 Pages listed in ``protect`` are never evicted (a load in progress reads them).
@@ -154,13 +155,29 @@ class HostTier:
             self.counters["evicted_full_pages"] += 1
             if self.listeners:
                 emit(self.listeners, TierEvent("L2", "remove", (victim,)))
+            self._drop_paired_swa(victim, protect_swa)
         else:
-            self.pool.free_swa(np.array([page], dtype=np.int32))
-            self.counters["evicted_swa_pages"] += 1
-            base = self._base.pop(victim, None)
-            if base is not None and self.listeners:
-                emit(self.listeners, TierEvent("L2", "swa_remove", (base,), (False,)))
+            self._free_swa_entry(victim, page)
         return True
+
+    def _free_swa_entry(self, key: bytes, page: int) -> None:
+        self.pool.free_swa(np.array([page], dtype=np.int32))
+        self.counters["evicted_swa_pages"] += 1
+        base = self._base.pop(key, None)
+        if base is not None and self.listeners:
+            emit(self.listeners, TierEvent("L2", "swa_remove", (base,), (False,)))
+
+    def _drop_paired_swa(self, full_key: bytes, protect_swa: set[int]) -> None:
+        """SWA of a page goes with the page's full KV: without it L2 cannot serve the
+        window, and an anchored window was also queued for L3 (it is not lost)."""
+        from .payload import swa_key
+
+        key = swa_key(full_key)
+        for table in (self._swa, self._anchor):
+            page = table.get(key)
+            if page is not None and page not in protect_swa:
+                del table[key]
+                self._free_swa_entry(key, page)
 
     def clear(self) -> int:
         """Drop every page (as a host restart would); returns pages dropped.  O(pages)."""
