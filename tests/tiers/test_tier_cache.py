@@ -135,32 +135,14 @@ class CountingBackend:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def exists(self, keys):  # noqa: ANN001, ANN201
-        return self.inner.exists(keys)
-
     def get(self, keys):  # noqa: ANN001, ANN201
         if self.vanish_on_get:  # evicted between exists() and get()
             self.inner.delete(keys)
         return self.inner.get(keys)
 
-    def get_into(self, keys, buffers):  # noqa: ANN001, ANN201
-        return self.inner.get_into(keys, buffers)
-
-    def put(self, keys, values):  # noqa: ANN001, ANN201
-        return self.inner.put(keys, values)
-
     def touch(self, keys):  # noqa: ANN001, ANN201
         self.touched.extend(keys)
         return self.inner.touch(keys)
-
-    def delete(self, keys):  # noqa: ANN001, ANN201
-        return self.inner.delete(keys)
-
-    def stats(self):  # noqa: ANN201
-        return self.inner.stats()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def test_l3_survives_restart_and_content_is_real(tmp_path):
@@ -253,7 +235,6 @@ def test_repair_checkpoints_apply_in_l3(tmp_path):
     r = run(b, q)
     assert r["hit"] == 32 and r["l3_hit_tokens"] == 32  # page 8 = checkpoint at 32 tokens
     b.close()
-
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
