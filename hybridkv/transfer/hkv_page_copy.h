@@ -51,6 +51,11 @@ int hkv_host_copy_pages(const hkv_page_copy_t *desc, int num_threads);
 int hkv_host_copy_pages_mode(const hkv_page_copy_t *desc, int num_threads, int mode);
 int hkv_host_stream_supported(int mode);
 int hkv_host_openmp_enabled(void);
+/* NH64 payload checksum (checksum.c; definition there) */
+int hkv_nh64_batch(const uint8_t *const *ptrs, const uint64_t *lens, uint64_t *out, int64_t n,
+                   int num_threads, int simd);
+int hkv_nh64_accumulate(const uint8_t *p, uint64_t n, uint64_t first, uint64_t *acc, int simd);
+uint64_t hkv_nh64_finish(const uint64_t *acc, uint64_t len);
 /* CDEF-END */
 
 /* Return codes of the host functions (CUDA functions return cudaError_t). */

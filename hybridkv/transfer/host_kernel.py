@@ -35,6 +35,8 @@ from ._layout import CopyPlan
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_copy.c")
+#: Compiled into the same module (one build, one cache entry): the NH64 checksum.
+CHECKSUM_SOURCE = Path(__file__).with_name("checksum.c")
 _OPT_FLAGS = ["-O3", "-std=c11"]
 _OMP_FLAGS = ["-fopenmp"]
 
@@ -89,10 +91,39 @@ class HostKernel:
         if rc != 0:
             raise RuntimeError(f"host page copy rejected its arguments (code {rc})")
 
+    def nh64(self, payloads: list[memoryview], num_threads: Optional[int] = None,
+             simd: int = -1) -> list[int]:
+        """NH64 checksums of byte buffers (see ``checksum.c``), GIL released.
+
+        Parallel over all threads inside and across payloads from 1 MiB per
+        call.  ``simd``: -1 = the best this CPU has, 0 = portable loop,
+        1 = at most AVX2, 2 = at most AVX-512 (all give the same values).
+        """
+        n = len(payloads)
+        if n == 0:
+            return []
+        ffi = self.ffi
+        keep = [ffi.from_buffer("uint8_t[]", p) for p in payloads]
+        ptrs = ffi.new("uint8_t *[]", keep)
+        lens = ffi.new("uint64_t[]", [len(k) for k in keep])
+        out = ffi.new("uint64_t[]", n)
+        rc = self.lib.hkv_nh64_batch(ptrs, lens, out, n, num_threads or default_threads(), simd)
+        if rc != 0:
+            raise RuntimeError(f"NH64 checksum failed (code {rc})")
+        return list(out)
+
+    def nh64_accumulate(self, data: memoryview, first_stripe: int, acc: Any) -> None:
+        """Add whole 64-byte stripes of ``data`` (from stripe index
+        ``first_stripe``) into ``acc`` (a cffi ``uint64_t[8]``).  GIL released."""
+        buf = self.ffi.from_buffer("uint8_t[]", data)
+        if self.lib.hkv_nh64_accumulate(buf, len(buf), first_stripe, acc, -1) != 0:
+            raise RuntimeError("NH64 accumulate: length must be a multiple of 64")
+
 
 def _build_key(flags: list[str]) -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), HEADER.read_bytes(), " ".join(flags).encode(),
+    for part in (SOURCE.read_bytes(), CHECKSUM_SOURCE.read_bytes(), HEADER.read_bytes(),
+                 " ".join(flags).encode(),
                  cffi.__version__.encode(), (sysconfig.get_config_var("EXT_SUFFIX") or "").encode(),
                  os.environ.get("CC", "").encode()):
         h.update(part)
@@ -117,7 +148,8 @@ def _build(flags: list[str], link: list[str]) -> HostKernel:
         out_dir.mkdir(parents=True, exist_ok=True)
         ffi = cffi.FFI()
         ffi.cdef(read_cdef(HEADER))
-        ffi.set_source(name, SOURCE.read_text(), include_dirs=[str(HEADER.parent)],
+        ffi.set_source(name, SOURCE.read_text() + "\n" + CHECKSUM_SOURCE.read_text(),
+                       include_dirs=[str(HEADER.parent)],
                        extra_compile_args=flags, extra_link_args=link)
         with tempfile.TemporaryDirectory(dir=out_dir, prefix="build-") as tmp:
             built = Path(ffi.compile(tmpdir=tmp, verbose=False))

@@ -10,7 +10,6 @@ load finished, and its logits still equal the dense forward.
 import time
 
 import numpy as np
-import torch
 
 from hybridkv import CacheConfig, HybridKVCache
 from hybridkv.model import ReferenceModel, tiny_spec

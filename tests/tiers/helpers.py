@@ -14,11 +14,8 @@ def raw_put(backend: Any, key: bytes, blob: bytes) -> None:
             f.write(blob)
     elif scheme == "redis":
         backend.client.set(backend._names([key])[0], blob)
-    elif scheme == "mooncake":  # header and payload are two objects (see the backend)
-        pn, hn = backend._names([key])
-        store = backend._ensure()
-        assert store.upsert(hn[0], blob[:40]) == 0
-        assert store.upsert(pn[0], blob[40:] or b"\0") == 0
+    elif scheme == "mooncake":  # one object per frame (see the backend)
+        assert backend._ensure().upsert(backend._names([key])[0], blob) == 0
     else:
         raise ValueError(scheme)
 
@@ -32,6 +29,5 @@ def raw_get(backend: Any, key: bytes) -> bytes:
     if scheme == "redis":
         return backend.client.get(backend._names([key])[0])
     if scheme == "mooncake":
-        pn, hn = backend._names([key])
-        return backend._ensure().get(hn[0]) + backend._ensure().get(pn[0])
+        return backend._ensure().get(backend._names([key])[0])
     raise ValueError(scheme)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -160,17 +159,24 @@ def test_mooncake_own_client_and_zero_copy(mooncake_master):
         b._store = Spy()
         assert b.put(keys, values) == [True] * 4  # payloads sent from registered memory
         assert b._staging.nbytes == 4096  # ... so nothing was staged but the headers
+        # one object per frame, gathered from the staged header and the page in place
+        assert [len(store.get(n)) for n in b._names(keys)] == [40 + size] * 4
         arena = np.zeros(4 * size + 100, dtype=np.uint8)
         assert b.register_buffer(arena)
-        views = [memoryview(arena[i * size:(i + 1) * size]) for i in range(3)]
-        views.append(memoryview(arena[3 * size:]))  # larger than the payload: fine too
+        views = [memoryview(arena[i * size:(i + 1) * size]) for i in range(4)]
+        calls.clear()
+        assert b.get_into(keys, views) == [size] * 4  # exact sizes: one scatter read
+        assert [bytes(v) for v in views] == [bytes(v) for v in values]
+        assert calls == ["batch_get_into_multi_buffers"]
+        calls.clear()
+        views[3] = memoryview(arena[3 * size:])  # larger than the payload: read whole, fine too
         assert b.get_into(keys, views) == [size] * 4
-        assert [bytes(v[:size]) for v in views] == [bytes(v) for v in values]
-        assert [c for c in calls if c != "register_buffer"] == ["batch_upsert_from", "batch_get_into"]
+        assert bytes(views[3][:size]) == bytes(values[3])
+        assert calls == ["batch_get_into_multi_buffers", "get_batch"]
         b._store = store
         assert b.stats()["errors"] == 0 and b.stats()["corrupt"] == 0
-        # Half a pair (header evicted) is a miss, not corrupt data.
-        store.remove(b._names([keys[0]])[1][0], True)
+        # An evicted object is a plain miss, not corrupt data.
+        store.remove(b._names([keys[0]])[0], True)
         assert b.get(keys[:1]) == [None] and b.get_into(keys[:1], views[:1]) == [-1]
         assert b.stats()["corrupt"] == 0
     finally:

@@ -154,8 +154,9 @@ class BaseBackend(ABC):
         breaker_threshold: consecutive failed calls that open the circuit breaker.
         breaker_cooldown_s: seconds a tripped backend is skipped before a probe.
         warn_interval_s: minimum seconds between two warnings of one category.
-        checksum_algo: :data:`framing.ALGO_XXH3` or :data:`framing.ALGO_CRC32`
-            for values written by this object (reads accept both).
+        checksum_algo: algorithm for values written by this object
+            (:data:`framing.ALGO_NH64`, ``ALGO_XXH3`` or ``ALGO_CRC32``; reads
+            accept all); ``None``: :func:`framing.preferred_algo`.
 
     Thread-safe as far as the concrete backend's client is; counters are locked.
     """
@@ -165,7 +166,9 @@ class BaseBackend(ABC):
     zero_copy = False
 
     def __init__(self, *, breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0,
-                 warn_interval_s: float = 10.0, checksum_algo: int = framing.DEFAULT_ALGO) -> None:
+                 warn_interval_s: float = 10.0, checksum_algo: int | None = None) -> None:
+        if checksum_algo is None:
+            checksum_algo = framing.preferred_algo()
         framing.checksum(b"", checksum_algo)  # validates the algorithm id
         self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown_s)
         self._warn_interval = float(warn_interval_s)
@@ -294,8 +297,7 @@ class BaseBackend(ABC):
             return []
         raw = self._guard("get", len(ks), lambda: self._get(ks), lambda: [None] * len(ks))
         out: list[bytes | memoryview | None] = []
-        for key, blob in zip(ks, raw):
-            payload = self._verify(key, blob) if blob is not None else None
+        for key, payload in zip(ks, self._verify_many(ks, raw)):
             out.append(payload)
             if payload is None:
                 self._count("misses")
@@ -304,20 +306,62 @@ class BaseBackend(ABC):
                 self._count("bytes_read", payload.nbytes)
         return out
 
-    def _verify(self, key: bytes, blob: Any) -> memoryview | None:
-        try:
-            if isinstance(blob, tuple):  # (header, payload[, checksum computed while reading])
-                header, payload = blob[0], blob[1]
-                algo, length, csum = framing.parse_header(key, header)
-                if memoryview(header).nbytes != framing.HEADER_SIZE:
-                    raise FrameError("length-mismatch", "header has trailing bytes")
-                view = memoryview(payload).cast("B")
-                framing.verify_payload(view, algo, length, csum, blob[2] if len(blob) > 2 else None)
-                return view
-            return framing.unframe(key, blob)
-        except FrameError as exc:
-            self._corrupt(key, exc)
-            return None
+    def _verify_many(self, keys: list[bytes], blobs: list[Any]) -> list[memoryview | None]:
+        """Verified payload views (``None`` = miss) for what ``_get`` returned.
+
+        Headers are checked first; the payloads that still need a checksum
+        are hashed in one batch (NH64: one kernel call on all cores).
+        """
+        todo: list[tuple[int, bytes, memoryview, int, int, int]] = []
+        out: list[memoryview | None] = [None] * len(keys)
+        for i, (key, blob) in enumerate(zip(keys, blobs)):
+            if blob is None:
+                continue
+            try:
+                if isinstance(blob, tuple):  # (header, payload[, checksum computed while reading])
+                    header, payload = blob[0], blob[1]
+                    algo, length, csum = framing.parse_header(key, header)
+                    if memoryview(header).nbytes != framing.HEADER_SIZE:
+                        raise FrameError("length-mismatch", "header has trailing bytes")
+                    view = memoryview(payload).cast("B")
+                    if len(blob) > 2:
+                        framing.verify_payload(view, algo, length, csum, blob[2])
+                        out[i] = view
+                        continue
+                else:
+                    whole = memoryview(blob)
+                    if whole.ndim != 1 or whole.itemsize != 1:
+                        whole = whole.cast("B")
+                    algo, length, csum = framing.parse_header(key, whole)
+                    view = whole[framing.HEADER_SIZE:]
+                if view.nbytes != length:
+                    raise FrameError("truncated" if view.nbytes < length else "length-mismatch",
+                                     f"{view.nbytes} != {length}")
+                todo.append((i, key, view, algo, length, csum))
+            except FrameError as exc:
+                self._corrupt(key, exc)
+        self._check_sums(todo, lambda i, view: out.__setitem__(i, view))
+        return out
+
+    def _check_sums(self, todo: list[tuple[int, bytes, memoryview, int, int, int]],
+                    accept: Callable[[int, memoryview], None]) -> None:
+        """Hash ``(index, key, view, algo, length, checksum)`` entries per
+        algorithm in one batch each; ``accept`` the ones that match."""
+        for algo in sorted({t[3] for t in todo}):
+            group = [t for t in todo if t[3] == algo]
+            try:
+                sums = framing.checksums([t[2] for t in group], algo)
+            except FrameError as exc:  # e.g. xxh3 frames without xxhash installed
+                for t in group:
+                    self._corrupt(t[1], exc)
+                continue
+            for (i, key, view, _algo, length, csum), got in zip(group, sums):
+                try:
+                    framing.verify_payload(view, algo, length, csum, got)
+                except FrameError as exc:
+                    self._corrupt(key, exc)
+                    continue
+                accept(i, view)
 
     def _corrupt(self, key: bytes, exc: FrameError) -> None:
         self._count("corrupt")
@@ -348,32 +392,39 @@ class BaseBackend(ABC):
                              lambda: [None] * len(ks))
         if direct is None:
             return self._get_into_by_copy(ks, views)
-        return [self._check_direct(k, v, r) for k, v, r in zip(ks, views, direct)]
-
-    def _check_direct(self, key: bytes, view: memoryview, res: tuple[Any, ...] | None) -> int:
-        if res is None:
-            self._count("misses")
-            return -1
-        header, n = res[0], res[1]
-        computed = res[2] if len(res) > 2 else None  # checksum streamed by the backend
-        try:
-            algo, length, csum = framing.parse_header(key, header)
-            if length > view.nbytes:
-                self._miss_too_big(key, length, view.nbytes)
-                return -1
-            if n != length:  # stored bytes differ from the announced length
-                raise FrameError("truncated" if n < length else "length-mismatch", f"{n} != {length}")
-            framing.verify_payload(view[:n], algo, length, csum, computed)
-        except FrameError as exc:
-            self._corrupt(key, exc)
-            self._count("misses")
-            return -1
-        self._count("hits")
-        self._count("bytes_read", n)
-        return n
+        out = [-1] * len(ks)
+        todo: list[tuple[int, bytes, memoryview, int, int, int]] = []
+        for i, (key, view, res) in enumerate(zip(ks, views, direct)):
+            if res is None:
+                continue
+            header, n = res[0], res[1]
+            computed = res[2] if len(res) > 2 else None  # checksum streamed by the backend
+            try:
+                algo, length, csum = framing.parse_header(key, header)
+                if length > view.nbytes:
+                    self._warn_too_big(key, length, view.nbytes)
+                    continue
+                if n != length:  # stored bytes differ from the announced length
+                    raise FrameError("truncated" if n < length else "length-mismatch", f"{n} != {length}")
+                if computed is not None:
+                    framing.verify_payload(view[:n], algo, length, csum, computed)
+                    out[i] = n
+                else:
+                    todo.append((i, key, view[:n], algo, length, csum))
+            except FrameError as exc:
+                self._corrupt(key, exc)
+        self._check_sums(todo, lambda i, v: out.__setitem__(i, v.nbytes))
+        hits = [n for n in out if n >= 0]
+        self._count("hits", len(hits))
+        self._count("misses", len(out) - len(hits))
+        self._count("bytes_read", sum(hits))
+        return out
 
     def _miss_too_big(self, key: bytes, length: int, room: int) -> None:
         self._count("misses")
+        self._warn_too_big(key, length, room)
+
+    def _warn_too_big(self, key: bytes, length: int, room: int) -> None:
         self._warn("too-big", f"payload of {length} bytes for key {key.hex()[:16]}... does not fit "
                               f"a {room}-byte buffer; miss")
 
@@ -406,7 +457,8 @@ class BaseBackend(ABC):
         payloads = [_as_bytes_view(v, f"values[{i}]") for i, v in enumerate(values)]
         if not ks:
             return []
-        headers = [framing.frame_header(k, p, self._algo) for k, p in zip(ks, payloads)]
+        sums = framing.checksums(payloads, self._algo)  # NH64: one call, all cores
+        headers = [framing.header_for(k, p.nbytes, c, self._algo) for k, p, c in zip(ks, payloads, sums)]
         res = self._guard("put", len(ks), lambda: self._put(ks, headers, payloads),
                           lambda: [False] * len(ks))
         ok = [bool(r) for r in res]

@@ -7,25 +7,22 @@ on, default ``127.0.0.1``), ``segment_bytes`` (memory this client contributes
 to the distributed pool, default 256 MiB), ``buffer_bytes`` (client transfer
 buffer, default 64 MiB) and ``key_prefix`` (default ``hkv:``).
 
-Layout: the frame is split over two objects, ``<prefix><key hex>`` (the
-payload) and ``<prefix><key hex>:h`` (the 40-byte header), written and read in
-one batch call.  That lets the payload move straight between Mooncake and the
-caller's memory: headers live in a staging buffer registered once, payloads
-in memory the caller registered with :meth:`register_buffer` (e.g. the L2
-host pool) are sent/received in place (``batch_upsert_from`` /
-``batch_get_into``: zero-copy); other payloads are copied through the staging
-buffer (one memcpy).  The header's length and checksum bind the pair: a torn
-pair (one half evicted, or a read racing an overwrite) is a miss, never wrong
-bytes.  :meth:`get` (no buffers) uses ``get_batch``.
+Layout: one object per page, ``<prefix><key hex>``, holding the whole frame
+(40-byte header, then the payload).  Headers live in a staging buffer
+registered once; payloads in memory the caller registered with
+:meth:`register_buffer` (e.g. the L2 host pool) are sent and received in
+place, the object being gathered from / scattered to the two pieces
+(``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``:
+zero-copy); other payloads go through the staging buffer (one memcpy).
+A Mooncake put does not replace an existing object, so a put first removes
+the keys (force) and then puts them: upsert semantics in two metadata calls
+and one data transfer.  Objects are immutable once written, so a reader
+sees a whole old frame, a whole new one, or a miss; the checksum turns
+anything else (a force-removed object's memory reused mid-read) into a
+verified miss.  :meth:`get` (no buffers) uses ``get_batch``.
 
-Thread safety: one batch upsert of the two halves is not atomic, so a read
-racing an overwrite or a delete of the same key can see the new payload with
-the old header (or a header whose payload is mid-replace and reads back
-empty).  That would be a spurious miss counted as ``corrupt``.  Every read,
-write and delete of one backend object therefore runs under its lock (the
-same lock that guards the staging buffer); exists/touch are hints and stay
-unlocked.  Two *different* clients writing one key can still tear a pair:
-that stays a verified miss.
+Thread safety: the staging buffer is shared, so reads, writes and deletes
+of one backend object run under its lock; exists/touch stay unlocked.
 
 Mooncake specifics: a read grants the reader a lease during which a plain
 remove fails, so :meth:`delete` removes with ``force=True``.  The master
@@ -57,7 +54,8 @@ except ImportError as exc:  # pragma: no cover - optional dependency
 __all__ = ["MooncakeBackend"]
 
 _NOT_FOUND = -704        # ErrorCode::OBJECT_NOT_FOUND
-_BUFFER_TOO_SMALL = -600  # returned by batch_get_into when the object does not fit
+_BUFFER_TOO_SMALL = -600  # the object is larger than the buffers
+_SIZE_MISMATCH = -800     # scatter read: the buffers are larger than the object
 
 
 def _port_open(host: str, port: int, timeout: float) -> bool:
@@ -66,11 +64,6 @@ def _port_open(host: str, port: int, timeout: float) -> bool:
             return True
     except OSError:
         return False
-
-
-def _announced(header: bytes) -> int:
-    """Payload length field of a (possibly bad) header; -1 if too short."""
-    return int.from_bytes(header[24:32], "little") if len(header) >= 32 else -1
 
 
 def _address(view: memoryview) -> int:
@@ -169,47 +162,26 @@ class MooncakeBackend(BaseBackend):
         if rc != 0:
             raise ConnectionError(f"mooncake register_buffer(staging) returned {rc}")
 
-    def _names(self, keys: list[bytes]) -> tuple[list[str], list[str]]:
-        """(payload object names, header object names)."""
-        names = [self._prefix + k.hex() for k in keys]
-        return names, [n + ":h" for n in names]
+    def _names(self, keys: list[bytes]) -> list[str]:
+        return [self._prefix + k.hex() for k in keys]
 
     def _code(self, op: str, rc: int) -> None:
         self._count("errors")
         self._warn(f"{op}:{rc}", f"{op} returned error code {rc}; treated as a miss")
 
-    def _torn(self, name: str) -> None:
-        self._warn("torn", f"only one half of {name[:24]}... is stored (evicted or being "
-                           "overwritten); miss")
-
     # ------------------------------------------------------------ operations
     def _exists(self, keys: list[bytes]) -> list[bool]:
-        pn, hn = self._names(keys)
-        res = self._ensure().batch_is_exist(pn + hn)
+        res = self._ensure().batch_is_exist(self._names(keys))
         for rc in res:
             if rc < 0:
                 self._code("batch_is_exist", rc)
-        n = len(keys)
-        return [res[i] == 1 and res[n + i] == 1 for i in range(n)]
+        return [rc == 1 for rc in res]
 
     def _get(self, keys: list[bytes]) -> list[Any]:
-        pn, hn = self._names(keys)
         store = self._ensure()
-        with self._lock:  # not concurrently with a put/delete of this client (module doc)
-            vals = store.get_batch(pn + hn)  # b"" for a missing object
-        n = len(keys)
-        out: list[Any] = []
-        for i in range(n):
-            payload, header = vals[i], vals[n + i]
-            if not header:
-                if payload:
-                    self._torn(pn[i])
-                out.append(None)
-            elif _announced(header) == 0 and len(payload) == 1:
-                out.append((header, b""))  # empty payloads are stored as 1 dummy byte
-            else:  # a header without payload object verifies as truncated
-                out.append((header, payload))
-        return out
+        with self._lock:
+            vals = store.get_batch(self._names(keys))  # b"" for a missing object
+        return [v if v else None for v in vals]  # the whole frame: the base verifies it
 
     def _put(self, keys: list[bytes], headers: list[bytes], payloads: list[memoryview]) -> list[bool]:
         store = self._ensure()
@@ -220,94 +192,103 @@ class MooncakeBackend(BaseBackend):
             h = n // 2
             return (self._put(keys[:h], headers[:h], payloads[:h]) +
                     self._put(keys[h:], headers[h:], payloads[h:]))
-        pn, hn = self._names(keys)
+        names = self._names(keys)
         with self._lock:
             self._grow_staging(need)
             stage = self._staging
             base = int(stage.ctypes.data)
             stage[:n * HEADER_SIZE] = np.frombuffer(b"".join(headers), np.uint8)
-            ptrs, used = [], n * HEADER_SIZE
-            for p, d in zip(payloads, direct):
+            ptrs, sizes, used = [], [], n * HEADER_SIZE
+            for i, (p, d) in enumerate(zip(payloads, direct)):
+                if not p.nbytes:
+                    ptrs.append([base + i * HEADER_SIZE])
+                    sizes.append([HEADER_SIZE])
+                    continue
                 if d:
-                    ptrs.append(_address(p))
+                    addr = _address(p)
                 else:  # not registered: one copy into the staging buffer
                     stage[used:used + p.nbytes] = np.frombuffer(p, np.uint8)
-                    ptrs.append(base + used)
+                    addr = base + used
                     used += p.nbytes
-            # Mooncake refuses 0-byte objects: an empty payload is stored as one
-            # dummy byte, which readers drop because the header announces 0.
-            sizes = [max(1, p.nbytes) for p in payloads]
-            ptrs = [ptr if p.nbytes else base for ptr, p in zip(ptrs, payloads)]
-            rcs = store.batch_upsert_from(pn + hn, ptrs + [base + i * HEADER_SIZE for i in range(n)],
-                                          sizes + [HEADER_SIZE] * n)
+                ptrs.append([base + i * HEADER_SIZE, addr])
+                sizes.append([HEADER_SIZE, p.nbytes])
+            # A put never replaces an object: remove first (force: a reader's
+            # lease must not keep a stale value), then put.
+            store.batch_remove(names, True)
+            rcs = store.batch_put_from_multi_buffers(names, ptrs, sizes)
         for rc in rcs:
             if rc != 0:
-                self._code("batch_upsert_from", rc)
-        return [rcs[i] == 0 and rcs[n + i] == 0 for i in range(n)]
+                self._code("batch_put_from_multi_buffers", rc)
+        return [rc == 0 for rc in rcs]
 
     def _get_into(self, keys: list[bytes], buffers: list[memoryview]) -> list[tuple[bytes, int] | None]:
         store = self._ensure()
         n = len(keys)
-        direct = [self._is_registered(b) for b in buffers]
-        slot = [b.nbytes + 1 for b in buffers]  # +1: empty payloads are 1-byte objects (see _put)
-        need = n * HEADER_SIZE + sum(s for s, d in zip(slot, direct) if not d)
+        direct = [self._is_registered(b) and b.nbytes > 0 for b in buffers]
+        need = n * HEADER_SIZE + sum(b.nbytes for b, d in zip(buffers, direct) if not d)
         if n > 1 and need > self._max_staging:  # split: staging memory stays bounded
             h = n // 2
             return self._get_into(keys[:h], buffers[:h]) + self._get_into(keys[h:], buffers[h:])
-        pn, hn = self._names(keys)
+        names = self._names(keys)
         with self._lock:
             self._grow_staging(need)
             stage = self._staging
             base = int(stage.ctypes.data)
-            ptrs, offs, used = [], [], n * HEADER_SIZE
-            for b, d, s in zip(buffers, direct, slot):
+            ptrs, sizes, offs, used = [], [], [], n * HEADER_SIZE
+            for i, (b, d) in enumerate(zip(buffers, direct)):
                 offs.append(used)
-                if d and b.nbytes:
-                    ptrs.append(_address(b))
+                if not b.nbytes:
+                    ptrs.append([base + i * HEADER_SIZE])
+                    sizes.append([HEADER_SIZE])
+                    continue
+                ptrs.append([base + i * HEADER_SIZE, _address(b) if d else base + used])
+                sizes.append([HEADER_SIZE, b.nbytes])
+                if not d:
+                    used += b.nbytes
+            # Scatter reads need the exact object size: an object that is not
+            # header + len(buffer) bytes fails here and is read whole below.
+            rcs = store.batch_get_into_multi_buffers(names, ptrs, sizes)
+            out: list[tuple[bytes, int] | None] = []
+            odd: list[int] = []
+            for i, rc in enumerate(rcs):
+                if rc == _NOT_FOUND:
+                    out.append(None)
+                elif rc < 0:
+                    out.append(None)
+                    odd.append(i)
                 else:
-                    ptrs.append(base + used)
-                    used += s
-            sizes = [b.nbytes if (d and b.nbytes) else s for b, d, s in zip(buffers, direct, slot)]
-            rcs = store.batch_get_into(pn + hn, ptrs + [base + i * HEADER_SIZE for i in range(n)],
-                                       sizes + [HEADER_SIZE] * n)
-            out = [self._take(i, pn[i], buffers[i], direct[i], offs[i], rcs[i], rcs[n + i])
-                   for i in range(n)]
+                    got = rc - HEADER_SIZE
+                    header = stage[i * HEADER_SIZE:(i + 1) * HEADER_SIZE].tobytes()
+                    if got > 0 and not direct[i]:
+                        np.frombuffer(buffers[i], np.uint8)[:got] = stage[offs[i]:offs[i] + got]
+                    out.append((header, max(got, 0)))
+            if odd:  # size mismatch (or another error): fetch those frames whole
+                blobs = store.get_batch([names[i] for i in odd])
+                for i, blob in zip(odd, blobs):
+                    out[i] = self._whole(i, names[i], rcs[i], blob, buffers[i])
         return out
 
-    def _take(self, i: int, name: str, buf: memoryview, direct: bool, off: int,
-              rp: int, rh: int) -> tuple[bytes, int] | None:
-        """Result of one key of :meth:`_get_into` (staging lock held)."""
-        if rh == _NOT_FOUND:
-            if rp != _NOT_FOUND:
-                self._torn(name)
+    def _whole(self, i: int, name: str, rc: int, blob: bytes, buf: memoryview) -> tuple[bytes, int] | None:
+        """Result of a frame that the scatter read refused (lock held)."""
+        if not blob:
+            if rc not in (_BUFFER_TOO_SMALL, _SIZE_MISMATCH):
+                self._code("batch_get_into_multi_buffers", rc)
             return None
-        if rh < 0:
-            self._code("batch_get_into", rh)
-            return None
-        header = self._staging[i * HEADER_SIZE:i * HEADER_SIZE + rh].tobytes()
-        if rp == _NOT_FOUND:
-            return (header, 0)  # header without payload: verification reports truncation
-        if rp == _BUFFER_TOO_SMALL:
-            return (header, buf.nbytes + 1)  # the base reports "does not fit"
-        if rp < 0:
-            self._code("batch_get_into", rp)
-            return None
-        if rp == 1 and _announced(header) == 0:
-            return (header, 0)  # empty payloads are stored as 1 dummy byte
-        if not (direct and buf.nbytes) and 0 < rp <= buf.nbytes:
-            np.frombuffer(buf, np.uint8)[:rp] = self._staging[off:off + rp]
-        return (header, rp)
+        header, payload = blob[:HEADER_SIZE], memoryview(blob)[HEADER_SIZE:]
+        if len(header) < HEADER_SIZE:
+            return (header, 0)  # verification reports the truncation
+        if payload.nbytes <= buf.nbytes:
+            buf[:payload.nbytes] = payload
+        return (header, payload.nbytes)  # longer than the buffer: the base reports "does not fit"
 
     def _touch(self, keys: list[bytes]) -> None:
-        pn, hn = self._names(keys)
-        self._ensure().batch_is_exist(pn + hn)
+        self._ensure().batch_is_exist(self._names(keys))
 
     def _delete(self, keys: list[bytes]) -> int:
-        pn, hn = self._names(keys)
         store = self._ensure()
-        with self._lock:  # a reader must not see one half removed (module doc)
+        with self._lock:
             # force=True: a recent reader's lease would otherwise block the removal.
-            rcs = store.batch_remove(pn + hn, True)
+            rcs = store.batch_remove(self._names(keys), True)
         return sum(1 for rc in rcs[:len(keys)] if rc == 0)
 
     def _close(self) -> None:
