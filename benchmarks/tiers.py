@@ -17,7 +17,7 @@ figures are what the real model would move.
 measurement (hybridkv put+get vs the raw client, same bytes, same run).
 
 Usage: ``python benchmarks/tiers.py --json [--traces DIR] [--sessions 8]
-[--mooncake-limit 2000] [--l1-gb 59] [--l2-gb 594] [--backends file,redis]``
+[--mooncake-limit 2000] [--l1-gb 59] [--l2-gb 594] [--backends file,redis,mooncake,nixl]``
 """
 
 from __future__ import annotations
@@ -94,9 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="mimo-v2.5-pro")
     ap.add_argument("--l1-gb", type=float, default=59.0)
     ap.add_argument("--l2-gb", type=float, default=594.0)
-    ap.add_argument("--backends", default="file,redis", help="L3 overhead backends (file,redis,mooncake,nixl)")
-    ap.add_argument("--pages", type=int, default=4, help="pages per L3 overhead batch")
-    ap.add_argument("--repeats", type=int, default=5, help="L3 overhead repeats")
+    ap.add_argument("--backends", default="file,redis,mooncake,nixl",
+                    help="L3 overhead backends (default all four; a missing client is reported as skipped)")
+    ap.add_argument("--pages", type=int, default=8, help="pages per L3 overhead batch (default 8)")
+    ap.add_argument("--repeats", type=int, default=15, help="L3 overhead repeats (default 15)")
     args = ap.parse_args(argv)
     from hybridkv.spec import ModelSpec
     from hybridkv.traces import default_shared_traces, load_trace
