@@ -295,3 +295,39 @@ int hkv_nh64_batch(const uint8_t *const *ptrs, const uint64_t *lens, uint64_t *o
     free(task_acc);
     return 0;
 }
+
+/*
+ * Read up to n bytes at `offset` of file `fd` into buf and NH64 them on the
+ * way: each chunk is hashed right after it lands, while it is still in cache,
+ * instead of a second pass over the whole payload later (the file backend's
+ * read path; one call per payload, GIL released).  Returns the bytes read
+ * (short at end of file) and stores their NH64 in *csum, or -errno.
+ */
+#include <errno.h>
+#include <unistd.h>
+#define NH_READ_CHUNK (1u << 20) /* a multiple of 64; fits in L2 */
+
+int64_t hkv_pread_nh64(int fd, uint8_t *buf, uint64_t n, int64_t offset, uint64_t *csum) {
+    if (csum == NULL || (n && buf == NULL) || offset < 0) return -EINVAL;
+    const int simd = nh_simd_level();
+    uint64_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    uint64_t got = 0, hashed = 0;
+    while (got < n) {
+        const uint64_t want = n - got < NH_READ_CHUNK ? n - got : NH_READ_CHUNK;
+        const ssize_t r = pread(fd, buf + got, (size_t)want, (off_t)(offset + (int64_t)got));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -(int64_t)errno;
+        }
+        if (r == 0) break;
+        got += (uint64_t)r;
+        const uint64_t upto = got & ~(uint64_t)63;
+        if (upto > hashed) {
+            nh_stripes(buf + hashed, hashed / 64, (upto - hashed) / 64, acc, simd);
+            hashed = upto;
+        }
+    }
+    nh_tail(buf, got, acc, simd);
+    *csum = hkv_nh64_finish(acc, got);
+    return (int64_t)got;
+}

@@ -56,6 +56,7 @@ int hkv_nh64_batch(const uint8_t *const *ptrs, const uint64_t *lens, uint64_t *o
                    int num_threads, int simd);
 int hkv_nh64_accumulate(const uint8_t *p, uint64_t n, uint64_t first, uint64_t *acc, int simd);
 uint64_t hkv_nh64_finish(const uint64_t *acc, uint64_t len);
+int64_t hkv_pread_nh64(int fd, uint8_t *buf, uint64_t n, int64_t offset, uint64_t *csum);
 /* CDEF-END */
 
 /* Return codes of the host functions (CUDA functions return cudaError_t). */

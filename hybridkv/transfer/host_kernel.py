@@ -112,6 +112,16 @@ class HostKernel:
             raise RuntimeError(f"NH64 checksum failed (code {rc})")
         return list(out)
 
+    def pread_nh64(self, fd: int, buf: memoryview, offset: int) -> tuple[int, int]:
+        """Read ``len(buf)`` bytes of ``fd`` at ``offset`` into ``buf``, hashing
+        each 1 MiB chunk while it is in cache; ``(bytes read, NH64 of them)``.
+        GIL released; raises ``OSError`` on a read error."""
+        out = self.ffi.new("uint64_t *")
+        got = self.lib.hkv_pread_nh64(fd, self.ffi.from_buffer("uint8_t[]", buf), len(buf), offset, out)
+        if got < 0:
+            raise OSError(-got, os.strerror(-got))
+        return int(got), int(out[0])
+
     def nh64_accumulate(self, data: memoryview, first_stripe: int, acc: Any) -> None:
         """Add whole 64-byte stripes of ``data`` (from stripe index
         ``first_stripe``) into ``acc`` (a cffi ``uint64_t[8]``).  GIL released."""

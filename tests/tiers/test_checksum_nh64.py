@@ -3,6 +3,8 @@ error detection, and the fallback when no kernel can be built."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -109,3 +111,22 @@ def test_backends_write_nh64_when_the_kernel_is_there(tmp_path):
         blob = f.read()
     assert blob[5] == framing.ALGO_NH64
     assert bytes(framing.unframe(b"k", blob)) == b"abc"
+
+
+@needs_kernel
+def test_fused_read_and_hash_equals_read_then_hash(tmp_path):
+    data = _data((3 << 20) + 77, 4)  # several 1 MiB chunks and a ragged tail
+    path = tmp_path / "blob"
+    path.write_bytes(b"H" * 40 + data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = memoryview(bytearray(len(data)))
+        assert KERNEL.pread_nh64(fd, buf, 40) == (len(data), framing.nh64_numpy(data))
+        assert bytes(buf) == data
+        short = memoryview(bytearray(len(data) + 100))  # asks past EOF: short read, hash of what came
+        assert KERNEL.pread_nh64(fd, short, 40) == (len(data), framing.nh64_numpy(data))
+        assert KERNEL.pread_nh64(fd, memoryview(bytearray(10)), 1 << 40) == (0, framing.nh64_numpy(b""))
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        KERNEL.pread_nh64(fd, memoryview(bytearray(10)), 0)  # closed descriptor

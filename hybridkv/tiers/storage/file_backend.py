@@ -194,17 +194,19 @@ class FileBackend(BaseBackend):
     def _read_framed(self, fd: int, header: memoryview, payload: memoryview) -> tuple[int, int | None]:
         """Read the header, then the payload.
 
-        NH64 frames: the payload in one read, checksum ``None``: the base
-        hashes the whole batch afterwards on all cores with the GIL released
-        (measured faster than hashing on the reading thread).  Other
-        algorithms hold the GIL on one core, so their payload is read in
-        chunks and each chunk hashed while still in cache (one pass over memory).
+        NH64 frames: one kernel call reads the payload in 1 MiB chunks and
+        hashes each while it is still in cache, GIL released (no Python per
+        chunk, no second pass over memory).  Other algorithms: the payload is
+        read in chunks from Python and each chunk hashed right after it.
 
         Returns ``(payload bytes read, streamed checksum or None)``.
         """
         if _preadv_full(fd, [header], 0) < HEADER_SIZE:
             return 0, None
         if header[5] == framing.ALGO_NH64:
+            kernel = framing.nh64_kernel()
+            if kernel is not None and payload.nbytes:  # read and hash chunk by chunk, in cache
+                return kernel.pread_nh64(fd, payload, HEADER_SIZE)
             return _preadv_full(fd, [payload], HEADER_SIZE), None
         try:
             hasher = framing.new_hasher(header[5])

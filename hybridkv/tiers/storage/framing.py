@@ -93,6 +93,11 @@ def _kernel() -> Any:
     return _kernel_state[0]
 
 
+def nh64_kernel() -> Any:
+    """The C kernel that computes NH64 (and fused read+hash), or ``None``."""
+    return _kernel()
+
+
 def preferred_algo() -> int:
     """Checksum algorithm for new frames: NH64 when the C kernel loads, else :data:`DEFAULT_ALGO`."""
     return ALGO_NH64 if _kernel() is not None else DEFAULT_ALGO
