@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="file,redis,mooncake,nixl",
                     help="L3 overhead backends (default all four; a missing client is reported as skipped)")
     ap.add_argument("--pages", type=int, default=8, help="pages per L3 overhead batch (default 8)")
-    ap.add_argument("--repeats", type=int, default=15, help="L3 overhead repeats (default 15)")
+    ap.add_argument("--repeats", type=int, default=41, help="L3 overhead repeats (default 41)")
     args = ap.parse_args(argv)
     from hybridkv.spec import ModelSpec
     from hybridkv.traces import default_shared_traces, load_trace

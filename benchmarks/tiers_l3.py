@@ -4,7 +4,8 @@ Payload: one MiMo-V2.5-Pro page of the full-attention kind, 64 tokens x 51,200
 bytes (10 full layers x 8 KV heads x (192 + 128) dims x bf16) = 3,276,800
 bytes; a batch is ``--pages`` such pages (default 8, 26 MB).  For each backend
 and each repeat the raw client and hybridkv move the same batch back to back
-(alternating order), and the script reports medians:
+(alternating order), and the script reports medians (of 41 repeats by
+default: on a small shared machine fewer repeats leave the medians noisy):
 
 * ``file``: raw = ``open(path, "wb").write`` / ``open(path, "rb").readinto``
   (into caller buffers, as ``get_into`` reads; ``.read()`` would land in
@@ -29,7 +30,7 @@ and each repeat the raw client and hybridkv move the same batch back to back
 median seconds); target <= 1.25.  Servers (redis-server, mooncake_master) are
 started on 127.0.0.1 free ports and stopped at the end.
 
-Usage: ``python benchmarks/tiers_l3.py --json [--pages 8] [--repeats 15]
+Usage: ``python benchmarks/tiers_l3.py --json [--pages 8] [--repeats 41]
 [--backends file,redis,mooncake,nixl]``
 """
 
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object (default: also)")
     ap.add_argument("--pages", type=int, default=8, help="pages per batch (default 8)")
-    ap.add_argument("--repeats", type=int, default=15, help="timed repeats per backend (default 15)")
+    ap.add_argument("--repeats", type=int, default=41, help="timed repeats per backend (default 41)")
     ap.add_argument("--backends", default=",".join(BENCHES), help="comma-separated subset")
     args = ap.parse_args(argv)
     if args.pages < 1 or args.repeats < 1:
