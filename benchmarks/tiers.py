@@ -13,8 +13,8 @@ Replays carry scaled-down L3 payloads (an 8-byte checksum of the page key,
 see :mod:`hybridkv.tiers.payload`) through the real file backend; ``bytes_*``
 figures are what the real model would move.
 
-``l3_overhead_ratio`` per backend comes from ``benchmarks/tiers_l3.py``'s
-measurement (hybridkv put+get vs the raw client, same bytes, same run).
+``l3_overhead_ratio`` per backend comes from ``benchmarks/tiers_l3.py``, run
+in a fresh process (hybridkv put+get vs the raw client, same bytes, same run).
 
 Usage: ``python benchmarks/tiers.py --json [--traces DIR] [--sessions 8]
 [--mooncake-limit 2000] [--l1-gb 59] [--l2-gb 594] [--backends file,redis,mooncake,nixl]``
@@ -23,16 +23,14 @@ Usage: ``python benchmarks/tiers.py --json [--traces DIR] [--sessions 8]
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
 import json
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 GB = 10**9
 HERE = Path(__file__).resolve().parent
@@ -65,23 +63,14 @@ def _replay_configs(reqs: list, spec: Any, l1_gb: float, l2_gb: float, tmp: Path
 
 
 def _overhead(backends: list[str], pages: int, repeats: int) -> dict[str, Any]:
-    spec = importlib.util.spec_from_file_location("tiers_l3_bench", HERE / "tiers_l3.py")
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    rng = np.random.default_rng(0)
-    values = [rng.integers(0, 256, mod.PAGE_BYTES, dtype=np.uint8).tobytes() for _ in range(pages)]
-    keys = [i.to_bytes(16, "little") for i in range(pages)]
-    out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="hkv-tiers-l3-") as tmp, contextlib.redirect_stdout(sys.stderr):
-        for name in backends:
-            work = Path(tmp) / name
-            work.mkdir()
-            try:
-                out[name] = mod.BENCHES[name](work, keys, values, repeats)
-            except (ImportError, FileNotFoundError) as exc:
-                out[name] = {"skipped": f"not installed: {exc}"}
-    return out
+    """``benchmarks/tiers_l3.py`` in a fresh process (the replays' heap does
+    not weigh on the comparison), the same measurement it prints itself."""
+    cmd = [sys.executable, str(HERE / "tiers_l3.py"), "--json", "--pages", str(pages),
+           "--repeats", str(repeats), "--backends", ",".join(backends)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tiers_l3.py failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)["backends"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("trace folder not found: pass --traces or set HYBRIDKV_TRACES")
     spec = ModelSpec.preset(args.model)
     t0 = time.perf_counter()
+    # L3 overhead first: the replays below leave the file system busy for a
+    # while (deleting their L3 directories: many files, freed with discard).
+    backends = [b for b in args.backends.split(",") if b]
+    l3 = _overhead(backends, args.pages, args.repeats)
     result: dict[str, Any] = {"model": spec.name, "l1_gb": args.l1_gb, "l2_gb": args.l2_gb, "l3": "file (no limit)",
                               "extension_rule": "on", "hit_rates": {}}
     with tempfile.TemporaryDirectory(prefix="hkv-tiers-") as tmp:
@@ -123,9 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         if moon.exists():
             reqs = load_trace(moon, limit=args.mooncake_limit)
             result["hit_rates"]["mooncake"] = _replay_configs(reqs, spec, args.l1_gb, args.l2_gb, Path(tmp), "moon")
-    backends = [b for b in args.backends.split(",") if b]
-    result["l3"] = _overhead(backends, args.pages, args.repeats)
-    result["l3_overhead_ratio"] = {n: r.get("l3_overhead_ratio") for n, r in result["l3"].items()}
+    result["l3"] = l3
+    result["l3_overhead_ratio"] = {n: r.get("l3_overhead_ratio") for n, r in l3.items()}
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result, indent=None if args.json else 1))
     return 0
