@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
 
 __all__ = ["MAGIC", "VERSION", "HEADER_SIZE", "ALGO_CRC32", "ALGO_XXH3", "ALGO_NH64",
-           "DEFAULT_ALGO", "ALGO_NAMES", "FrameError", "preferred_algo", "key_digest", "checksum",
+           "DEFAULT_ALGO", "ALGO_NAMES", "FrameError", "preferred_algo", "nh64_kernel", "key_digest", "checksum",
            "checksums", "nh64_numpy", "new_hasher", "frame_header", "header_for", "frame",
            "parse_header", "verify_payload", "unframe"]
 
