@@ -329,14 +329,8 @@ class BaseBackend(ABC):
                         out[i] = view
                         continue
                 else:
-                    whole = memoryview(blob)
-                    if whole.ndim != 1 or whole.itemsize != 1:
-                        whole = whole.cast("B")
-                    algo, length, csum = framing.parse_header(key, whole)
-                    view = whole[framing.HEADER_SIZE:]
-                if view.nbytes != length:
-                    raise FrameError("truncated" if view.nbytes < length else "length-mismatch",
-                                     f"{view.nbytes} != {length}")
+                    algo, length, csum, view = framing.split_frame(key, blob)
+                framing.check_length(view.nbytes, length)
                 todo.append((i, key, view, algo, length, csum))
             except FrameError as exc:
                 self._corrupt(key, exc)
@@ -404,8 +398,7 @@ class BaseBackend(ABC):
                 if length > view.nbytes:
                     self._warn_too_big(key, length, view.nbytes)
                     continue
-                if n != length:  # stored bytes differ from the announced length
-                    raise FrameError("truncated" if n < length else "length-mismatch", f"{n} != {length}")
+                framing.check_length(n, length)  # stored bytes vs the announced length
                 if computed is not None:
                     framing.verify_payload(view[:n], algo, length, csum, computed)
                     out[i] = n

@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 __all__ = ["MAGIC", "VERSION", "HEADER_SIZE", "ALGO_CRC32", "ALGO_XXH3", "ALGO_NH64",
            "DEFAULT_ALGO", "ALGO_NAMES", "FrameError", "preferred_algo", "nh64_kernel", "key_digest", "checksum",
            "checksums", "nh64_numpy", "new_hasher", "frame_header", "header_for", "frame",
-           "parse_header", "verify_payload", "unframe"]
+           "parse_header", "check_length", "split_frame", "verify_payload", "unframe"]
 
 MAGIC = b"HKVP"
 VERSION = 1
@@ -85,22 +85,18 @@ _NH_CHUNK_STRIPES = 1 << 15  # bounds the numpy temporaries (2 MiB of stripes)
 _kernel_state: list[Any] = []  # [kernel or None] once resolved
 
 
-def _kernel() -> Any:
-    """The C host kernel (built on first use), or ``None`` without a compiler."""
+def nh64_kernel() -> Any:
+    """The C host kernel that computes NH64 (and the fused read+hash), built
+    on first use; ``None`` without a compiler."""
     if not _kernel_state:
         from ...transfer.host_kernel import load_host_kernel
         _kernel_state.append(load_host_kernel())
     return _kernel_state[0]
 
 
-def nh64_kernel() -> Any:
-    """The C kernel that computes NH64 (and fused read+hash), or ``None``."""
-    return _kernel()
-
-
 def preferred_algo() -> int:
     """Checksum algorithm for new frames: NH64 when the C kernel loads, else :data:`DEFAULT_ALGO`."""
-    return ALGO_NH64 if _kernel() is not None else DEFAULT_ALGO
+    return ALGO_NH64 if nh64_kernel() is not None else DEFAULT_ALGO
 
 
 def _nh_accumulate_numpy(data: Buffer, first: int, acc: np.ndarray) -> None:
@@ -114,6 +110,14 @@ def _nh_accumulate_numpy(data: Buffer, first: int, acc: np.ndarray) -> None:
             k = w ^ (_NH_KEYS[None, :] + (idx * step)[:, None])
             acc += ((k & np.uint64(0xFFFFFFFF)) * (k >> np.uint64(32))).sum(axis=0, dtype=np.uint64)
             acc += w[:, _NH_SWAP].sum(axis=0, dtype=np.uint64)
+
+
+def _nh_accumulate_tail_numpy(tail: Buffer, stripe: int, acc: np.ndarray) -> None:
+    """Add the last partial stripe (< 64 bytes, zero padded) as stripe ``stripe``."""
+    if len(tail):
+        pad = bytearray(64)
+        pad[:len(tail)] = tail
+        _nh_accumulate_numpy(pad, stripe, acc)
 
 
 def _fmix64(x: int) -> int:
@@ -138,15 +142,12 @@ def nh64_numpy(payload: Buffer) -> int:
     acc = np.zeros(8, dtype=np.uint64)
     full = n - n % 64
     _nh_accumulate_numpy(view[:full], 0, acc)
-    if n % 64:
-        pad = bytearray(64)
-        pad[:n % 64] = view[full:]
-        _nh_accumulate_numpy(pad, full // 64, acc)
+    _nh_accumulate_tail_numpy(view[full:], full // 64, acc)
     return _nh_finish(acc, n)
 
 
 def _nh64_one(payload: Buffer) -> int:
-    kernel = _kernel()
+    kernel = nh64_kernel()
     if kernel is None:
         return nh64_numpy(payload)
     return kernel.nh64([memoryview(payload).cast("B")])[0]
@@ -156,7 +157,7 @@ class _NH64Stream:
     """Incremental NH64: pieces of any size give the same value as one call."""
 
     def __init__(self) -> None:
-        self._kernel = _kernel()
+        self._kernel = nh64_kernel()
         self._acc = (self._kernel.ffi.new("uint64_t[8]") if self._kernel is not None
                      else np.zeros(8, dtype=np.uint64))
         self._pending = bytearray()
@@ -188,10 +189,7 @@ class _NH64Stream:
 
     def intdigest(self) -> int:
         acc = np.array([int(self._acc[i]) for i in range(8)], dtype=np.uint64)
-        if self._pending:
-            pad = bytearray(64)
-            pad[:len(self._pending)] = self._pending
-            _nh_accumulate_numpy(pad, self._stripes, acc)
+        _nh_accumulate_tail_numpy(self._pending, self._stripes, acc)
         return _nh_finish(acc, self._length)
 
 
@@ -245,8 +243,9 @@ def checksum(payload: Buffer, algo: int = DEFAULT_ALGO) -> int:
 def checksums(payloads: list[Buffer], algo: int) -> list[int]:
     """Checksums of a batch; NH64 runs as one kernel call on all cores. O(total bytes)."""
     fn = _checksum_fn(algo)
-    if algo == ALGO_NH64 and _kernel() is not None and payloads:
-        return _kernel().nh64([memoryview(p).cast("B") for p in payloads])
+    kernel = nh64_kernel() if algo == ALGO_NH64 else None
+    if kernel is not None and payloads:
+        return kernel.nh64([memoryview(p).cast("B") for p in payloads])
     return [fn(p) for p in payloads]
 
 
@@ -288,6 +287,25 @@ def parse_header(key: bytes, header: Buffer) -> tuple[int, int, int]:
     return algo, length, csum
 
 
+def check_length(n: int, length: int) -> None:
+    """Raise :class:`FrameError` unless ``n`` stored payload bytes match the announced ``length``."""
+    if n != length:
+        raise FrameError("truncated" if n < length else "length-mismatch", f"{n} != {length}")
+
+
+def split_frame(key: bytes, blob: Buffer) -> tuple[int, int, int, memoryview]:
+    """Check the header of a whole framed value read for ``key``.
+
+    Returns ``(algo, payload_len, checksum, payload view)`` (no copy); the
+    payload itself is not checked yet.  Raises :class:`FrameError`.
+    """
+    view = memoryview(blob)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    algo, length, csum = parse_header(key, view)
+    return algo, length, csum, view[HEADER_SIZE:]
+
+
 def verify_payload(payload: Buffer, algo: int, length: int, csum: int,
                    computed: int | None = None) -> None:
     """Raise :class:`FrameError` unless ``payload`` has ``length`` bytes and checksum ``csum``.
@@ -295,9 +313,7 @@ def verify_payload(payload: Buffer, algo: int, length: int, csum: int,
     ``computed``: the checksum the caller already took of exactly these bytes
     with ``algo`` (streamed while reading); then the payload is not hashed again.
     """
-    n = memoryview(payload).nbytes
-    if n != length:
-        raise FrameError("truncated" if n < length else "length-mismatch", f"{n} != {length}")
+    check_length(memoryview(payload).nbytes, length)
     if (computed if computed is not None else _checksum_fn(algo)(payload)) != csum:
         raise FrameError("checksum", "payload checksum mismatch")
 
@@ -307,10 +323,6 @@ def unframe(key: bytes, blob: Buffer) -> memoryview:
 
     No copy: the result is a memoryview into ``blob``.  O(len(blob)).
     """
-    view = memoryview(blob)
-    if view.ndim != 1 or view.itemsize != 1:
-        view = view.cast("B")
-    algo, length, csum = parse_header(key, view)
-    payload = view[HEADER_SIZE:]
+    algo, length, csum, payload = split_frame(key, blob)
     verify_payload(payload, algo, length, csum)
     return payload
