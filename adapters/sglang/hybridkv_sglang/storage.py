@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -223,21 +223,26 @@ class HybridKVStorage(HiCacheStorage):
             return None
         return idx[::ps].tolist()
 
-    def batch_get_v2(self, transfers: List[PoolTransfer],
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
-        """Load each pool's pages into its host pool; per-page success (a miss or a
-        size mismatch is False, so SGLang clamps the hit to what was loaded)."""
+    def _per_pool(self, transfers: List[PoolTransfer],
+                  op: Callable[[Any, list[int], list[bytes]], List[bool]]) -> dict[str, List[bool]]:
+        """``op(host pool, page offsets, storage keys)`` per transfer; all False
+        for a transfer whose host indices do not match its keys."""
         results: dict[str, List[bool]] = {}
         for t in transfers:
             pool = self._host_pool(t.name)
             offsets = self._pages(t, pool)
             keys = t.keys or []
-            if offsets is None:
-                results[str(t.name)] = [False] * len(keys)
-                continue
-            datas = self.backend.get(self._keys(keys, t.name))
+            results[str(t.name)] = ([False] * len(keys) if offsets is None
+                                    else op(pool, offsets, self._keys(keys, t.name)))
+        return results
+
+    def batch_get_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        """Load each pool's pages into its host pool; per-page success (a miss or a
+        size mismatch is False, so SGLang clamps the hit to what was loaded)."""
+        def load(pool: Any, offsets: list[int], keys: list[bytes]) -> List[bool]:
             flags = []
-            for off, data in zip(offsets, datas):
+            for off, data in zip(offsets, self.backend.get(keys)):
                 good = False
                 if data is not None:
                     page = pool.get_dummy_flat_data_page()
@@ -245,23 +250,16 @@ class HybridKVStorage(HiCacheStorage):
                         pool.set_from_flat_data_page(off, page)
                         good = True
                 flags.append(good)
-            results[str(t.name)] = flags
-        return results
+            return flags
+        return self._per_pool(transfers, load)
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
         """Write each pool's pages (for SWA: the trailing window pages SGLang passes)."""
-        results: dict[str, List[bool]] = {}
-        for t in transfers:
-            pool = self._host_pool(t.name)
-            offsets = self._pages(t, pool)
-            keys = t.keys or []
-            if offsets is None:
-                results[str(t.name)] = [False] * len(keys)
-                continue
+        def store(pool: Any, offsets: list[int], keys: list[bytes]) -> List[bool]:
             values = [_as_bytes(pool.get_data_page(off, flat=True)) for off in offsets]
-            results[str(t.name)] = [bool(x) for x in self.backend.put(self._keys(keys, t.name), values)]
-        return results
+            return [bool(x) for x in self.backend.put(keys, values)]
+        return self._per_pool(transfers, store)
 
     # ------------------------------------------------------------ misc
     def clear(self) -> bool:
