@@ -388,8 +388,33 @@ class WindowSafeTree:
             raise ValueError("full_pages must be valid page ids (>= 0)")
         if n and swa.min() < NO_PAGE:
             raise ValueError("swa_pages must be page ids or -1")
+        self.root(namespace)  # validates the namespace
+        return self._insert(key, full, swa, namespace)
+
+    def _insert(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray, namespace: str, *,
+                start: TreeNode | None = None) -> InsertResult:
+        """:meth:`insert` for internal callers: no validation.
+
+        ``start``, when given, is an alive node of ``namespace`` whose path spells
+        exactly ``key[:start.start + len(start.key)]`` (e.g. the node a request
+        locked at :meth:`lock`); the walk begins there instead of at the root.
+        The pages before it are the caller's pages the tree already owns: they
+        are neither compared nor freed.  ``None`` (or a root) walks from the
+        root.  Runtime complexity: O(depth + pages after start) plus numpy
+        work.
+        """
+        size = self.page_size
+        n = len(key) // size
         root = self.root(namespace)
-        node, pi, now = root, 0, self._now()
+        now = self._now()
+        if start is None or start.parent is None:
+            node, pi = root, 0
+        else:
+            node, pi = start, (start.start + len(start.key)) // size
+            up: TreeNode | None = start
+            while up is not None and up.parent is not None:  # recency as a walk from the root
+                self._touch(up, now)
+                up = up.parent
         drop_full: list[np.ndarray] = []
         drop_swa: list[np.ndarray] = []
         adopted = 0
