@@ -14,10 +14,10 @@ VENV="${HYBRIDKV_SGLANG_VENV:-$HERE/.venv}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.hybridkv-sglang-stamp"
 # Bump the suffix whenever the dependency list below changes.
-WANT="sglang==0.5.23 torch==2.13.0 deps-2 root=$ROOT"
+WANT="sglang==0.5.23 torch==2.13.0 deps-3 root=$ROOT"
 SGLANG_DEPS=(numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec
              pydantic pyzmq tqdm IPython aiohttp apache-tvm-ffi transformers dill sentencepiece
-             compressed-tensors gguf openai partial_json_parser)
+             compressed-tensors gguf openai partial_json_parser einops)
 CORE_DEPS=(sortedcontainers cffi pytest hypothesis)
 
 if [ ! -x "$VENV/bin/python" ]; then

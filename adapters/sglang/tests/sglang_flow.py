@@ -7,13 +7,21 @@ allocation with ``evict_to_free_tokens`` under pressure, ``checkpoint_kv_cache``
 between prefill chunks, ``evict_sliding_windows`` during decode and
 ``release_kv_cache(checkpoint=True)`` at the end.
 
-Content oracle: every slot written gets the value ``prefix_hash(tokens[:pos+1])``
-in a shadow array (one for the full pool, one for the SWA pool).  A hit of
-length L is correct iff the full slots of ``[0, L)`` and the SWA slots (through
-the allocator's full->SWA mapping) of ``[L - W, L)`` all hold the right values.
-A stale, freed or reused slot shows up as a wrong value, so a pseudo-hit cannot
-pass.  After every step the pool accounting of SGLang's own invariant checker is
-checked (available + evictable + protected + request-private == capacity).
+Content oracle, in the KV itself: every token's K/V written for both layers
+(through ``SWAKVPool.set_kv_buffer`` with the full slot and its SWA slot, as an
+attention backend writes them) is a tag, ``prefix_hash(tokens[:pos+1])`` spread
+over the 4 float32 K/V values in exact 16-bit pieces.  A hit of length L is
+correct iff the tags read back from the pool's key/value buffers through the
+hit's full slots for ``[0, L)`` and through the allocator's full->SWA mapping
+for ``[L - W, L)`` are the request's own.  A stale, freed or reused slot shows
+up as a wrong tag, so a pseudo-hit cannot pass.  After every step the pool
+accounting of SGLang's own invariant checker is checked (available + evictable
++ protected + request-private == capacity).
+
+Like the scheduler (``process_batch_result_prefill``), a request whose prefill
+ended and that is not finished is checkpointed into the tree
+(``checkpoint_kv_cache``) before it decodes; ``checkpoint_prefill_end=False``
+turns that off (only chunk boundaries are checkpointed).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
-from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc, ReqToTokenPool
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -52,9 +60,38 @@ def prefix_hashes(tokens: np.ndarray) -> np.ndarray:
     return h.view(np.int64)
 
 
+class _Layer:
+    """What ``set_kv_buffer`` reads of an attention layer."""
+
+    def __init__(self, layer_id: int) -> None:
+        self.layer_id = layer_id
+        self.is_cross_attention = False
+
+
+_LAYERS = (_Layer(0), _Layer(1))  # layer 0 full attention, layer 1 sliding window
+_PIECES = np.array([0, 16, 32, 48], dtype=np.uint64)
+
+
+def encode_tags(tags: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (``[n, 1, 2]`` float32 each) holding the 64-bit ``tags`` in 16-bit pieces."""
+    pieces = ((tags.view(np.uint64)[:, None] >> _PIECES[None, :]) & np.uint64(0xFFFF)).astype(np.float32)
+    kv = torch.from_numpy(pieces).view(-1, 2, 1, 2)
+    return kv[:, 0].contiguous(), kv[:, 1].contiguous()
+
+
+def decode_tags(k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
+    """Inverse of :func:`encode_tags` (int64)."""
+    pieces = torch.cat([k.reshape(-1, 2), v.reshape(-1, 2)], dim=1).numpy().astype(np.uint64)
+    return (pieces << _PIECES[None, :]).sum(axis=1, dtype=np.uint64).view(np.int64)
+
+
 @dataclass
 class Pools:
-    """SGLang's CPU pools for a 2-layer hybrid model (layer 0 full, layer 1 SWA)."""
+    """SGLang's CPU pools for a 2-layer hybrid model (layer 0 full, layer 1 SWA).
+
+    One KV head of dimension 2 in float32: K and V of a token carry its 64-bit
+    content tag (see :func:`encode_tags`).
+    """
 
     full_tokens: int
     swa_tokens: int
@@ -64,16 +101,27 @@ class Pools:
 
     def __post_init__(self) -> None:
         self.kv = SWAKVPool(size=self.full_tokens, size_swa=self.swa_tokens, page_size=self.page_size,
-                            dtype=torch.float16, head_num=1, head_dim=2, swa_attention_layer_ids=[1],
+                            dtype=torch.float32, head_num=1, head_dim=2, swa_attention_layer_ids=[1],
                             full_attention_layer_ids=[0], device="cpu", enable_memory_saver=False)
         self.allocator = SWATokenToKVPoolAllocator(self.full_tokens, self.swa_tokens, self.page_size,
-                                                   torch.float16, "cpu", self.kv, need_sort=False)
+                                                   torch.float32, "cpu", self.kv, need_sort=False)
         self.req_to_token = ReqToTokenPool(self.max_reqs, self.max_context, "cpu", False)
 
     def init_params(self, window: int) -> CacheInitParams:
         return CacheInitParams(disable=False, req_to_token_pool=self.req_to_token,
                                token_to_kv_pool_allocator=self.allocator, page_size=self.page_size,
                                sliding_window_size=window)
+
+    def write_tags(self, full_slots: torch.Tensor, swa_slots: torch.Tensor, tags: np.ndarray) -> None:
+        """Write ``tags`` as the K/V of both layers, the way an attention backend does."""
+        k, v = encode_tags(tags)
+        loc = KVWriteLoc(full_slots, swa_loc=swa_slots)
+        for layer in _LAYERS:
+            self.kv.set_kv_buffer(layer, loc, k, v)
+
+    def read_tags(self, layer_id: int, slots: torch.Tensor) -> np.ndarray:
+        """Tags held by ``slots`` of ``layer_id``'s buffer (SWA slots for layer 1)."""
+        return decode_tags(self.kv.get_key_buffer(layer_id)[slots], self.kv.get_value_buffer(layer_id)[slots])
 
 
 @dataclass
@@ -110,10 +158,13 @@ class Driver:
         chunk: chunked-prefill size.
         max_live: requests running at once (round-robin steps).
         check_every_step: run the accounting check after each step.
+        checkpoint_prefill_end: checkpoint a request into the tree when its
+            prefill ends, as SGLang's scheduler does (False: chunk boundaries only).
     """
 
     def __init__(self, cache: BasePrefixCache, pools: Pools, window: int, chunk: int = 1024,
-                 max_live: int = 3, check_every_step: bool = True) -> None:
+                 max_live: int = 3, check_every_step: bool = True,
+                 checkpoint_prefill_end: bool = True) -> None:
         self.cache = cache
         self.pools = pools
         self.alloc: SWATokenToKVPoolAllocator = pools.allocator
@@ -121,8 +172,7 @@ class Driver:
         self.chunk = chunk
         self.max_live = max_live
         self.check_every_step = check_every_step
-        self.full_content = np.zeros(pools.full_tokens + 2 * pools.page_size + 1, np.int64)
-        self.swa_content = np.zeros(pools.swa_tokens + 2 * pools.page_size + 1, np.int64)
+        self.checkpoint_prefill_end = checkpoint_prefill_end
         self.stats = FlowStats()
         self._live: list[_Live] = []
         self._rid = 0
@@ -168,13 +218,14 @@ class Driver:
             return
         full = self.cache.prefix_device_indices(req)[:hit].to(torch.int64)
         want = live.hashes[:hit]
-        got_full = self.full_content[full.numpy()]
+        got_full = self.pools.read_tags(0, full)
         if not np.array_equal(got_full, want):
             bad = int(np.argmax(got_full != want))
             raise PseudoHitError(f"{req.rid}: full KV of position {bad} of a {hit}-token hit is not its own")
         lo = max(0, hit - self.window)
-        swa = self.alloc.translate_loc_from_full_to_swa(full[lo:hit]).to(torch.int64).numpy()
-        got_swa = np.where(swa > 0, self.swa_content[np.maximum(swa, 0)], 0)
+        swa_t = self.alloc.translate_loc_from_full_to_swa(full[lo:hit]).to(torch.int64)
+        swa = swa_t.numpy()
+        got_swa = np.where(swa > 0, self.pools.read_tags(1, swa_t.clamp(min=0)), 0)
         if not np.array_equal(got_swa, want[lo:hit]):
             bad = lo + int(np.argmax(got_swa != want[lo:hit]))
             raise PseudoHitError(f"{req.rid}: SWA KV of position {bad} inside the window of a {hit}-token hit "
@@ -188,10 +239,9 @@ class Driver:
         req = live.req
         end = start + len(slots)
         self.pools.req_to_token.write((req.kv.req_pool_idx, slice(start, end)), slots.to(torch.int32))
-        self.full_content[slots.numpy()] = live.hashes[start:end]
-        swa = self.alloc.translate_loc_from_full_to_swa(slots.to(torch.int64)).numpy()
-        assert (swa > 0).all(), "a fresh allocation must map to SWA slots"
-        self.swa_content[swa] = live.hashes[start:end]
+        swa = self.alloc.translate_loc_from_full_to_swa(slots.to(torch.int64))
+        assert bool((swa > 0).all()), "a fresh allocation must map to SWA slots"
+        self.pools.write_tags(slots.to(torch.int64), swa.to(torch.int64), live.hashes[start:end])
         req.kv.kv_allocated_len = req.kv.kv_committed_len = end
 
     def _step(self, live: _Live) -> None:
@@ -210,10 +260,11 @@ class Driver:
             if slots is None:
                 return self._reject(live)
             self._write(live, start, slots)
-            if end < live.prompt_len:
+            if end < live.prompt_len or self.checkpoint_prefill_end:
                 checkpoint_kv_cache(req, self.cache)  # SGLang's "cache_unfinished_req"
             else:
                 req.prefix_len = end
+            if end == live.prompt_len:
                 live.phase = "decode"
                 req.decode_batch_idx = 0
             return None

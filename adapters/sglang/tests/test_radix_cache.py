@@ -115,11 +115,12 @@ def test_mooncake_flow_under_pressure_is_window_safe_and_conserves_pools():
           f"evicted full/swa pages {cache.tree.evicted_full_pages}/{cache.tree.evicted_swa_pages}")
 
 
-def test_decode_release_keeps_window_and_end_of_prompt_is_not_a_pseudo_hit():
+@pytest.mark.parametrize("prefill_end_checkpoint", [True, False])
+def test_decode_release_keeps_window_and_end_of_prompt_is_not_a_pseudo_hit(prefill_end_checkpoint):
     rng = np.random.default_rng(1)
     prompt = rng.integers(10, 30000, 600).astype(np.int64)
     cache, pools = _cache()
-    driver = Driver(cache, pools, W, chunk=256)
+    driver = Driver(cache, pools, W, chunk=256, checkpoint_prefill_end=prefill_end_checkpoint)
     swa_free_min = []
     driver.after_step = lambda d: swa_free_min.append(pools.allocator.swa_available_size())
     driver.run([(prompt, 700, None)])
@@ -128,17 +129,25 @@ def test_decode_release_keeps_window_and_end_of_prompt_is_not_a_pseudo_hit():
     peak_swa = pools.swa_tokens - min(swa_free_min)
     assert peak_swa < len(prompt) + 700, peak_swa
     cache.sanity_check()
-    cache.sanity_check()
     assert cache.total_size() == 1300  # prompt + outputs are cached (full KV)
-    # The prompt alone ends where its SWA was released during decode: the raw
-    # match is the whole prompt, the window-safe hit stops at the last prefill
-    # chunk boundary (512), whose SWA the tree kept from the chunk checkpoint.
     m = cache.match_prefix(MatchPrefixParams(key=_key(prompt)))
     assert m.full_kv_hit_length == 600
-    assert m.device_prefix_len == 512
-    # a request for the same prompt gets exactly that hit, and its KV is right
+    if prefill_end_checkpoint:
+        # SGLang's scheduler checkpoints the request when its prefill ends: the
+        # tree owns the prompt's SWA, decode frees only the outputs' private SWA,
+        # so the window ending at the prompt's end is still there.
+        assert m.device_prefix_len == 600
+        want = 599  # a request never hits its own last token
+    else:
+        # The prompt ends where its SWA was released during decode: the
+        # window-safe hit stops at the last prefill chunk boundary (512), whose
+        # SWA the tree kept from the chunk checkpoint.
+        assert m.device_prefix_len == 512
+        want = 512
+    # a request for the same prompt gets exactly that hit, and its KV (tags read
+    # back from SGLang's K/V buffers) is right
     stats = driver.run([(prompt, 1, None)])
-    assert stats.hits[-1] == 512
+    assert stats.hits[-1] == want
 
 
 def test_lock_survives_eviction_and_namespaces_do_not_share():
