@@ -163,9 +163,9 @@ class ReferenceModel:
         full_new, swa_new = cache.allocate(req, n)
         ids = torch.as_tensor(req.tokens[start:end] % self.vocab, dtype=torch.long)
         pos = torch.arange(start, end)
-        full_all = torch.as_tensor(cache.full_slots(req, 0, end))
+        full_all = cache.full_slots(req, 0, end)
         lo = max(0, start - self.spec.window + 1)
-        swa_win = torch.as_tensor(cache.swa_slots(req, lo, end))
+        swa_win = cache.swa_slots(req, lo, end)
         h = self.embed[ids]
         for i, kind in enumerate(self.spec.layer_kinds):
             if before_layer is not None:
@@ -173,14 +173,14 @@ class ReferenceModel:
             kb = buffers.of(kind)
             li = kb.local(i)
             q, k, v = self._qkv(i, h, pos)
-            new_slots = torch.as_tensor(full_new if kind is AttnKind.FULL else swa_new)
-            kb.k[li, new_slots] = k.to(kb.k.dtype)
-            kb.v[li, new_slots] = v.to(kb.v.dtype)
+            # through the arena's kernel-facing views: logical slot -> (block, offset)
+            kb.write(li, full_new if kind is AttnKind.FULL else swa_new, k, v)
             if kind is AttnKind.FULL:
                 slots, kpos = full_all, torch.arange(0, end)
             else:
                 slots, kpos = swa_win, torch.arange(lo, end)
-            h = h + self._attend(i, q, pos, kb.k[li, slots], kb.v[li, slots], kpos)
+            k_read, v_read = kb.read(li, slots)
+            h = h + self._attend(i, q, pos, k_read, v_read, kpos)
             h = h + self._mlp(i, h)
         cache.commit(req, n)
         return self._norm(h) @ self.lm_head

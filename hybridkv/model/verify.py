@@ -16,6 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..pools import arena_page_bytes
 from ..cache import CacheConfig, HybridKVCache
 from ..traces import TokenMaterializer, bundled_sample, load_trace
 from .reference import ReferenceModel, tiny_spec
@@ -86,7 +87,7 @@ def verify_requests(prompts: list[tuple[str, np.ndarray]], cache: HybridKVCache,
 def small_cache(spec: Any, *, full_pages: int = 150, swa_pages: int = 40, swa_checkpoint: int = 32,
                 retention: str = "eager") -> HybridKVCache:
     """A CPU-buffer cache small enough that the verify workload evicts constantly."""
-    budget = full_pages * spec.bytes_per_page("full") + swa_pages * spec.bytes_per_page("swa")
+    budget = full_pages * arena_page_bytes(spec, "full") + swa_pages * arena_page_bytes(spec, "swa")
     return HybridKVCache(spec, CacheConfig(budget_bytes=budget, full_pages=full_pages * 2, swa_pages=swa_pages * 2,
                                            device="cpu", swa_checkpoint=swa_checkpoint, retention=retention))
 

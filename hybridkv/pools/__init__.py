@@ -1,7 +1,9 @@
 """Dual Full/SWA page pools: page allocation, KV buffers, accounting."""
 
 from .allocator import PageAllocator
-from .buffers import KVBuffers, slots_of_pages
-from .dual import DualPool, PoolStats
+from .arena import ArenaLayout, KindLayout, arena_page_bytes
+from .buffers import KindBuffers, KVArena, KVBuffers, slots_of_pages
+from .dual import DualPool, PoolStats, check_device
 
-__all__ = ["DualPool", "KVBuffers", "PageAllocator", "PoolStats", "slots_of_pages"]
+__all__ = ["ArenaLayout", "DualPool", "KVArena", "KVBuffers", "KindBuffers", "KindLayout", "PageAllocator",
+           "PoolStats", "arena_page_bytes", "check_device", "slots_of_pages"]

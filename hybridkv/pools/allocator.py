@@ -40,6 +40,7 @@ class PageAllocator:
         self._free = np.empty(min(self.capacity, _INITIAL), dtype=np.int32)
         self._nfree = 0  # recycled ids live in _free[:_nfree]
         self._used = 0
+        self._scratch = np.empty(0, dtype=np.int32)  # for the O(n) repeat check
 
     # ---------------------------------------------------------------- queries
     @property
@@ -57,6 +58,10 @@ class PageAllocator:
         ok = (pages >= 0) & (pages < self._high)
         out[ok] = self._allocated[pages[ok]]
         return out
+
+    def used_ids(self) -> np.ndarray:
+        """Allocated ids (int64).  O(capacity touched)."""
+        return np.flatnonzero(self._allocated[:self._high])
 
     # -------------------------------------------------------------- mutation
     def alloc(self, n: int) -> np.ndarray | None:
@@ -94,8 +99,23 @@ class PageAllocator:
             raise ValueError(f"pages contain ids outside the allocated range of pool {self.name!r}")
         if not self._allocated[arr].all():
             raise ValueError(f"pages contain ids that are not allocated in pool {self.name!r} (double free?)")
-        if arr.size > 1 and np.unique(arr).size != arr.size:
+        if arr.size > 1 and self._has_repeats(arr):
             raise ValueError(f"pages contain repeated ids (pool {self.name!r})")
+        self.free_trusted(arr)
+
+    def _has_repeats(self, arr: np.ndarray) -> bool:
+        """O(n) duplicate check: the last write of each id wins in a scratch array."""
+        if self._scratch.size < self._high:
+            self._scratch = np.empty(self._allocated.size, dtype=np.int32)
+        order = np.arange(arr.size, dtype=np.int32)
+        self._scratch[arr] = order
+        return bool((self._scratch[arr] != order).any())
+
+    def free_trusted(self, arr: np.ndarray) -> None:
+        """:meth:`free` for internal callers that own ``arr`` (allocated, distinct
+        int32 ids): no checks.  O(n)."""
+        if arr.size == 0:
+            return
         self._allocated[arr] = False
         need = self._nfree + arr.size
         if need > self._free.size:

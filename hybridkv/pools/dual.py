@@ -11,10 +11,16 @@ Two budgeting modes:
 * **fixed split** (``full_pages`` and ``swa_pages``): each pool has its own
   capacity, as when an engine pre-allocates two tensors;
 * **shared byte budget** (``budget_bytes``): both pools draw from one byte
-  budget, so memory flows to whichever kind the retention policy needs.  On a
-  real device this is the page-major arena of vLLM's hybrid allocator (one
-  block pool, a SWA page costs ``swa_page_bytes / full_page_bytes`` blocks);
-  on the ``meta`` device it is exact accounting without memory.
+  budget, so memory flows to whichever kind the retention policy needs.
+
+With a real device the memory is ONE :class:`~hybridkv.pools.buffers.KVArena`
+in both modes: a block pool of ``budget_bytes // block_bytes`` blocks whose
+blocks back pages of either kind (vLLM's hybrid allocator); a page of a kind
+costs ``blocks_per_page * block_bytes`` (:class:`~hybridkv.pools.arena.ArenaLayout`),
+so the arena never holds more than the budget and memory moves between kinds
+one block at a time without reallocating.  On the ``meta`` device (and with
+``device=None``) there is no memory: exact accounting at the model's page
+bytes, for replays.
 
 Invariant: ``used_bytes() <= budget_bytes`` and each allocator within capacity.
 """
@@ -28,9 +34,32 @@ import torch
 
 from ..spec import AttnKind, ModelSpec
 from .allocator import PageAllocator
-from .buffers import KVBuffers
+from .arena import ArenaLayout
+from .buffers import KVArena
 
-__all__ = ["DualPool", "PoolStats"]
+__all__ = ["DualPool", "PoolStats", "check_device"]
+
+
+def check_device(device: object) -> torch.device | None:
+    """``device`` as a torch.device (None stays None); a clear error for a
+    device that does not exist here (``"gpu"``, ``"cuda"`` without CUDA)."""
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be 'meta', 'cpu' or 'cuda[:N]', got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available here "
+                             "(use device='cpu', or 'meta' for accounting only)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+    elif dev.type not in ("cpu", "meta"):
+        raise ValueError(f"device must be 'meta', 'cpu' or 'cuda[:N]', got {device!r}")
+    return dev
 
 
 @dataclass(frozen=True)
@@ -59,22 +88,31 @@ class DualPool:
 
     def __init__(self, spec: ModelSpec, *, full_pages: int | None = None,
                  swa_pages: int | None = None, budget_bytes: int | None = None,
-                 device: str | torch.device | None = "meta") -> None:
+                 device: str | torch.device | None = "meta", pin: bool = False) -> None:
         if not isinstance(spec, ModelSpec):
             raise TypeError(f"spec must be a ModelSpec, got {type(spec).__name__}")
-        self.spec = spec
-        self.full_page_bytes = spec.bytes_per_page(AttnKind.FULL)
-        self.swa_page_bytes = spec.bytes_per_page(AttnKind.SWA)
         for name, value in (("full_pages", full_pages), ("swa_pages", swa_pages),
                             ("budget_bytes", budget_bytes)):
             if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        dev = check_device(device)
+        self.spec = spec
+        real = dev is not None and dev.type != "meta"
+        self.layout: ArenaLayout | None = ArenaLayout.for_spec(spec) if real else None
+        if self.layout is not None:
+            self.full_page_bytes = self.layout.page_bytes(AttnKind.FULL)
+            self.swa_page_bytes = self.layout.page_bytes(AttnKind.SWA)
+        else:
+            self.full_page_bytes = spec.bytes_per_page(AttnKind.FULL)
+            self.swa_page_bytes = spec.bytes_per_page(AttnKind.SWA)
         if budget_bytes is None:
             if full_pages is None or swa_pages is None:
                 raise ValueError("give budget_bytes, or both full_pages and swa_pages")
             budget_bytes = full_pages * self.full_page_bytes + swa_pages * self.swa_page_bytes
+        if self.layout is not None:  # the arena holds whole blocks only
+            budget_bytes -= budget_bytes % self.layout.block_bytes
         if full_pages is None:
             full_pages = budget_bytes // self.full_page_bytes if self.full_page_bytes else 0
         if swa_pages is None:
@@ -84,9 +122,13 @@ class DualPool:
                                            + swa_pages * self.swa_page_bytes)
         self.full = PageAllocator(int(full_pages), "full")
         self.swa = PageAllocator(int(swa_pages), "swa")
-        self.buffers: KVBuffers | None = None
-        if device is not None:
-            self.buffers = KVBuffers(spec, int(full_pages), int(swa_pages), device)
+        self.buffers: KVArena | None = None
+        if dev is not None:
+            layout = self.layout or ArenaLayout.for_spec(spec)
+            blocks = self.budget_bytes // layout.block_bytes if real else 0
+            self.buffers = KVArena(spec, layout, blocks, int(full_pages) if real else 0,
+                                   int(swa_pages) if real else 0, dev, pin=pin)
+        self._arena = self.buffers if real else None
 
     # ---------------------------------------------------------------- queries
     def used_bytes(self) -> int:
@@ -117,20 +159,35 @@ class DualPool:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        return self._alloc(n_full, n_swa)
+
+    def _alloc(self, n_full: int, n_swa: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`alloc` for internal callers (ints already checked).  O(n)."""
         if not self.can_alloc(n_full, n_swa):
             return None
         full = self.full.alloc(n_full)
         swa = self.swa.alloc(n_swa)
         assert full is not None and swa is not None
+        if self._arena is not None:
+            self._arena.assign(AttnKind.FULL, full)
+            self._arena.assign(AttnKind.SWA, swa)
         return full, swa
 
     def free_full(self, pages: object) -> None:
         """Free full pages (validated; raises ValueError and frees nothing on bad ids)."""
         self.full.free(pages)
+        if self._arena is not None:
+            self._arena.release(AttnKind.FULL, np.asarray(pages, dtype=np.int64))
 
     def free_swa(self, pages: object) -> None:
         """Free SWA pages only (validated as for :meth:`free_full`)."""
         self.swa.free(pages)
+        if self._arena is not None:
+            self._arena.release(AttnKind.SWA, np.asarray(pages, dtype=np.int64))
+
+    def tensor_bytes(self) -> int:
+        """Bytes of every KV tensor this pool allocated (0 on ``meta``)."""
+        return self._arena.nbytes if self._arena is not None else 0
 
     def stats(self) -> PoolStats:
         return PoolStats(self.full.num_used, self.full.capacity, self.swa.num_used,
@@ -141,3 +198,6 @@ class DualPool:
         self.full.check_invariants()
         self.swa.check_invariants()
         assert self.used_bytes() <= self.budget_bytes, (self.used_bytes(), self.budget_bytes)
+        if self._arena is not None:
+            self._arena.check_invariants(self.full.used_ids(), self.swa.used_ids())
+            assert self._arena.nbytes <= self.budget_bytes

@@ -35,22 +35,12 @@ from collections import OrderedDict
 from typing import Iterable, Sequence
 
 import numpy as np
-import torch
 
 from ..pools import DualPool
 from ..spec import AttnKind, ModelSpec
 from .events import TierEvent, TierListener, emit
 
 __all__ = ["HostTier"]
-
-
-def _pin_buffers(pool: DualPool) -> None:
-    """Page-lock host buffers so H2D/D2H copies can be asynchronous (CUDA only)."""
-    if pool.buffers is None or pool.buffers.device.type != "cpu" or not torch.cuda.is_available():
-        return
-    for kb in (pool.buffers.full, pool.buffers.swa):
-        kb.k = kb.k.pin_memory()
-        kb.v = kb.v.pin_memory()
 
 
 class HostTier:
@@ -69,8 +59,8 @@ class HostTier:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
         self.spec = spec
-        self.pool = DualPool(spec, budget_bytes=int(budget_bytes), device=device)
-        _pin_buffers(self.pool)
+        # one arena of real host memory (pinned where CUDA exists) or accounting only
+        self.pool = DualPool(spec, budget_bytes=int(budget_bytes), device=device, pin=True)
         self._full: OrderedDict[bytes, int] = OrderedDict()
         self._swa: OrderedDict[bytes, int] = OrderedDict()       # plain SWA (evicted first)
         self._anchor: OrderedDict[bytes, int] = OrderedDict()    # tails / checkpoints (last)

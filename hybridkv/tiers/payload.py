@@ -27,7 +27,7 @@ import torch
 
 from ..pools.buffers import KVBuffers
 from ..spec import AttnKind, ModelSpec
-from ..transfer import pack_pages, unpack_pages
+from ..transfer import pack_pages, page_nbytes, unpack_pages
 
 __all__ = ["PayloadCodec", "RealPayload", "ScaledPayload", "swa_key"]
 
@@ -97,13 +97,17 @@ class RealPayload:
     def nominal_bytes(self, kind: AttnKind) -> int:
         return self.spec.bytes_per_page(kind)
 
+    def _page_bytes(self, kind: AttnKind) -> int:
+        """Bytes of one page's value: its blocks' layer slots, block after block."""
+        b = self.buffers.of(kind)
+        return page_nbytes(b.k, b.v, self.spec.page_size) * b.layout.blocks_per_page
+
     def encode(self, kind: AttnKind, keys: Sequence[bytes], host_pages: np.ndarray) -> list[bytes]:
         if len(keys) == 0:
             return []
         b = self.buffers.of(kind)
-        rows = pack_pages(b.k, b.v, torch.as_tensor(np.asarray(host_pages, dtype=np.int64)),
-                          self.spec.page_size)
-        raw = rows.contiguous().view(torch.uint8).numpy()
+        rows = pack_pages(b.k, b.v, torch.from_numpy(b.blocks(host_pages)), self.spec.page_size)
+        raw = rows.contiguous().view(torch.uint8).numpy().reshape(len(keys), -1)
         return [raw[i].tobytes() for i in range(raw.shape[0])]
 
     def decode(self, kind: AttnKind, keys: Sequence[bytes], values: Sequence[Any],
@@ -113,7 +117,7 @@ class RealPayload:
         if n == 0:
             return ok
         b = self.buffers.of(kind)
-        want = self.spec.bytes_per_page(kind)
+        want = self._page_bytes(kind)
         for i, v in enumerate(values):
             ok[i] = v is not None and memoryview(v).nbytes == want
         if not ok.any():
@@ -122,7 +126,7 @@ class RealPayload:
         staging = np.empty((good.size, want), dtype=np.uint8)
         for row, i in enumerate(good):
             staging[row] = np.frombuffer(values[i], dtype=np.uint8)
-        rows = torch.from_numpy(staging).view(b.k.dtype).reshape(good.size, -1)
-        pages = torch.as_tensor(np.asarray(host_pages, dtype=np.int64)[good])
-        unpack_pages(rows, b.k, b.v, pages, self.spec.page_size)
+        blocks = b.blocks(np.asarray(host_pages, dtype=np.int64)[good])
+        rows = torch.from_numpy(staging).view(b.k.dtype).reshape(blocks.size, -1)
+        unpack_pages(rows, b.k, b.v, torch.from_numpy(blocks), self.spec.page_size)
         return ok

@@ -389,10 +389,11 @@ class TieredCache(HybridKVCache):
         if len(src_pages) == 0:
             return
         sb, db = src.pool.buffers, dst.pool.buffers
-        if sb is None or db is None:
-            return
+        if sb is None or db is None or "meta" in (sb.device.type, db.device.type):
+            return  # accounting only: no bytes to move
         s, d = sb.of(kind), db.of(kind)
-        copy_pages(s.k, s.v, d.k, d.v, np.asarray(src_pages, np.int64), np.asarray(dst_pages, np.int64),
+        # both arenas share the model's block geometry: a page copy moves its blocks
+        copy_pages(s.k, s.v, d.k, d.v, s.blocks(src_pages), d.blocks(dst_pages),
                    self.page_size, stream=self._stream)
         if self._stream is not None:
             self._stream.synchronize()  # the tree may hand the pages out right after

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..pools import arena_page_bytes
 from ..cache import CacheConfig
 from ..model.reference import ReferenceModel, tiny_spec
 from ..model.verify import scaled_prompts, verify_requests
@@ -46,7 +47,7 @@ def run_tier_verify(trace: str | None = None, *, requests: int = 60, seed: int =
     spec = tiny_spec()
     model = ReferenceModel(spec, seed=seed)
     prompts = scaled_prompts(trace, requests)
-    fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
+    fpb, spb = arena_page_bytes(spec, "full"), arena_page_bytes(spec, "swa")
     l2_bytes = int(min(l2_gb * _GB, 4000 * (fpb + spb)))
     l1 = CacheConfig(budget_bytes=150 * fpb + 40 * spb, full_pages=300, swa_pages=80, device="cpu",
                      swa_checkpoint=32)

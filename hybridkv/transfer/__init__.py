@@ -5,11 +5,12 @@ See docs/transfer.md for the buffer and staging layouts.
 """
 
 from .api import copy_pages, pack_pages, page_nbytes, unpack_pages
-from .layerwise import LayerJob, LayerwiseLoader, PageCopy, model_layer_jobs
+from .layerwise import LayerJob, LayerwiseLoader, PageCopy, arena_layer_jobs, model_layer_jobs
 
 __all__ = [
     "LayerJob",
     "LayerwiseLoader",
+    "arena_layer_jobs",
     "PageCopy",
     "copy_pages",
     "model_layer_jobs",

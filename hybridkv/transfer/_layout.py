@@ -11,6 +11,11 @@ The KV buffer layout (fixed, shared with the pools) is, per attention kind::
     v: [num_layers, num_slots, num_kv_heads, v_head_dim]
     num_slots = num_pages * page_size;  slot of (page p, offset o) = p * page_size + o
 
+or *paged* (the arena's views, :mod:`hybridkv.pools.buffers`), where pages
+may be any distance apart::
+
+    k: [num_layers, num_pages, page_size, num_kv_heads, k_head_dim]
+
 The staging layout used by pack/unpack (the L3 value of one page) is
 page-major: row ``i`` of a ``[n, page_elems]`` tensor holds K of all layers
 (``[num_layers, page_size, heads, k_dim]``) followed by V of all layers
@@ -43,6 +48,7 @@ class KVGeometry:
     v_dim: int
     dtype: torch.dtype
     device: torch.device
+    paged: int = 0  # page size of a 5-D paged view (0: 4-D slot layout)
 
     def num_pages(self, page_size: int) -> int:
         return self.num_slots // page_size
@@ -102,9 +108,10 @@ def check_page_size(page_size: object) -> int:
 
 def _check_inner_contiguous(t: torch.Tensor, name: str) -> None:
     # Pages are contiguous runs only if slots/heads/dim are dense; the layer
-    # stride may be anything (a view of a subset of layers is fine).
-    _, _, h, d = t.shape
-    if t.numel() and (t.stride(3) != 1 or t.stride(2) != d or t.stride(1) != h * d):
+    # stride (and a paged view's page stride) may be anything.
+    h, d = t.shape[-2], t.shape[-1]
+    st = t.stride()
+    if t.numel() and (st[-1] != 1 or st[-2] != d or st[-3] != h * d):
         raise ValueError(
             f"{name} must be contiguous in its last three dims "
             f"(strides {tuple(t.stride())}, shape {tuple(t.shape)})"
@@ -117,25 +124,30 @@ def check_kv(k: object, v: object, prefix: str) -> KVGeometry:
     for t, n in ((k, kn), (v, vn)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
+        if t.dim() not in (4, 5):
             raise ValueError(
-                f"{n} must be 4-D [layers, slots, heads, dim], got shape {tuple(t.shape)}"
+                f"{n} must be 4-D [layers, slots, heads, dim] or 5-D [layers, pages, page_size, "
+                f"heads, dim], got shape {tuple(t.shape)}"
             )
     assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    if k.dim() != v.dim():
+        raise ValueError(f"{vn} has {v.dim()} dims but {kn} has {k.dim()}")
     if k.dtype != v.dtype:
         raise TypeError(f"{vn} dtype {v.dtype} differs from {kn} dtype {k.dtype}")
     if k.device != v.device:
         raise ValueError(f"{vn} device {v.device} differs from {kn} device {k.device}")
-    if k.shape[:3] != v.shape[:3]:
+    if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(
             f"{vn} shape {tuple(v.shape)} must match {kn} shape {tuple(k.shape)} "
             "in layers, slots and heads"
         )
     _check_inner_contiguous(k, kn)
     _check_inner_contiguous(v, vn)
+    paged = int(k.shape[2]) if k.dim() == 5 else 0
+    slots = int(k.shape[1]) * paged if paged else int(k.shape[1])
     return KVGeometry(
-        int(k.shape[0]), int(k.shape[1]), int(k.shape[2]), int(k.shape[3]),
-        int(v.shape[3]), k.dtype, k.device,
+        int(k.shape[0]), slots, int(k.shape[-2]), int(k.shape[-1]),
+        int(v.shape[-1]), k.dtype, k.device, paged,
     )
 
 
@@ -150,6 +162,8 @@ def check_same_kind(src: KVGeometry, dst: KVGeometry) -> None:
 
 
 def check_slots(geom: KVGeometry, page_size: int, name: str) -> int:
+    if geom.paged and geom.paged != page_size:
+        raise ValueError(f"{name} is paged with {geom.paged} tokens per page, not page_size {page_size}")
     if geom.num_slots % page_size:
         raise ValueError(
             f"{name} has {geom.num_slots} slots, not a multiple of page_size {page_size}"
@@ -279,12 +293,13 @@ def check_no_alias(
 
 def buffer_side(k: torch.Tensor, v: torch.Tensor, page_size: int, limit: int) -> Side:
     es = k.element_size()
-    run_k = page_size * k.shape[2] * k.shape[3] * es
-    run_v = page_size * v.shape[2] * v.shape[3] * es
+    run_k = page_size * k.shape[-2] * k.shape[-1] * es
+    run_v = page_size * v.shape[-2] * v.shape[-1] * es
+    paged = k.dim() == 5
     return Side(
         base=(k.data_ptr(), v.data_ptr()),
         layer_stride=(k.stride(0) * es, v.stride(0) * es),
-        page_stride=(run_k, run_v),
+        page_stride=(k.stride(1) * es, v.stride(1) * es) if paged else (run_k, run_v),
         limit=limit,
     )
 

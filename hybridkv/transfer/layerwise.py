@@ -25,8 +25,9 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ._layout import MaskLike, PageIndex
@@ -95,6 +96,32 @@ def model_layer_jobs(
         if have != count:
             raise ValueError(f"buffers[{kind!r}] hold {have} layers but layer_kinds "
                              f"lists {count} {kind!r} layers")
+    return jobs
+
+
+def arena_layer_jobs(layer_kinds: Sequence[str], src: Any, dst: Any,
+                     pages: Mapping[str, tuple[PageIndex, PageIndex]]) -> list[LayerJob]:
+    """:func:`model_layer_jobs` between two KV arenas (:class:`~hybridkv.pools.KVArena`
+    of the same model, e.g. the host tier and the device cache).
+
+    ``pages[kind] = (src_pages, dst_pages)`` are *logical* pages of each arena;
+    layer ``i`` of a kind copies its layer slot of the blocks of its group
+    (``arena.of(kind).block_table(pages, group)``), so a layer's load touches
+    only that layer's bytes.  O(layers * pages).
+    """
+    seen: dict[str, int] = {}
+    jobs = []
+    page_size = src.spec.page_size
+    for i, kind in enumerate(layer_kinds):
+        if kind not in pages:
+            raise ValueError(f"layer_kinds[{i}] is {kind!r}, which has no pages entry")
+        j = seen.get(kind, 0)
+        seen[kind] = j + 1
+        s, d = src.of(kind), dst.of(kind)
+        group, slot = s.layout.group_of(j)
+        sp, dp = (np.asarray(p, dtype=np.int64) for p in pages[kind])
+        jobs.append(LayerJob(i, (PageCopy(s.k, s.v, d.k, d.v, s.block_table(sp, group).astype(np.int64),
+                                          d.block_table(dp, group).astype(np.int64), page_size, slot),)))
     return jobs
 
 

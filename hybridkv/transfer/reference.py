@@ -18,6 +18,8 @@ import torch
 
 def _paged(t: torch.Tensor, page_size: int) -> torch.Tensor:
     """View ``[L, slots, H, D]`` as ``[L, pages, page_size*H*D]`` (no copy)."""
+    if t.dim() == 5:  # already paged (an arena view): pages may be strided
+        return t.view(t.shape[0], t.shape[1], -1)
     layers, slots, heads, dim = t.shape
     return t.view(layers, slots // page_size, page_size * heads * dim)
 
@@ -59,7 +61,7 @@ def ref_pack_pages(
     n, layers = idx.numel(), k.shape[0]
     if n == 0:
         return
-    k_elems = layers * page_size * k.shape[2] * k.shape[3]
+    k_elems = layers * page_size * k.shape[-2] * k.shape[-1]
     out_k = out[:, :k_elems].view(n, layers, -1)
     out_v = out[:, k_elems:].view(n, layers, -1)
     for src, o in ((k, out_k), (v, out_v)):
@@ -78,7 +80,7 @@ def ref_unpack_pages(
     n, layers = idx.numel(), k.shape[0]
     if n == 0:
         return
-    k_elems = layers * page_size * k.shape[2] * k.shape[3]
+    k_elems = layers * page_size * k.shape[-2] * k.shape[-1]
     st_k = staging[:, :k_elems].view(n, layers, -1)
     st_v = staging[:, k_elems:].view(n, layers, -1)
     for dst, s in ((k, st_k), (v, st_v)):

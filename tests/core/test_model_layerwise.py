@@ -14,7 +14,7 @@ import numpy as np
 from hybridkv import CacheConfig, HybridKVCache
 from hybridkv.model import ReferenceModel, tiny_spec
 from hybridkv.transfer import copy_pages
-from hybridkv.transfer.layerwise import LayerwiseLoader, model_layer_jobs
+from hybridkv.transfer.layerwise import LayerwiseLoader, arena_layer_jobs
 
 
 def test_layerwise_prefix_load_feeds_the_model():
@@ -41,10 +41,8 @@ def test_layerwise_prefix_load_feeds_the_model():
     src_swa, dst_swa = m.swa_pages[n - wp:n], req.swa_pages[n - wp:n].copy()
     dev.commit(req, hit)  # out-of-window SWA (never loaded) is released, not cached
     hb, db = host.pool.buffers, dev.pool.buffers
-    jobs = model_layer_jobs(
-        [k.value for k in spec.layer_kinds],
-        {"full": (hb.full.k, hb.full.v, db.full.k, db.full.v), "swa": (hb.swa.k, hb.swa.v, db.swa.k, db.swa.v)},
-        {"full": (src_full, dst_full), "swa": (src_swa, dst_swa)}, spec.page_size)
+    jobs = arena_layer_jobs([k.value for k in spec.layer_kinds], hb, db,
+                            {"full": (src_full, dst_full), "swa": (src_swa, dst_swa)})
 
     def slow_copy(*args, **kwargs):
         time.sleep(0.02)

@@ -77,8 +77,12 @@ def test_dual_pool_shared_budget():
 def test_buffers_layout_and_slots():
     pool = DualPool(SPEC, full_pages=3, swa_pages=2, device="cpu")
     b = pool.buffers
-    assert b.full.k.shape == (1, 12, 2, 6) and b.full.v.shape == (1, 12, 2, 4)
-    assert b.swa.k.shape == (2, 8, 3, 6) and b.swa.v.dtype == torch.float32
+    # blocks of 480 B: one SWA layer slot (4 tok x 3 heads x (6 + 4) x 4 B) or one full layer slot (320 B)
+    assert b.layout.block_bytes == 480
+    assert b.layout.full.blocks_per_page == 1 and b.layout.swa.blocks_per_page == 2
+    assert b.num_blocks == 3 * 1 + 2 * 2 and b.storage.untyped_storage().nbytes() == 7 * 480
+    assert b.full.k.shape == (1, 7, 4, 2, 6) and b.full.v.shape == (1, 7, 4, 2, 4)
+    assert b.swa.k.shape == (1, 7, 4, 3, 6) and b.swa.v.dtype == torch.float32
     assert b.swa.local(2) == 1
     with pytest.raises(ValueError, match="layer 0"):
         b.swa.local(0)

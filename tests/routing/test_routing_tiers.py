@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from routing_helpers import serve
 
+from hybridkv.pools import arena_page_bytes
 from hybridkv import CacheConfig, ModelSpec
 from hybridkv.radix import window_safe_pages
 from hybridkv.radix.node import NO_PAGE
@@ -17,7 +18,7 @@ from hybridkv.tiers.tiered import TierConfig, TieredCache
 from hybridkv.tiers.verify import flush_l2
 
 SPEC = ModelSpec.preset("mimo-v2.5", page_size=16)
-FPB, SPB = SPEC.bytes_per_page("full"), SPEC.bytes_per_page("swa")
+FPB, SPB = arena_page_bytes(SPEC, "full"), arena_page_bytes(SPEC, "swa")
 
 
 def _safe_tokens(full_ok: np.ndarray, swa_ok: np.ndarray) -> int:

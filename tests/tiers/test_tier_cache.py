@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridkv.pools import arena_page_bytes
 from hybridkv import AttnKind, CacheConfig, ModelSpec
 from hybridkv.spec import KVShape
 from hybridkv.tiers.payload import swa_key
@@ -19,7 +20,7 @@ from hybridkv.tiers.tiered import TierConfig, TieredCache
 
 SPEC = ModelSpec("tiny-tier", ("full", "swa", "swa"), 8, KVShape(1, 4, 4), KVShape(2, 4, 4),
                  dtype="float32", page_size=4)
-FPB, SPB = SPEC.bytes_per_page("full"), SPEC.bytes_per_page("swa")
+FPB, SPB = arena_page_bytes(SPEC, "full"), arena_page_bytes(SPEC, "swa")
 W = SPEC.window
 
 
@@ -33,6 +34,21 @@ def values(tokens: np.ndarray) -> np.ndarray:
     return out
 
 
+def write_all(kb: Any, slots: np.ndarray, vals: np.ndarray) -> None:
+    """Every layer of one kind: K and V of token ``slots[i]`` all equal ``vals[i]``."""
+    lay = kb.layout
+    t = torch.tensor(vals, dtype=kb.k.dtype)
+    for li in range(lay.num_layers):
+        kb.write(li, slots, t[:, None, None].expand(len(vals), lay.heads, lay.k_dim),
+                 t[:, None, None].expand(len(vals), lay.heads, lay.v_dim))
+
+
+def read_means(kb: Any, slots: np.ndarray, which: int) -> np.ndarray:
+    """``[layers, n]`` mean of K (``which`` 0) or V (1) of each token slot, per layer."""
+    return np.stack([kb.read(li, slots)[which].mean(dim=(1, 2)).numpy()
+                     for li in range(kb.layout.num_layers)])
+
+
 def run(cache: TieredCache, tokens: np.ndarray, ns: str = "default") -> dict[str, Any]:
     """Drive one prompt; check that every hit position reads the right KV."""
     req = cache.begin(tokens, ns)
@@ -41,15 +57,14 @@ def run(cache: TieredCache, tokens: np.ndarray, ns: str = "default") -> dict[str
     buf = cache.pool.buffers
     if h:
         fs = cache.full_slots(req, 0, h)
-        assert np.array_equal(buf.full.k[:, fs].mean(dim=(2, 3)).numpy(), np.tile(v[:h], (1, 1))), "full KV"
+        assert np.array_equal(read_means(buf.full, fs, 0), np.tile(v[:h], (1, 1))), "full KV"
         ss = cache.swa_slots(req, max(0, h - W), h)
-        got = buf.swa.v[:, ss].mean(dim=(2, 3)).numpy()
-        assert np.array_equal(got, np.tile(-v[max(0, h - W):h], (2, 1))), "SWA KV"
+        assert np.array_equal(read_means(buf.swa, ss, 1), np.tile(-v[max(0, h - W):h], (2, 1))), "SWA KV"
     n = len(tokens) - req.computed
     full, swa = cache.allocate(req, n)
     new = v[req.computed:req.computed + n]
-    buf.full.k[:, full] = torch.tensor(new, dtype=buf.full.k.dtype)[None, :, None, None]
-    buf.swa.v[:, swa] = torch.tensor(-new, dtype=buf.swa.v.dtype)[None, :, None, None]
+    write_all(buf.full, full, new)
+    write_all(buf.swa, swa, -new)
     cache.commit(req, n)
     tiers = dict(req.extra["tiers"])
     cache.finish(req)

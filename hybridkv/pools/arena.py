@@ -1,0 +1,118 @@
+"""Arena geometry: how pages of both attention kinds share one block pool.
+
+One device tier holds ONE tensor of ``num_blocks * block_bytes`` bytes.  A
+*block* is the unit of memory; any free block can back a page of either kind,
+so memory flows between full and SWA pages one block at a time and the
+tensors never exceed the budget (this is vLLM's hybrid allocator: one block
+pool, each kind's layers view the same storage).
+
+Inside a block, layers of one kind sit side by side, each as ``K[page_size,
+heads, k_dim]`` followed by ``V[page_size, heads, v_dim]`` (one *layer slot*
+of ``layer_bytes``).  A block holds ``layers_per_block`` layer slots of the
+kind that owns it, so a page of a kind with ``L`` layers needs
+``blocks_per_page = ceil(L / layers_per_block)`` blocks: *group* ``j`` of the
+page holds the kind's layers ``[j * g, (j + 1) * g)``.
+
+The block size is chosen from the model alone (not the budget), among
+multiples of each kind's layer slot, to waste the least memory on unused
+layer slots for one page of each kind, then to use the fewest blocks per
+page.  MiMo-V2.5-Pro (10 full layers with 4 KV heads, 60 SWA layers with 8):
+blocks of 1,638,400 bytes, a full page is 1 block of 10 layers, a SWA page
+12 blocks of 5 layers, nothing wasted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..spec import AttnKind, ModelSpec
+
+__all__ = ["ArenaLayout", "KindLayout", "arena_page_bytes"]
+
+# Candidates whose waste is within this of the best are equal; fewer blocks win.
+_WASTE_SLACK = 0.005
+
+
+@dataclass(frozen=True)
+class KindLayout:
+    """Geometry of one attention kind inside the arena's blocks.
+
+    Attributes:
+        kind: the attention kind.
+        num_layers: model layers of this kind (0: the model has none).
+        heads, k_dim, v_dim: KV shape per token.
+        k_bytes / layer_bytes: bytes of K of one layer for one page / of K+V.
+        layers_per_block: layer slots of this kind in one block (``g``).
+        blocks_per_page: blocks of one page (``ceil(num_layers / g)``).
+    """
+
+    kind: AttnKind
+    num_layers: int
+    heads: int
+    k_dim: int
+    v_dim: int
+    k_bytes: int
+    layer_bytes: int
+    layers_per_block: int
+    blocks_per_page: int
+
+    def group_of(self, local_layer: int) -> tuple[int, int]:
+        """``(group, slot)`` of the kind's ``local_layer``: which block of a page
+        and which layer slot inside it.  O(1)."""
+        return divmod(local_layer, self.layers_per_block)
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """Block size and per-kind geometry for one model (see module docstring)."""
+
+    page_size: int
+    block_bytes: int
+    full: KindLayout
+    swa: KindLayout
+
+    def of(self, kind: AttnKind | str) -> KindLayout:
+        return self.full if AttnKind(kind) is AttnKind.FULL else self.swa
+
+    def page_bytes(self, kind: AttnKind | str) -> int:
+        """Bytes one page of ``kind`` takes from the arena (its blocks)."""
+        return self.of(kind).blocks_per_page * self.block_bytes
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec) -> "ArenaLayout":
+        """Choose the block size for ``spec``.  O(layers^2), cached by callers."""
+        p, item = spec.page_size, spec.dtype_bytes
+        geo = {}
+        for kind in (AttnKind.FULL, AttnKind.SWA):
+            shape = spec.shape(kind)
+            k_bytes = p * shape.num_kv_heads * shape.k_head_dim * item
+            v_bytes = p * shape.num_kv_heads * shape.v_head_dim * item
+            geo[kind] = (len(spec.layers(kind)), shape, k_bytes, k_bytes + v_bytes)
+        present = [k for k in geo if geo[k][0] > 0]
+        slot_max = max(geo[k][3] for k in present)
+        payload = sum(geo[k][0] * geo[k][3] for k in present)
+        candidates = sorted({m * geo[k][3] for k in present for m in range(1, geo[k][0] + 1)
+                             if m * geo[k][3] >= slot_max})
+        best: tuple[float, int, int] | None = None
+        scored = []
+        for b in candidates:
+            blocks = sum(math.ceil(geo[k][0] / (b // geo[k][3])) for k in present)
+            waste = blocks * b / payload - 1.0
+            scored.append((waste, blocks, b))
+        least = min(w for w, _, _ in scored)
+        best = min((s for s in scored if s[0] <= least + _WASTE_SLACK), key=lambda s: (s[1], s[0]))
+        block = best[2]
+        kinds = {}
+        for kind, (n, shape, kb, lb) in geo.items():
+            g = block // lb if n else 0
+            kinds[kind] = KindLayout(kind, n, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
+                                     kb, lb, g, math.ceil(n / g) if n else 0)
+        return cls(p, block, kinds[AttnKind.FULL], kinds[AttnKind.SWA])
+
+
+def arena_page_bytes(spec: ModelSpec, kind: AttnKind | str) -> int:
+    """Bytes a page of ``kind`` costs in a real arena for ``spec`` (>= the model's
+    ``bytes_per_page``: a block may leave layer slots unused).  Size budgets of
+    caches with ``device="cpu"``/``"cuda"`` with it."""
+    return ArenaLayout.for_spec(spec).page_bytes(kind)
