@@ -22,6 +22,7 @@ page-aligned window-safe ``L`` not exceeding the token match.
 from __future__ import annotations
 
 import heapq
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
@@ -34,6 +35,7 @@ __all__ = ["TreeConfig", "TreeEvent", "WindowSafeTree", "MatchResult", "LockHand
            "PagePool", "as_token_array"]
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_logger = logging.getLogger("hybridkv.radix")
 
 
 class PagePool(Protocol):
@@ -180,9 +182,13 @@ class WindowSafeTree:
         self.evicted_full_pages = 0
         self.evicted_swa_pages = 0
         self.listeners: list[Callable[[TreeEvent], None]] = []
+        self.listener_errors = 0  # listener exceptions caught (logged; the tree stays consistent)
 
     def _emit(self, kind: str, node: TreeNode) -> None:
-        """Tell listeners about ``node``'s pages (only built when someone listens)."""
+        """Tell listeners about ``node``'s pages (only built when someone listens).
+
+        A listener that raises is logged and counted (``listener_errors``), never
+        propagated: callers emit mid-update, and the update must complete."""
         parts = []
         n: TreeNode | None = node
         while n is not None and n.parent is not None:
@@ -191,8 +197,15 @@ class WindowSafeTree:
         tokens = np.concatenate(parts[::-1]) if parts else _EMPTY
         event = TreeEvent(kind, node.namespace, node.start, node.start + len(node.key), tokens,
                           node.swa >= 0)
-        for listener in self.listeners:
-            listener(event)
+        for listener in list(self.listeners):
+            try:
+                listener(event)
+            except Exception as exc:  # noqa: BLE001 - a listener must not leave the tree half-updated
+                self.listener_errors += 1
+                if self.listener_errors & (self.listener_errors - 1) == 0:  # 1st, 2nd, 4th, ... failure
+                    _logger.warning("tree event listener %r failed on %s (%s: %s); event dropped for it "
+                                    "(%d listener failures so far)", listener, kind, type(exc).__name__, exc,
+                                    self.listener_errors)
 
     # ================================================================ helpers
     def _now(self) -> int:

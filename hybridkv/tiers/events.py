@@ -11,10 +11,13 @@ listens.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["TIER_EVENT_KINDS", "TierEvent", "TierListener", "emit"]
+__all__ = ["TIER_EVENT_KINDS", "TierEvent", "TierListener", "emit", "listener_errors"]
+
+_logger = logging.getLogger("hybridkv.tiers")
 
 #: ``store``: full KV of the pages entered the tier (``swa_valid`` says whether
 #: the tier also holds their SWA); ``remove``: full KV left (the tier's SWA of
@@ -43,8 +46,27 @@ class TierEvent:
 TierListener = Callable[[TierEvent], None]
 
 
+_errors = [0]
+
+
+def listener_errors() -> int:
+    """Tier listener exceptions caught by :func:`emit` in this process so far."""
+    return _errors[0]
+
+
 def emit(listeners: list[TierListener], event: TierEvent) -> None:
-    """Call every listener with ``event`` (nothing when ``event.keys`` is empty)."""
+    """Call every listener with ``event`` (nothing when ``event.keys`` is empty).
+
+    A listener that raises is logged and counted (:func:`listener_errors`),
+    never propagated: the tier calling ``emit`` is mid-update and must finish.
+    """
     if event.keys:
         for listener in list(listeners):
-            listener(event)
+            try:
+                listener(event)
+            except Exception as exc:  # noqa: BLE001 - listeners cannot corrupt a tier
+                _errors[0] += 1
+                if _errors[0] & (_errors[0] - 1) == 0:  # 1st, 2nd, 4th, ... failure
+                    _logger.warning("tier event listener %r failed on %s %s (%s: %s); event dropped for it "
+                                    "(%d listener failures so far)", listener, event.tier, event.kind,
+                                    type(exc).__name__, exc, _errors[0])

@@ -298,8 +298,12 @@ class TieredCache(HybridKVCache):
         ok_s = np.zeros(si.size, dtype=bool)
         if got is not None:
             pf, ps = got
-            ok_f = self.codec.decode(AttnKind.FULL, fkeys, values[:fi.size], pf)
-            ok_s = self.codec.decode(AttnKind.SWA, sk, values[fi.size:], ps)
+            try:
+                ok_f = np.asarray(self.codec.decode(AttnKind.FULL, fkeys, values[:fi.size], pf), dtype=bool)
+                ok_s = np.asarray(self.codec.decode(AttnKind.SWA, sk, values[fi.size:], ps), dtype=bool)
+            except BaseException:
+                self.host.free(pf, ps)  # nothing was indexed yet: the host pages go back
+                raise
             self.host.insert_full([k for k, o in zip(fkeys, ok_f) if o], pf[ok_f])
             self.host.insert_swa([k for k, o in zip(sk, ok_s) if o], ps[ok_s], np.ones(int(ok_s.sum()), bool),
                                  [keys[int(i)] for i in si[ok_s]])
@@ -347,16 +351,27 @@ class TieredCache(HybridKVCache):
                 self.tier_counters["l1_load_failed"] += 1
                 return
             nf, ns = got
-            self._copy(AttnKind.FULL, self.host, h_full[fi], self, nf)
-            self._copy(AttnKind.SWA, self.host, h_swa[si], self, ns)
-            full_ids = np.concatenate([l1_full[:min(n1, L)], nf]).astype(np.int32)
-            swa_ids = np.full(L, NO_PAGE, dtype=np.int32)
-            swa_ids[si] = ns
-            for p, i in zip(nf.tolist(), fi.tolist()):
-                self._l1_full_key[p] = keys[i]
-            for p, i in zip(ns.tolist(), si.tolist()):
-                self._l1_swa_key[p] = (keys[i], True)
-            self.tree.insert(tokens[:L * self.page_size], full_ids, swa_ids, namespace)
+            try:
+                self._copy(AttnKind.FULL, self.host, h_full[fi], self, nf)
+                self._copy(AttnKind.SWA, self.host, h_swa[si], self, ns)
+                full_ids = np.concatenate([l1_full[:min(n1, L)], nf]).astype(np.int32)
+                swa_ids = np.full(L, NO_PAGE, dtype=np.int32)
+                swa_ids[si] = ns
+                for p, i in zip(nf.tolist(), fi.tolist()):
+                    self._l1_full_key[p] = keys[i]
+                for p, i in zip(ns.tolist(), si.tolist()):
+                    self._l1_swa_key[p] = (keys[i], True)
+                # insert raises only before it takes ownership (bad input), so on any
+                # exception above the new L1 pages are still ours to give back
+                self.tree.insert(tokens[:L * self.page_size], full_ids, swa_ids, namespace)
+            except BaseException:
+                for p in nf.tolist():
+                    self._l1_full_key.pop(p, None)
+                for p in ns.tolist():
+                    self._l1_swa_key.pop(p, None)
+                self.pool.free_full(nf)  # the raw pool: these pages hold nothing worth a backup
+                self.pool.free_swa(ns)
+                raise
             c = self.tier_counters
             c["l2_to_l1_full_pages"] += fi.size
             c["l2_to_l1_swa_pages"] += si.size
@@ -518,7 +533,11 @@ class TieredCache(HybridKVCache):
             self.tier_counters["l2_store_failed"] += n
             return
         hp = got[0] if kind is AttnKind.FULL else got[1]
-        self._copy(kind, self, l1_pages, self.host, hp)
+        try:
+            self._copy(kind, self, l1_pages, self.host, hp)
+        except BaseException:
+            self.host.free(hp if kind is AttnKind.FULL else _EMPTY, hp if kind is AttnKind.SWA else _EMPTY)
+            raise
         if kind is AttnKind.FULL:
             self.host.insert_full(keys, hp)
         else:
