@@ -29,10 +29,16 @@ class TreeNode:
         lock: requests holding this node's full KV (path lock: a lock on a
             node also counts on all its ancestors, so ``parent.lock >= lock``).
         swa_valid: number of pages with ``swa >= 0`` (kept in sync).
+        anchor: int32 per page: how many anchor windows (tail, branch point,
+            checkpoint; see :class:`~hybridkv.radix.policy.RetentionPolicy`)
+            cover the page; its SWA is evicted last when > 0.
+        ends: 1 while a tail or branch-point window ending at this node is
+            counted in ``anchor`` (of this node and, if it spans, its ancestors).
+        seg: eviction segment (:class:`~hybridkv.radix.policy.AdaptiveRanking`).
     """
 
     __slots__ = ("key", "full", "swa", "children", "parent", "start", "last_access",
-                 "lock", "swa_valid", "nid", "namespace")
+                 "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "seg")
 
     def __init__(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
                  parent: "TreeNode | None", start: int, namespace: str, tick: int) -> None:
@@ -47,6 +53,9 @@ class TreeNode:
         self.swa_valid = int(np.count_nonzero(swa >= 0))
         self.nid = next(_ids)
         self.namespace = namespace
+        self.anchor = np.zeros(len(full), dtype=np.int32)
+        self.ends = 0
+        self.seg = 1
 
     @property
     def n_pages(self) -> int:

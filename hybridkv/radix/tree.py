@@ -30,6 +30,7 @@ import numpy as np
 
 from .._validate import as_int_array, as_token_array
 from .node import NO_PAGE, TreeNode, window_safe_pages
+from .policy import AdaptiveRanking, RetentionPolicy
 
 __all__ = ["TreeConfig", "TreeEvent", "WindowSafeTree", "MatchResult", "LockHandle", "InsertResult",
            "PagePool", "as_token_array"]
@@ -171,7 +172,11 @@ class WindowSafeTree:
         self._roots: dict[str, TreeNode] = {}
         self._tick = 0
         self._pins = np.zeros(1024, dtype=np.int32)  # SWA page id -> pin count
-        self._leaf_heap: list[tuple[int, int, TreeNode]] = []
+        self.policy = RetentionPolicy(config.page_size, config.window, config.swa_checkpoint,
+                                      config.anchor_branch_points)
+        self.ranking = AdaptiveRanking()
+        self._leaf_heap: list[tuple[int, int, TreeNode]] = []     # leaves of the RECENT segment
+        self._reused_heap: list[tuple[int, int, TreeNode]] = []   # leaves of the REUSED segment
         self._swa_heap: list[tuple[int, int, TreeNode]] = []      # unanchored SWA first
         self._anchor_heap: list[tuple[int, int, TreeNode]] = []   # then tails/checkpoints
         self.num_nodes = 0
@@ -184,8 +189,8 @@ class WindowSafeTree:
         self.listeners: list[Callable[[TreeEvent], None]] = []
         self.listener_errors = 0  # listener exceptions caught (logged; the tree stays consistent)
 
-    def _emit(self, kind: str, node: TreeNode) -> None:
-        """Tell listeners about ``node``'s pages (only built when someone listens).
+    def _emit(self, kind: str, node: TreeNode, lo: int = 0, hi: int | None = None) -> None:
+        """Tell listeners about ``node``'s pages ``[lo, hi)`` (only built when someone listens).
 
         A listener that raises is logged and counted (``listener_errors``), never
         propagated: callers emit mid-update, and the update must complete."""
@@ -195,8 +200,10 @@ class WindowSafeTree:
             parts.append(n.key)
             n = n.parent
         tokens = np.concatenate(parts[::-1]) if parts else _EMPTY
-        event = TreeEvent(kind, node.namespace, node.start, node.start + len(node.key), tokens,
-                          node.swa >= 0)
+        hi = node.n_pages if hi is None else hi
+        end = node.start + hi * self.page_size
+        event = TreeEvent(kind, node.namespace, node.start + lo * self.page_size, end, tokens[:end],
+                          node.swa[lo:hi] >= 0)
         for listener in list(self.listeners):
             try:
                 listener(event)
@@ -302,6 +309,10 @@ class WindowSafeTree:
             swa_parts.append(n.swa[:take])
             node = n
             left -= take
+        if touch:
+            pos = raw_pages * self.page_size
+            if pos + self.page_size <= len(key):  # did a ghost of an evicted leaf start here?
+                self.ranking.on_miss(self._ghost_key(namespace, pos, key[pos:pos + self.page_size]))
         if touch and path:
             now = self._now()
             for n, _ in path:
@@ -314,20 +325,57 @@ class WindowSafeTree:
         return MatchResult(safe * self.page_size, raw_pages * self.page_size, full, swa, node)
 
     def _touch(self, node: TreeNode, now: int) -> None:
-        # Recency only: heap entries are refreshed lazily when popped (see _pop).
+        # Recency: heap entries are refreshed lazily when popped (see _fresh).  A node
+        # used again by a later request moves to the REUSED segment.
         node.last_access = now
+        if node.seg == AdaptiveRanking.RECENT:
+            node.seg = AdaptiveRanking.REUSED
+            self.ranking.pages[AdaptiveRanking.RECENT] -= node.n_pages
+            self.ranking.pages[AdaptiveRanking.REUSED] += node.n_pages
+            if not node.children and node.lock == 0:
+                heapq.heappush(self._reused_heap, (now, node.nid, node))
+
+    @staticmethod
+    def _ghost_key(namespace: str, pos: int, page: np.ndarray) -> int:
+        """Name of the page at token ``pos`` (a statistic: collisions only mis-steer adaptation)."""
+        return hash((namespace, pos, page.tobytes()))
+
+    # ================================================================ anchors
+    def _anchor_window(self, node: TreeNode, delta: int) -> None:
+        """Add ``delta`` to the anchor count of the ``window_pages`` pages ending at ``node``."""
+        need = self.policy.window_pages
+        n: TreeNode | None = node
+        while need > 0 and n is not None and n.parent is not None:
+            take = min(need, n.n_pages)
+            n.anchor[n.n_pages - take:] += delta
+            need -= take
+            n = n.parent
+
+    def _wants_end_anchor(self, node: TreeNode) -> int:
+        """1 if a window ending at ``node`` is an anchor: a leaf's tail or a branch point."""
+        k = len(node.children)
+        return int(k == 0 or (k > 1 and self.policy.branch_points))
+
+    def _reanchor(self, node: TreeNode) -> None:
+        """Bring ``node``'s end anchor in line with its children (after they changed).  O(window)."""
+        if node.parent is None or not node.alive:
+            return
+        want = self._wants_end_anchor(node)
+        if want != node.ends:
+            self._anchor_window(node, want - node.ends)
+            node.ends = want
 
     def _enqueue(self, node: TreeNode, leaf: bool = True, swa: bool = True) -> None:
         """Make sure ``node`` has heap entries after a state change that can make
         it evictable (new leaf, unlocked, lost a child, gained SWA)."""
         entry = (node.last_access, node.nid, node)
         if leaf and not node.children and node.lock == 0:
-            heapq.heappush(self._leaf_heap, entry)
+            heapq.heappush(self._leaf_heap if node.seg == AdaptiveRanking.RECENT else self._reused_heap, entry)
         if swa and node.swa_valid and self.config.swa_eviction != "none":
             heapq.heappush(self._swa_heap, entry)
             if self.config.swa_eviction == "page":
                 heapq.heappush(self._anchor_heap, entry)
-        if max(len(self._swa_heap), len(self._leaf_heap)) > 4 * self.num_nodes + 4096:
+        if max(len(self._swa_heap), len(self._leaf_heap) + len(self._reused_heap)) > 4 * self.num_nodes + 4096:
             self._rebuild_heaps()
 
     @staticmethod
@@ -340,16 +388,18 @@ class WindowSafeTree:
         return False
 
     def _rebuild_heaps(self) -> None:
-        leaves, swa = [], []
+        leaves, reused, swa = [], [], []
         for node in self.iter_nodes():
             entry = (node.last_access, node.nid, node)
             if not node.children and node.lock == 0:
-                leaves.append(entry)
+                (leaves if node.seg == AdaptiveRanking.RECENT else reused).append(entry)
             if node.swa_valid:
                 swa.append(entry)
         heapq.heapify(leaves)
+        heapq.heapify(reused)
         heapq.heapify(swa)
         self._leaf_heap = leaves
+        self._reused_heap = reused
         self._swa_heap = swa
         self._anchor_heap = list(swa) if self.config.swa_eviction == "page" else []
 
@@ -363,6 +413,9 @@ class WindowSafeTree:
         upper = TreeNode(node.key[:cut], node.full[:pages], node.swa[:pages], parent,
                          node.start, node.namespace, node.last_access)
         upper.lock = node.lock
+        upper.seg = node.seg
+        upper.anchor = node.anchor[:pages].copy()  # per-page counts: windows stay where they were
+        node.anchor = node.anchor[pages:].copy()
         node.key = node.key[cut:]
         node.full = node.full[pages:]
         node.swa = node.swa[pages:]
@@ -466,6 +519,11 @@ class WindowSafeTree:
             self.num_nodes += 1
             self.full_pages_cached += new_pages
             self.swa_pages_cached += leaf.swa_valid
+            self.ranking.pages[leaf.seg] += new_pages
+            if self.policy.checkpoint_pages:
+                leaf.anchor += self.policy.checkpoint_mask(pi, n)
+            self._reanchor(node)
+            self._reanchor(leaf)
             self._enqueue(leaf)
             if node is not root:
                 self._enqueue(node, leaf=False)  # its tail is no longer a leaf tail
@@ -570,10 +628,14 @@ class WindowSafeTree:
         """Free at least ``full_pages`` full pages, ``swa_pages`` SWA pages and
         ``nbytes`` bytes (weighted by page bytes), as far as unlocked data allows.
 
-        Order: SWA that ends no hit (not a tail, checkpoint or branch window),
-        LRU first; then whole leaves, LRU; then the remaining unpinned SWA.
-        Locked full KV and pinned SWA are never touched.  Returns the pages
-        freed ``(full, swa)``.  Runtime: O(k log n) for k nodes visited.
+        Order: SWA that ends no likely hit (no anchor covers it), LRU first;
+        then leaves, chosen by :class:`~hybridkv.radix.policy.AdaptiveRanking`
+        and *trimmed* back to their last hittable window when that frees
+        enough (else removed whole); then anchored SWA.  When SWA cannot be
+        evicted on its own (``swa_eviction="none"``/``"node"`` with pins),
+        leaves are evicted for it.  Locked full KV and pinned SWA are never
+        touched.  Returns the pages freed ``(full, swa)``.
+        Runtime: O(k log n) for k nodes visited.
         """
         for name, value in (("full_pages", full_pages), ("swa_pages", swa_pages), ("nbytes", nbytes)):
             if not isinstance(value, (int, np.integer)) or value < 0:
@@ -583,22 +645,24 @@ class WindowSafeTree:
         nf = ns = 0
         fb, sb = self.full_page_bytes, self.swa_page_bytes
         while True:
-            short_full = nf < full_pages
-            short_swa = ns < swa_pages
-            short_bytes = nf * fb + ns * sb < nbytes
-            if not (short_full or short_swa or short_bytes):
+            short_full = full_pages - nf
+            short_swa = swa_pages - ns
+            short_bytes = nbytes - (nf * fb + ns * sb)
+            if short_full <= 0 and short_swa <= 0 and short_bytes <= 0:
                 break
             got = (0, 0)
-            if short_full:
-                got = self._evict_leaf(freed_f, freed_s)
-            elif short_swa:
+            if short_full > 0:
+                got = self._evict_leaf(freed_f, freed_s, short_full)
+            elif short_swa > 0:
                 got = self._evict_swa(freed_s, anchored=False)
                 if got == (0, 0):
                     got = self._evict_swa(freed_s, anchored=True)
+                if got == (0, 0):
+                    got = self._evict_leaf(freed_f, freed_s, None)
             else:
                 got = self._evict_swa(freed_s, anchored=False)
                 if got == (0, 0):
-                    got = self._evict_leaf(freed_f, freed_s)
+                    got = self._evict_leaf(freed_f, freed_s, -(-short_bytes // fb))
                 if got == (0, 0):
                     got = self._evict_swa(freed_s, anchored=True)
             if got == (0, 0):
@@ -613,32 +677,79 @@ class WindowSafeTree:
         self.evicted_swa_pages += ns
         return nf, ns
 
-    def _evict_leaf(self, freed_f: list, freed_s: list) -> tuple[int, int]:
-        heap = self._leaf_heap
-        while heap:
-            t, _, node = heapq.heappop(heap)
-            if not node.alive or node.children or node.lock or node.parent is None:
-                continue
-            if not self._fresh(heap, t, node):
-                continue
-            parent = node.parent
-            freed_f.append(node.full)
-            swa = node.swa[node.swa >= 0]
-            if swa.size:
-                freed_s.append(swa)
-            del parent.children[node.key[:self.page_size].tobytes()]
-            self.full_pages_cached -= node.n_pages
-            self.swa_pages_cached -= node.swa_valid
-            self.num_nodes -= 1
-            got = (node.n_pages, int(swa.size))
-            if self.listeners:
-                self._emit("remove", node)
-            node.key = None  # type: ignore[assignment]
-            node.parent = None
-            if parent.parent is not None:
-                self._enqueue(parent)  # may be a leaf now; its tail became a leaf tail
-            return got
-        return 0, 0
+    def _pop_leaf(self) -> TreeNode | None:
+        """The next evictable leaf by the ranking (RECENT or REUSED segment, LRU within)."""
+        ranking = self.ranking
+        first = ranking.evict_from(bool(self._leaf_heap), bool(self._reused_heap))
+        for seg in (first, AdaptiveRanking.REUSED if first == AdaptiveRanking.RECENT else AdaptiveRanking.RECENT):
+            heap = self._leaf_heap if seg == AdaptiveRanking.RECENT else self._reused_heap
+            while heap:
+                t, _, node = heapq.heappop(heap)
+                if (not node.alive or node.children or node.lock or node.parent is None
+                        or node.seg != seg):
+                    continue
+                if not self._fresh(heap, t, node):
+                    continue
+                return node
+        return None
+
+    def _trim_point(self, node: TreeNode, want: int | None) -> int:
+        """Pages of leaf ``node`` to keep: the longest prefix that frees >= ``want``
+        pages and still ends at a held SWA window (a hit can end there); 0 = none."""
+        wp = self.policy.window_pages
+        n = node.n_pages
+        if want is None or want >= n or n <= wp:
+            return 0
+        valid = (node.swa >= 0).astype(np.int32)
+        c = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(valid, out=c[1:])
+        q = np.arange(wp, n - want + 1)
+        good = q[c[q] - c[q - wp] == wp]
+        return int(good[-1]) if good.size else 0
+
+    def _evict_leaf(self, freed_f: list, freed_s: list, want: int | None) -> tuple[int, int]:
+        node = self._pop_leaf()
+        if node is None:
+            return 0, 0
+        keep = self._trim_point(node, want)
+        size = self.page_size
+        parent = node.parent
+        assert parent is not None
+        if node.ends:
+            self._anchor_window(node, -1)
+            node.ends = 0
+        gone_full = node.full[keep:]
+        swa = node.swa[keep:]
+        swa = swa[swa >= 0]
+        freed_f.append(gone_full)
+        if swa.size:
+            freed_s.append(swa)
+        gone = node.n_pages - keep
+        self.full_pages_cached -= gone
+        self.swa_pages_cached -= int(swa.size)
+        self.ranking.pages[node.seg] -= gone
+        pos = node.start + keep * size
+        self.ranking.remember(node.seg, self._ghost_key(node.namespace, pos, node.key[keep * size:(keep + 1) * size]),
+                              gone)
+        if self.listeners:
+            self._emit("remove", node, keep)
+        if keep:  # trimmed: still a leaf, its tail window now ends at the new end
+            node.key = node.key[:keep * size]
+            node.full = node.full[:keep]
+            node.swa = node.swa[:keep]
+            node.anchor = node.anchor[:keep].copy()
+            node.swa_valid -= int(swa.size)
+            self._reanchor(node)
+            self._enqueue(node, swa=False)
+            return gone, int(swa.size)
+        del parent.children[node.key[:size].tobytes()]
+        self.num_nodes -= 1
+        node.key = None  # type: ignore[assignment]
+        node.parent = None
+        if parent.parent is not None:
+            self._reanchor(parent)
+            self._enqueue(parent)  # may be a leaf now; its tail became a leaf tail
+        return gone, int(swa.size)
 
     def _evict_swa(self, freed_s: list, anchored: bool) -> tuple[int, int]:
         mode = self.config.swa_eviction
@@ -658,7 +769,7 @@ class WindowSafeTree:
             else:
                 drop = valid & ~pinned
                 if not anchored:
-                    drop &= ~self._anchored(node)
+                    drop &= node.anchor == 0
             count = int(drop.sum())
             if count == 0:
                 continue
@@ -672,24 +783,9 @@ class WindowSafeTree:
             return 0, count
         return 0, 0
 
-    def _anchored(self, node: TreeNode) -> np.ndarray:
-        """Pages of ``node`` whose SWA ends a likely hit: tail, checkpoint, branch window."""
-        n = node.n_pages
-        wp = self.config.window_pages
-        out = np.zeros(n, dtype=bool)
-        kp = self.config.checkpoint_pages
-        if kp:
-            absolute = np.arange(node.start // self.page_size, node.start // self.page_size + n)
-            out |= (absolute % kp) >= kp - wp if wp < kp else True
-        tail = 0
-        if not node.children or (self.config.anchor_branch_points and len(node.children) > 1):
-            tail = wp
-        for child in node.children.values():
-            if not child.children and child.n_pages < wp:
-                tail = max(tail, wp - child.n_pages)
-        if tail:
-            out[max(0, n - tail):] = True
-        return out
+    def anchored(self, node: TreeNode) -> np.ndarray:
+        """bool per page of ``node``: its SWA ends a likely hit (anchor count > 0).  O(pages)."""
+        return node.anchor > 0
 
     # ============================================================= inspection
     def iter_nodes(self, namespace: str | None = None) -> Iterator[TreeNode]:
@@ -703,6 +799,28 @@ class WindowSafeTree:
 
     def cached_tokens(self) -> int:
         return self.full_pages_cached * self.page_size
+
+    def _check_anchors(self) -> None:
+        """Anchor counts equal checkpoints + one window per tail / branch point; segment sizes."""
+        expect: dict[int, np.ndarray] = {}
+        nodes = list(self.iter_nodes())
+        pages = {AdaptiveRanking.RECENT: 0, AdaptiveRanking.REUSED: 0}
+        for node in nodes:
+            lo = node.start // self.page_size
+            expect[node.nid] = self.policy.checkpoint_mask(lo, lo + node.n_pages).astype(np.int32)
+            pages[node.seg] += node.n_pages
+        for node in nodes:
+            want = self._wants_end_anchor(node)
+            assert node.ends == want, (node, node.ends, want)
+            need, n = (self.policy.window_pages if want else 0), node
+            while need > 0 and n is not None and n.parent is not None:
+                take = min(need, n.n_pages)
+                expect[n.nid][n.n_pages - take:] += 1
+                need -= take
+                n = n.parent
+        for node in nodes:
+            assert np.array_equal(node.anchor, expect[node.nid]), (node, node.anchor, expect[node.nid])
+        assert pages == self.ranking.pages, (pages, self.ranking.pages)
 
     def check_invariants(self) -> None:
         """Verify every invariant listed in the module docstring.  O(n)."""
@@ -736,6 +854,7 @@ class WindowSafeTree:
                 full_seen.append(node.full)
                 swa_seen.append(node.swa[valid])
         assert n_nodes == self.num_nodes, (n_nodes, self.num_nodes)
+        self._check_anchors()
         assert swa_valid == self.swa_pages_cached
         assert prot_full == self.protected_full_pages, (prot_full, self.protected_full_pages)
         full = np.concatenate(full_seen) if full_seen else _EMPTY
