@@ -162,8 +162,8 @@ class AdaptiveRanking:
         for seg, other in ((self.RECENT, self.REUSED), (self.REUSED, self.RECENT)):
             n = self._ghosts[seg].pop(key, 0)
             if n:
-                self._ghost_pages[seg] -= n
                 ratio = max(1.0, self._ghost_pages[other] / max(1, self._ghost_pages[seg]))
+                self._ghost_pages[seg] -= n
                 step = n * ratio
                 cap = float(self.capacity())
                 self.target = min(cap, self.target + step) if seg == self.RECENT else max(0.0, self.target - step)
