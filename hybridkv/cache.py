@@ -11,10 +11,20 @@ Lifecycle of one request::
         cache.append_tokens(req, [tok]); cache.allocate(req, 1); ...; cache.commit(req, 1)
     cache.finish(req)                               # insert into the tree, unlock
 
+An engine's scheduler drives a whole batch per step instead (one call each,
+per-request failures reported, see :class:`StepBatch`)::
+
+    batch = cache.step(running, new_tokens=sampled)  # append + allocate both kinds
+    ...attention over batch.full_slots / batch.swa_slots, page tables...
+    cache.commit_step(batch)
+
 Ownership: pages ``[0, req.tree_pages)`` belong to the tree (locked by the
 request); pages after that belong to the request until :meth:`finish`.  The
 request's SWA view holds a page id only where the request may read it: the
 pinned window of its cached prefix and its own unreleased pages.
+
+Validation happens once, at the public methods; internal calls (``_reserve``,
+``_append``, the tree's ``_match``/``_insert``) trust their callers.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -32,14 +42,25 @@ from .radix import LockHandle, MatchResult, TreeConfig, WindowSafeTree
 from .radix.node import NO_PAGE
 from .spec import ModelSpec
 
-__all__ = ["CacheConfig", "CacheFullError", "HybridKVCache", "Request"]
+__all__ = ["CacheConfig", "CacheFullError", "HybridKVCache", "Request", "StepBatch"]
 
 _RETENTION = ("adaptive", "eager", "dense", "none")
 _rids = itertools.count()
+_EMPTY64 = np.zeros(0, dtype=np.int64)
 
 
 class CacheFullError(RuntimeError):
     """Not enough free or evictable memory; the request's state is unchanged."""
+
+
+def _count(value: object, name: str, minimum: int = 1) -> int:
+    """An int argument (bools rejected) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {value}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -47,10 +68,13 @@ class CacheConfig:
     """Cache policy and budget.
 
     Attributes:
-        budget_bytes: shared byte budget of both pools (see :class:`DualPool`).
+        budget_bytes: shared byte budget of both pools (see :class:`DualPool`);
+            with a real device the KV arena is exactly this big (rounded down
+            to whole blocks).
         full_pages / swa_pages: fixed pool capacities (instead of, or as caps
             under, ``budget_bytes``).
-        device: device of the KV buffers (``"meta"``: accounting only).
+        device: device of the KV arena (``"meta"``: accounting only, ``"cpu"``,
+            ``"cuda[:N]"``).
         swa_checkpoint: K tokens between SWA retention checkpoints (0 = off).
         retention: what happens to SWA pages that fall out of a live request's
             window: ``"adaptive"`` keeps them while the budget has spare room
@@ -78,32 +102,93 @@ class CacheConfig:
             raise ValueError(f"retention must be one of {_RETENTION}, got {self.retention!r}")
         if not 0.0 <= float(self.spare_fraction) < 1.0:
             raise ValueError(f"spare_fraction must be in [0, 1), got {self.spare_fraction}")
-        if not isinstance(self.decode_release_interval, int) or self.decode_release_interval < 1:
+        if (not isinstance(self.decode_release_interval, int) or isinstance(self.decode_release_interval, bool)
+                or self.decode_release_interval < 1):
             raise ValueError(f"decode_release_interval must be an int >= 1, got {self.decode_release_interval!r}")
+        for name in ("full_pages", "swa_pages"):
+            value = getattr(self, name)
+            if value is not None:
+                _count(value, name, minimum=1)
+        if self.budget_bytes is not None:
+            _count(self.budget_bytes, "budget_bytes", minimum=1)
+
+
+class Request:
+    """A live request: its tokens, pages and lock.  Mutated only by the cache.
+
+    ``tokens`` is a read-only view of the first ``n_tokens`` entries of a
+    buffer that doubles when full, so decode appends are amortised O(1).
+    ``allocated`` is the end of the slots handed out (``commit`` may not pass it).
+    """
+
+    __slots__ = ("rid", "namespace", "_tok", "n_tokens", "prefix_len", "raw_match_len", "full_pages",
+                 "swa_pages", "tree_pages", "handle", "computed", "n_pages", "allocated", "last_release",
+                 "release_mark", "finished", "extra", "__weakref__")
+
+    def __init__(self, rid: Any, namespace: str, tokens: np.ndarray, prefix_len: int, raw_match_len: int,
+                 full_pages: np.ndarray, swa_pages: np.ndarray, tree_pages: int, handle: LockHandle,
+                 computed: int = 0, n_pages: int = 0, last_release: int = 0) -> None:
+        self.rid = rid
+        self.namespace = namespace
+        self._tok = tokens
+        self.n_tokens = len(tokens)
+        self.prefix_len = prefix_len
+        self.raw_match_len = raw_match_len
+        self.full_pages = full_pages
+        self.swa_pages = swa_pages
+        self.tree_pages = tree_pages
+        self.handle = handle
+        self.computed = computed
+        self.n_pages = n_pages
+        self.allocated = computed
+        self.last_release = last_release
+        self.release_mark = tree_pages  # pages below this were already scanned for release
+        self.finished = False
+        self.extra: dict = {}
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The request's tokens (prompt + appended), a read-only int32 view."""
+        view = self._tok[:self.n_tokens]
+        view.flags.writeable = False
+        return view
+
+    def __repr__(self) -> str:
+        return (f"Request(rid={self.rid!r}, namespace={self.namespace!r}, n_tokens={self.n_tokens}, "
+                f"prefix_len={self.prefix_len}, computed={self.computed}, n_pages={self.n_pages}, "
+                f"finished={self.finished})")
 
 
 @dataclass
-class Request:
-    """A live request: its tokens, pages and lock.  Mutated only by the cache."""
+class StepBatch:
+    """What :meth:`HybridKVCache.step` handed out for one engine step.
 
-    rid: Any
-    namespace: str
-    tokens: np.ndarray
-    prefix_len: int
-    raw_match_len: int
-    full_pages: np.ndarray
-    swa_pages: np.ndarray
-    tree_pages: int
-    handle: LockHandle
-    computed: int = 0
-    n_pages: int = 0
-    last_release: int = 0
-    finished: bool = False
-    extra: dict = field(default_factory=dict)
+    Row ``i`` is ``requests[i]``.  ``ok[i]`` is False where that request got
+    nothing (``errors[i]`` says why: :class:`CacheFullError` or a ``ValueError``
+    for a bad row); such a request is exactly as before the call.  For ok rows
+    positions ``[start[i], start[i] + num_new[i])`` now have slots:
+    ``full_slots[cu_new[i]:cu_new[i + 1]]`` / ``swa_slots[...]`` (logical
+    int64 token slots, ``page * page_size + offset``; map them to the arena's
+    blocks with ``cache.pool.buffers.of(kind).physical_slots``), and
+    ``seq_lens[i] = start[i] + num_new[i]`` is the KV length attention reads.
+    Pages added this step (for engines that keep block tables incrementally):
+    row ``new_rows[j]``'s page ``new_index[j]`` is ``new_full[j]`` / ``new_swa[j]``.
+    """
 
-    @property
-    def n_tokens(self) -> int:
-        return len(self.tokens)
+    requests: list
+    ok: np.ndarray
+    errors: dict
+    start: np.ndarray
+    num_new: np.ndarray
+    cu_new: np.ndarray
+    full_slots: np.ndarray
+    swa_slots: np.ndarray
+    seq_lens: np.ndarray
+    new_rows: np.ndarray
+    new_index: np.ndarray
+    new_full: np.ndarray
+    new_swa: np.ndarray
+    committed: bool = field(default=False)
 
 
 class HybridKVCache:
@@ -125,10 +210,15 @@ class HybridKVCache:
         self.page_size = spec.page_size
         self.pool = DualPool(spec, full_pages=config.full_pages, swa_pages=config.swa_pages,
                              budget_bytes=config.budget_bytes, device=config.device)
-        min_bytes = self.pool.swa_page_bytes * spec.window_pages + self.pool.full_page_bytes * spec.window_pages
-        if self.pool.budget_bytes < min_bytes or self.pool.swa.capacity < spec.window_pages:
-            raise ValueError(f"budget of {self.pool.budget_bytes} bytes cannot hold one {spec.window}-token "
-                             f"window (needs >= {min_bytes} bytes)")
+        wp = spec.window_pages
+        pool = self.pool
+        min_bytes = (pool.swa_page_bytes + pool.full_page_bytes) * (wp + 1)
+        if pool.budget_bytes < min_bytes or pool.swa.capacity < wp + 1 or pool.full.capacity < wp + 1:
+            raise ValueError(
+                f"the cache can hold {pool.full.capacity} full and {pool.swa.capacity} SWA pages "
+                f"({pool.budget_bytes} bytes); one request needs at least {wp + 1} of each "
+                f"(a {spec.window}-token window plus a page: {min_bytes} bytes at "
+                f"{pool.full_page_bytes} + {pool.swa_page_bytes} bytes per full + SWA page)")
         self.tree = WindowSafeTree(
             TreeConfig(spec.page_size, spec.window, config.swa_checkpoint, config.swa_eviction,
                        config.anchor_branch_points),
@@ -142,7 +232,8 @@ class HybridKVCache:
     def match(self, tokens: object, namespace: str = "default") -> MatchResult:
         """Peek: window-safe hit for ``tokens`` without locking or touching LRU."""
         tokens = as_token_array(tokens)
-        return self.tree.match(tokens, namespace, max_len=max(0, len(tokens) - 1), touch=False)
+        self._check_namespace(namespace)
+        return self.tree._match(tokens, namespace, max(0, len(tokens) - 1), False, False)
 
     def begin(self, tokens: object, namespace: str = "default", rid: Any = None) -> Request:
         """Start a request: match its prompt, lock the hit.
@@ -153,6 +244,10 @@ class HybridKVCache:
         tokens = as_token_array(tokens)
         if len(tokens) == 0:
             raise ValueError("tokens must not be empty")
+        self._check_namespace(namespace)
+        return self._begin(tokens, namespace, rid)
+
+    def _begin(self, tokens: np.ndarray, namespace: str, rid: Any) -> Request:
         t0 = time.perf_counter()
         m = self.tree._match(tokens, namespace, len(tokens) - 1, True, True)
         self.last_match_us = (time.perf_counter() - t0) * 1e6
@@ -164,22 +259,34 @@ class HybridKVCache:
         w = handle.swa_pages.size
         if w:
             swa[n - w:n] = handle.swa_pages
-        req = Request(rid if rid is not None else next(_rids), namespace, tokens, m.length,
-                      m.raw_length, full, swa, n, handle, computed=m.length, n_pages=n,
-                      last_release=m.length)
+        buf = np.empty(len(tokens) + max(16, len(tokens) // 8), dtype=np.int32)
+        buf[:len(tokens)] = tokens  # the request owns its tokens; decode appends in place
+        req = Request(rid if rid is not None else next(_rids), namespace, buf[:len(tokens)], m.length,
+                      m.raw_length, full, swa, n, handle, computed=m.length, n_pages=n, last_release=m.length)
+        req._tok = buf
         self._live[id(req)] = req
-        self.counters["requests"] += 1
-        self.counters["hit_tokens"] += m.length
-        self.counters["raw_match_tokens"] += m.raw_length
-        self.counters["input_tokens"] += len(tokens)
+        c = self.counters
+        c["requests"] += 1
+        c["hit_tokens"] += m.length
+        c["raw_match_tokens"] += m.raw_length
+        c["input_tokens"] += len(tokens)
         return req
 
     # ============================================================ allocation
     def append_tokens(self, req: Request, tokens: object) -> None:
-        """Append generated tokens to ``req`` (decode).  O(n) amortised."""
+        """Append generated tokens to ``req`` (decode).  Amortised O(len(tokens))."""
         self._check_live(req)
-        new = as_token_array(tokens)
-        req.tokens = np.concatenate([req.tokens, new])
+        self._append(req, as_token_array(tokens))
+
+    @staticmethod
+    def _append(req: Request, new: np.ndarray) -> None:
+        n, m = req.n_tokens, len(new)
+        if n + m > req._tok.size:
+            grown = np.empty(max(2 * req._tok.size, n + m), dtype=np.int32)
+            grown[:n] = req._tok[:n]
+            req._tok = grown
+        req._tok[n:n + m] = new
+        req.n_tokens = n + m
 
     def allocate(self, req: Request, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Slots for positions ``[req.computed, req.computed + n)``.
@@ -188,35 +295,44 @@ class HybridKVCache:
         ``(full_slots, swa_slots)`` int64 arrays of length ``n``.  Raises
         :class:`CacheFullError` (request unchanged) when memory cannot be found.
         """
-        self.reserve(req, n)
+        self._check_reserve(req, n)
+        self._reserve(req, n)
         end = req.computed + n
-        return self.full_slots(req, req.computed, end), self.swa_slots(req, req.computed, end)
+        return self._full_slots(req, req.computed, end), self._swa_slots(req, req.computed, end)
 
     def reserve(self, req: Request, n: int) -> None:
         """:meth:`allocate` without computing slots (schedulers that only account)."""
+        self._check_reserve(req, n)
+        self._reserve(req, n)
+
+    def _check_reserve(self, req: Request, n: object) -> None:
         self._check_live(req)
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n must be a positive int, got {n!r}")
+        n = _count(n, "n")
+        if req.computed + n > req.n_tokens:
+            raise ValueError(f"n={n} goes past the request's {req.n_tokens} tokens "
+                             f"({req.computed} computed; append_tokens first)")
+
+    def _reserve(self, req: Request, n: int) -> None:
         end = req.computed + n
-        if end > req.n_tokens:
-            raise ValueError(f"n={n} goes past the request's {req.n_tokens} tokens (append_tokens first)")
         need = -(-end // self.page_size) - req.n_pages
         if need > 0:
             self._grow(req, need)
+        if end > req.allocated:
+            req.allocated = end
 
     def _grow(self, req: Request, need: int) -> None:
-        got = self.pool.alloc(need, need)
+        got = self.pool._alloc(need, need)
         if got is None:
             short = self.pool.shortfall(need, need)
             self.tree.evict(short[0], short[1], short[2])
-            got = self.pool.alloc(need, need)
+            got = self.pool._alloc(need, need)
         if got is None and self.config.retention == "adaptive":
             # SWA that live requests kept while memory was spare is the cheapest to give back
             for live in self._live.values():
                 self._release(live, force=True)
             short = self.pool.shortfall(need, need)
             self.tree.evict(short[0], short[1], short[2])
-            got = self.pool.alloc(need, need)
+            got = self.pool._alloc(need, need)
         if got is None:
             self.counters["rejected"] += 1
             raise CacheFullError(f"cannot allocate {need} pages in both pools "
@@ -234,17 +350,26 @@ class HybridKVCache:
     def commit(self, req: Request, n: int, *, release: bool | None = None) -> None:
         """Mark ``n`` more tokens as computed (their KV is written).
 
+        ``n`` may not pass what :meth:`allocate`/:meth:`reserve` handed out.
         Releases out-of-window SWA when ``release`` is true, or by default when
         this is a chunk (``n > 1``) or ``decode_release_interval`` tokens passed.
         """
         self._check_live(req)
-        if not isinstance(n, (int, np.integer)) or n < 1 or req.computed + n > req.n_pages * self.page_size:
-            raise ValueError(f"n={n!r} must be >= 1 and within the allocated slots")
+        n = _count(n, "n")
+        if req.computed + n > req.allocated:
+            raise ValueError(f"commit of n={n} passes the allocated slots: {req.computed} computed, "
+                             f"slots handed out up to {req.allocated}")
+        if release is not None and not isinstance(release, (bool, np.bool_)):
+            raise TypeError(f"release must be a bool or None, got {type(release).__name__}")
+        self._commit(req, n, release)
+
+    def _commit(self, req: Request, n: int, release: bool | None) -> None:
         req.computed += n
         if release is None:
             release = n > 1 or req.computed - req.last_release >= self.config.decode_release_interval
         if release:
-            self.release_out_of_window(req)
+            req.last_release = req.computed
+            self._release(req, force=False)
 
     def release_out_of_window(self, req: Request) -> int:
         """Free the request's own SWA pages wholly before ``computed - W``.
@@ -263,17 +388,16 @@ class HybridKVCache:
         if (policy == "adaptive" and not force
                 and self.pool.free_bytes() > self.config.spare_fraction * self.pool.budget_bytes):
             return 0
-        cut = max(0, (req.computed - self.spec.window) // self.page_size)
-        lo = req.tree_pages
+        # The tree's RetentionPolicy decides what survives; only pages added since the
+        # last release are scanned (``release_mark``): O(new pages) per release.
+        retain = self.tree.policy
+        cut = retain.release_cut(req.computed)
+        lo = max(req.release_mark, req.tree_pages)
         if cut <= lo:
             return 0
+        req.release_mark = cut
         seg = req.swa_pages[lo:cut]
-        drop = seg >= 0
-        kp = self.tree.config.checkpoint_pages
-        if kp:
-            wp = self.tree.config.window_pages
-            absolute = np.arange(lo, cut)
-            drop &= (absolute % kp) < kp - wp if wp < kp else False
+        drop = (seg >= 0) & retain.releasable(lo, cut, req.raw_match_len, req.prefix_len)
         count = int(drop.sum())
         if count:
             self.pool.free_swa(seg[drop])
@@ -284,18 +408,29 @@ class HybridKVCache:
     # ================================================================ finish
     def finish(self, req: Request, cache: bool = True) -> int:
         """End ``req``: insert its computed page-aligned prefix (if ``cache``),
-        unlock, and free what the tree did not take.  Returns new cached pages."""
+        unlock, and free what the tree did not take.  Returns new cached pages.
+
+        The insert starts at the node the request locked (its cached prefix),
+        not at the root.  O(depth + new pages).
+        """
         self._check_live(req)
-        aligned = req.computed // self.page_size if cache else 0
-        aligned = max(aligned, req.tree_pages) if cache else req.tree_pages
+        if not isinstance(cache, (bool, np.bool_)):
+            raise TypeError(f"cache must be a bool, got {type(cache).__name__}")
+        return self._finish(req, bool(cache))
+
+    def _finish(self, req: Request, cache: bool) -> int:
+        P = self.page_size
+        aligned = max(req.computed // P, req.tree_pages) if cache else req.tree_pages
         new_pages = 0
         if cache and aligned > req.tree_pages:
-            res = self.tree.insert(req.tokens[:aligned * self.page_size], req.full_pages[:aligned],
-                                   req.swa_pages[:aligned], req.namespace)
+            start = req.handle.node
+            if start is not None and (not start.alive or start.start + len(start.key) != req.tree_pages * P):
+                start = None  # cannot happen while locked; the root walk is always right
+            res = self.tree._insert(req._tok[:aligned * P], req.full_pages[:aligned], req.swa_pages[:aligned],
+                                    req.namespace, start=start)
             new_pages = res.new_pages
-        lo = aligned
-        rest_full = req.full_pages[lo:req.n_pages]
-        rest_swa = req.swa_pages[lo:req.n_pages]
+        rest_full = req.full_pages[aligned:req.n_pages]
+        rest_swa = req.swa_pages[aligned:req.n_pages]
         if rest_full.size:
             self.pool.free_full(rest_full)
         rest_swa = rest_swa[rest_swa >= 0]
@@ -310,11 +445,210 @@ class HybridKVCache:
         """End ``req`` without caching anything it computed."""
         self.finish(req, cache=False)
 
+    # ============================================================ batch step
+    def step(self, requests: Sequence[Request], new_tokens: object = None,
+             num_new: object = None) -> StepBatch:
+        """Append, allocate and hand out slots for a whole batch in one call.
+
+        Args:
+            requests: the running requests of this engine step.
+            new_tokens: tokens to append first (decode: the token each request
+                sampled last step).  A 1-D int array with one entry per request
+                (a negative entry appends nothing), or a sequence whose entries
+                are None, an int or a 1-D int array.
+            num_new: positions to compute this step per request (int or 1-D
+                array); default: every token not computed yet (1 in decode).
+
+        Returns a :class:`StepBatch`.  A request that cannot get its pages
+        (:class:`CacheFullError`) or whose row is invalid is reported in
+        ``ok``/``errors`` and left exactly as it was; the others are allocated.
+        Decode (one new position per request) costs O(1) Python work per
+        request plus O(pages) where a page fills up.
+        """
+        reqs = list(requests) if not isinstance(requests, list) else requests
+        B = len(reqs)
+        toks = self._step_tokens(new_tokens, B)
+        counts = self._step_counts(num_new, B)
+        P = self.page_size
+        live = self._live
+        ok = np.ones(B, dtype=bool)
+        errors: dict[int, Exception] = {}
+        starts = [0] * B
+        nums = [0] * B
+        fs: list = []
+        ss: list = []
+        multi = False
+        grew: list[tuple[int, int, int]] = []
+        for i, req in enumerate(reqs):
+            if live.get(id(req)) is not req:
+                ok[i] = False
+                errors[i] = ValueError(f"requests[{i}] is not live in this cache")
+                continue
+            appended = 0
+            t = toks[i] if toks is not None else None
+            if t is not None:
+                if type(t) is int:
+                    n = req.n_tokens
+                    if n == req._tok.size:
+                        self._append(req, np.array([t], dtype=np.int32))
+                    else:
+                        req._tok[n] = t
+                        req.n_tokens = n + 1
+                    appended = 1
+                else:
+                    self._append(req, t)
+                    appended = len(t)
+            start = req.computed
+            k = counts[i] if counts is not None else req.n_tokens - start
+            end = start + k
+            if k < 1 or end > req.n_tokens:
+                req.n_tokens -= appended
+                ok[i] = False
+                errors[i] = ValueError(f"requests[{i}]: num_new={k} must be >= 1 and within its "
+                                       f"{req.n_tokens + appended} tokens ({start} computed)")
+                continue
+            if end > req.n_pages * P:
+                before = req.n_pages
+                try:
+                    self._grow(req, -(-end // P) - before)
+                except CacheFullError as exc:
+                    req.n_tokens -= appended
+                    ok[i] = False
+                    errors[i] = exc
+                    continue
+                grew.append((i, before, req.n_pages))
+            if end > req.allocated:
+                req.allocated = end
+            starts[i] = start
+            nums[i] = k
+            if k == 1:
+                pg = start // P
+                off = start - pg * P
+                fs.append(int(req.full_pages[pg]) * P + off)
+                ss.append(int(req.swa_pages[pg]) * P + off)
+            else:
+                multi = True
+                fs.append(self._full_slots(req, start, end))
+                ss.append(self._swa_slots(req, start, end))
+        return self._step_batch(reqs, ok, errors, starts, nums, fs, ss, multi, grew)
+
+    @staticmethod
+    def _step_tokens(new_tokens: object, B: int) -> list | None:
+        if new_tokens is None:
+            return None
+        if isinstance(new_tokens, np.ndarray) or (hasattr(new_tokens, "numpy") and hasattr(new_tokens, "cpu")):
+            arr = new_tokens if isinstance(new_tokens, np.ndarray) else new_tokens.cpu().numpy()  # type: ignore[union-attr]
+            if arr.ndim != 1 or len(arr) != B:
+                raise ValueError(f"new_tokens must be 1-D with one entry per request ({B}), got shape {arr.shape}")
+            if arr.size and not np.issubdtype(arr.dtype, np.integer):
+                raise TypeError(f"new_tokens must hold integers, got dtype {arr.dtype}")
+            if arr.size and arr.max() > np.iinfo(np.int32).max:
+                raise ValueError("new_tokens holds ids >= 2**31")
+            return [t if t >= 0 else None for t in arr.tolist()]
+        if not isinstance(new_tokens, (list, tuple)):
+            raise TypeError(f"new_tokens must be an int array or a sequence, got {type(new_tokens).__name__}")
+        if len(new_tokens) != B:
+            raise ValueError(f"new_tokens has {len(new_tokens)} entries for {B} requests")
+        out: list = []
+        for i, t in enumerate(new_tokens):
+            if t is None:
+                out.append(None)
+            elif isinstance(t, (int, np.integer)) and not isinstance(t, bool):
+                if not 0 <= t < 2**31:
+                    raise ValueError(f"new_tokens[{i}] must be a token id in [0, 2**31), got {t}")
+                out.append(int(t))
+            else:
+                arr = as_token_array(t, f"new_tokens[{i}]")
+                out.append(arr if len(arr) else None)
+        return out
+
+    @staticmethod
+    def _step_counts(num_new: object, B: int) -> list | None:
+        if num_new is None:
+            return None
+        if isinstance(num_new, (int, np.integer)) and not isinstance(num_new, bool):
+            return [int(num_new)] * B
+        arr = np.asarray(num_new)
+        if arr.ndim != 1 or len(arr) != B or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise ValueError(f"num_new must be an int or a 1-D int array with {B} entries")
+        return arr.tolist()
+
+    def _step_batch(self, reqs: list, ok: np.ndarray, errors: dict, starts: list, nums: list, fs: list,
+                    ss: list, multi: bool, grew: list) -> StepBatch:
+        start = np.array(starts, dtype=np.int64)
+        num = np.array(nums, dtype=np.int64)
+        cu = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(num, out=cu[1:])
+        if multi:
+            fs = [np.array([x], np.int64) if type(x) is int else x for x in fs]
+            ss = [np.array([x], np.int64) if type(x) is int else x for x in ss]
+            full = np.concatenate(fs) if fs else _EMPTY64
+            swa = np.concatenate(ss) if ss else _EMPTY64
+        else:
+            full = np.array(fs, dtype=np.int64)
+            swa = np.array(ss, dtype=np.int64)
+        if grew:
+            rows = np.concatenate([np.full(hi - lo, i, np.int64) for i, lo, hi in grew])
+            index = np.concatenate([np.arange(lo, hi, dtype=np.int64) for _, lo, hi in grew])
+            nf = np.concatenate([reqs[i].full_pages[lo:hi] for i, lo, hi in grew])
+            ns = np.concatenate([reqs[i].swa_pages[lo:hi] for i, lo, hi in grew])
+        else:
+            rows = index = _EMPTY64
+            nf = ns = np.zeros(0, np.int32)
+        return StepBatch(reqs, ok, errors, start, num.astype(np.int32), cu, full, swa, start + num,
+                         rows, index, nf, ns)
+
+    def commit_step(self, batch: StepBatch, *, release: bool | None = None) -> None:
+        """Commit every ok row of ``batch`` (their KV is written); see :meth:`commit`.
+
+        Raises ValueError, changing nothing, if the batch was committed already or
+        a row's request moved on since :meth:`step`.  O(batch).
+        """
+        if not isinstance(batch, StepBatch):
+            raise TypeError(f"batch must be a StepBatch, got {type(batch).__name__}")
+        if batch.committed:
+            raise ValueError("this StepBatch was committed already")
+        live = self._live
+        rows = np.flatnonzero(batch.ok).tolist()
+        starts = batch.start.tolist()
+        nums = batch.num_new.tolist()
+        reqs = batch.requests
+        for i in rows:
+            req = reqs[i]
+            if live.get(id(req)) is not req or req.computed != starts[i] or starts[i] + nums[i] > req.allocated:
+                raise ValueError(f"row {i} of the batch is stale (its request finished or moved on)")
+        batch.committed = True
+        interval = self.config.decode_release_interval
+        for i in rows:
+            req = reqs[i]
+            k = nums[i]
+            req.computed += k
+            if release if release is not None else (k > 1 or req.computed - req.last_release >= interval):
+                req.last_release = req.computed
+                self._release(req, force=False)
+
+    def page_table(self, requests: Sequence[Request], kind: str = "full") -> np.ndarray:
+        """Logical pages of ``requests`` as an int32 ``[batch, max_pages]`` table
+        padded with -1 (``kind`` "full" or "swa"; SWA is -1 where released).
+        Map to arena blocks with ``cache.pool.buffers.of(kind).block_table(table, group)``
+        (a -1 entry maps to garbage: mask it).  O(batch * pages)."""
+        if kind not in ("full", "swa"):
+            raise ValueError(f"kind must be 'full' or 'swa', got {kind!r}")
+        reqs = list(requests)
+        for i, r in enumerate(reqs):
+            self._check_live(r)
+        width = max((r.n_pages for r in reqs), default=0)
+        out = np.full((len(reqs), width), NO_PAGE, dtype=np.int32)
+        for i, r in enumerate(reqs):
+            out[i, :r.n_pages] = (r.full_pages if kind == "full" else r.swa_pages)[:r.n_pages]
+        return out
+
     # ================================================================= slots
     def full_slots(self, req: Request, start: int, end: int) -> np.ndarray:
         """Full-pool token slots of positions ``[start, end)`` (int64)."""
-        pos = self._positions(req, start, end)
-        return req.full_pages[pos // self.page_size].astype(np.int64) * self.page_size + pos % self.page_size
+        self._check_live(req)
+        self._check_range(req, start, end)
+        return self._full_slots(req, start, end)
 
     def swa_slots(self, req: Request, start: int, end: int) -> np.ndarray:
         """SWA-pool token slots of ``[start, end)``; raises if any was released.
@@ -322,23 +656,40 @@ class HybridKVCache:
         Reading a released SWA slot is the pseudo-hit bug this library exists
         to prevent, so it is an error, never garbage.
         """
-        pos = self._positions(req, start, end)
+        self._check_live(req)
+        self._check_range(req, start, end)
+        return self._swa_slots(req, start, end)
+
+    def _full_slots(self, req: Request, start: int, end: int) -> np.ndarray:
+        pos = np.arange(start, end, dtype=np.int64)
+        return req.full_pages[pos // self.page_size].astype(np.int64) * self.page_size + pos % self.page_size
+
+    def _swa_slots(self, req: Request, start: int, end: int) -> np.ndarray:
+        pos = np.arange(start, end, dtype=np.int64)
         pages = req.swa_pages[pos // self.page_size]
         if pages.size and pages.min() < 0:
             bad = int(pos[np.argmax(pages < 0)])
             raise RuntimeError(f"SWA KV of position {bad} is not held by request {req.rid}")
         return pages.astype(np.int64) * self.page_size + pos % self.page_size
 
-    def _positions(self, req: Request, start: int, end: int) -> np.ndarray:
-        if not (0 <= start <= end <= req.n_pages * self.page_size):
-            raise ValueError(f"positions [{start}, {end}) outside the request's slots")
-        return np.arange(start, end, dtype=np.int64)
+    def _check_range(self, req: Request, start: object, end: object) -> None:
+        for name, v in (("start", start), ("end", end)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if not (0 <= start <= end <= req.n_pages * self.page_size):  # type: ignore[operator]
+            raise ValueError(f"positions [{start}, {end}) outside the request's slots "
+                             f"[0, {req.n_pages * self.page_size})")
 
     def _check_live(self, req: Request) -> None:
         if not isinstance(req, Request):
             raise TypeError(f"req must be a Request, got {type(req).__name__}")
-        if req.finished or id(req) not in self._live:
+        if req.finished or self._live.get(id(req)) is not req:
             raise ValueError(f"request {req.rid} is not live in this cache")
+
+    @staticmethod
+    def _check_namespace(namespace: object) -> None:
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
 
     # ================================================================= stats
     @property
@@ -357,7 +708,7 @@ class HybridKVCache:
             evicted_tokens=self.tree.evicted_full_pages * p,
             evicted_swa_tokens=self.tree.evicted_swa_pages * p,
             used_bytes=self.pool.used_bytes(), budget_bytes=self.pool.budget_bytes,
-            tree_nodes=self.tree.num_nodes,
+            tensor_bytes=self.pool.tensor_bytes(), tree_nodes=self.tree.num_nodes,
         )
         return out
 
@@ -371,7 +722,8 @@ class HybridKVCache:
             owned_full.append(req.full_pages[req.tree_pages:req.n_pages])
             s = req.swa_pages[req.tree_pages:req.n_pages]
             owned_swa.append(s[s >= 0])
-            assert req.tree_pages <= req.n_pages and req.computed <= req.n_pages * self.page_size
+            assert req.tree_pages <= req.n_pages
+            assert req.computed <= req.allocated <= min(req.n_tokens, req.n_pages * self.page_size)
         full = np.concatenate(owned_full) if owned_full else np.zeros(0, np.int32)
         swa = np.concatenate(owned_swa) if owned_swa else np.zeros(0, np.int32)
         assert np.unique(full).size == full.size == self.pool.full.num_used, \
