@@ -1,22 +1,37 @@
-"""The tier manager: L3 I/O on a worker thread, never an exception into the engine.
+"""The tier manager: L3 I/O on worker threads, never an exception into the engine.
 
-Every L3 operation (exists, get, put, touch) runs on one worker thread, in
-submission order, so a read submitted after a write of the same key sees it
-(FIFO), and the engine thread only waits where it must: a match waits for
-its L3 reads up to ``timeout_s`` and treats whatever did not arrive as a miss
-(the hit is clamped to what was actually loaded).  Writes are fire-and-forget
-(write-behind) with a bounded queue; when it is full a write is dropped and
-counted, never blocking the engine.  Touches are rate-limited per key.
+Reads (exists, get, and the owner's fetch jobs) run on their own worker with
+their own queue, so a read never waits behind queued writes; writes and
+touches run in submission order on a second worker.  The backends are
+thread-safe (their conformance suite runs two threads), so the two workers
+only share the backend.  Because the queues are separate a read may miss a
+page whose write is still queued: that is a miss, never wrong data.
 
-On GPU the host<->device copies run on a side stream of the owner
-(:class:`~hybridkv.tiers.tiered.TieredCache`); this class only moves L3 bytes.
+The engine thread only waits where it asks to: a blocking read waits up to
+``timeout_s`` and treats whatever did not arrive as a miss; the owner
+(:class:`~hybridkv.tiers.tiered.TieredCache`) waits for its fetch jobs at
+most its budget.  Reads have a circuit breaker: a read that fails or takes
+longer than ``timeout_s`` counts as a failure; after ``read_breaker[0]``
+consecutive failures reads are refused (misses, counted in
+``l3_reads_skipped``) for ``read_breaker[1]`` seconds, then one probe read is
+let through, which the caller should not wait for (:meth:`read_gate`).
+Writes are fire-and-forget (write-behind) with a bounded queue; when it is
+full a write is dropped and counted, never blocking the engine.  A write's
+values may be given as an ``encode`` callable that runs on the write worker
+(payload encoding off the engine thread).  Touches are rate-limited per key.
+
+On GPU the host<->device copies run on a side stream of the owner; this
+class only moves L3 bytes.
 
 Counters (``stats()``): ``l3_reads``/``l3_read_pages``/``l3_read_hits``,
+``l3_reads_skipped`` (breaker open or read queue full), ``l3_read_failures``,
 ``l3_writes_queued``/``l3_writes_dropped``/``l3_write_pages_ok``/``l3_write_failed``,
-``l3_touches``/``l3_touches_skipped``, ``l3_timeouts``, ``l3_errors``.
+``l3_write_pages_gone`` (an encode found the page gone), ``l3_touches``/
+``l3_touches_skipped``, ``l3_timeouts``, ``l3_errors``; ``l3_read_breaker_open``
+(0/1) and ``l3_read_breaker_trips``.
 
 Events: ``listeners`` (callables taking a :class:`~hybridkv.tiers.events.TierEvent`
-of tier ``"L3"``) hear pages whose write *succeeded* (on the worker thread,
+of tier ``"L3"``) hear pages whose write *succeeded* (on the write worker,
 when the write was queued with ``event_keys``) and pages the owner found gone
 (:meth:`lost`).  L3 stores evict on their own without telling; a page is
 announced as removed when a read of it misses.
@@ -29,10 +44,11 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin on Python 3.10
 from typing import Any, Callable, Sequence
 
 from .events import TierEvent, TierListener, emit
-from .storage.base import StorageBackend
+from .storage.base import CircuitBreaker, StorageBackend
 
 __all__ = ["TierManager"]
 
@@ -46,15 +62,19 @@ class TierManager:
     Args:
         backend: the L3 store (its own faults already degrade to misses).
         timeout_s: how long a blocking read (:meth:`exists`, :meth:`get`)
-            waits before it counts as a miss.
+            waits before it counts as a miss; a read slower than this counts
+            as a failure for the read breaker.
         max_queued_writes: pages of pending writes beyond which new writes
             are dropped (counted in ``l3_writes_dropped``).
         touch_interval_s: a key is touched at most once per interval.
         clock: monotonic clock (tests pass a fake one).
+        read_breaker: ``(failures, cooldown_s)`` of the read circuit breaker.
+        max_queued_reads: read jobs waiting beyond which new reads are refused.
     """
 
     def __init__(self, backend: StorageBackend, *, timeout_s: float = 5.0, max_queued_writes: int = 65536,
-                 touch_interval_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 touch_interval_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 read_breaker: tuple[int, float] = (3, 5.0), max_queued_reads: int = 1024) -> None:
         if not isinstance(backend, StorageBackend):
             raise TypeError(f"backend must implement StorageBackend, got {type(backend).__name__}")
         if timeout_s <= 0:
@@ -63,116 +83,198 @@ class TierManager:
             raise ValueError(f"max_queued_writes must be >= 1, got {max_queued_writes}")
         if touch_interval_s < 0:
             raise ValueError(f"touch_interval_s must be >= 0, got {touch_interval_s}")
+        if max_queued_reads < 1:
+            raise ValueError(f"max_queued_reads must be >= 1, got {max_queued_reads}")
         self.backend = backend
         self.timeout_s = float(timeout_s)
         self.max_queued_writes = int(max_queued_writes)
+        self.max_queued_reads = int(max_queued_reads)
         self.touch_interval_s = float(touch_interval_s)
+        self.read_breaker = CircuitBreaker(int(read_breaker[0]), float(read_breaker[1]))
         self._clock = clock
-        self._queue: queue.Queue = queue.Queue()
+        self._reads: queue.Queue = queue.Queue()
+        self._writes: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._queued_write_pages = 0
+        self._queued_reads = 0
         self._last_touch: dict[bytes, float] = {}
         self.counters = dict.fromkeys(
-            ("l3_reads", "l3_read_pages", "l3_read_hits", "l3_writes_queued", "l3_writes_dropped",
-             "l3_write_pages_ok", "l3_write_failed", "l3_touches", "l3_touches_skipped",
-             "l3_timeouts", "l3_errors"), 0)
+            ("l3_reads", "l3_read_pages", "l3_read_hits", "l3_reads_skipped", "l3_read_failures",
+             "l3_writes_queued", "l3_writes_dropped", "l3_write_pages_ok", "l3_write_failed",
+             "l3_write_pages_gone", "l3_touches", "l3_touches_skipped", "l3_timeouts", "l3_errors"), 0)
         self.listeners: list[TierListener] = []
         self._swa_written: set[bytes] = set()  # full keys whose SWA was written (store events' flags)
         self._closed = False
-        self._worker = threading.Thread(target=self._run, name="hybridkv-l3", daemon=True)
-        self._worker.start()
+        self._reader = threading.Thread(target=self._run, args=(self._reads, True), name="hybridkv-l3-read",
+                                        daemon=True)
+        self._writer = threading.Thread(target=self._run, args=(self._writes, False), name="hybridkv-l3-write",
+                                        daemon=True)
+        self._reader.start()
+        self._writer.start()
 
-    # ---------------------------------------------------------------- worker
-    def _run(self) -> None:
+    # ---------------------------------------------------------------- workers
+    def _run(self, q: queue.Queue, reads: bool) -> None:
         while True:
-            item = self._queue.get()
+            item = q.get()
             if item is _STOP:
                 return
-            fn, fut, n_write = item
+            fn, fut, n_write = item  # on the read queue, n_write is 1 for a tracked read, 0 for a marker
+            tracked = reads and n_write > 0
+            t0 = time.monotonic()
+            failed = False
             try:
-                result = fn()
+                if tracked and self.read_breaker.state == "open":
+                    self._count("l3_reads_skipped")  # queued before the breaker opened: skip
+                    tracked = False
+                    result = None
+                else:
+                    result = fn()
             except Exception as exc:  # noqa: BLE001 - the backend contract says it cannot raise; be sure
+                failed = True
                 self._count("l3_errors")
                 logger.warning("L3 %s failed (%s: %s); treated as a miss", getattr(fn, "__name__", "op"),
                                type(exc).__name__, exc)
                 result = None
             finally:
-                if n_write:
-                    with self._lock:
+                with self._lock:
+                    if reads:
+                        self._queued_reads -= 1
+                    elif n_write:
                         self._queued_write_pages -= n_write
-            if fut is not None:
+            if tracked:
+                if failed or time.monotonic() - t0 > self.timeout_s:
+                    self._read_failed()
+                else:
+                    self.read_breaker.record_success()
+            if fut is not None and not fut.done():
                 fut.set_result(result)
+
+    def _read_failed(self) -> None:
+        self._count("l3_read_failures")
+        self.read_breaker.record_failure()
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
 
     def _submit(self, fn: Callable[[], Any], *, wait: bool, n_write: int = 0) -> Future | None:
+        """Queue a write-side job (writes, touches, flush markers)."""
         if self._closed:
             return None
         fut: Future | None = Future() if wait else None
-        self._queue.put((fn, fut, n_write))
+        self._writes.put((fn, fut, n_write))
+        return fut
+
+    def read_gate(self) -> str | None:
+        """May a read go out now?  ``"closed"`` (yes), ``"probe"`` (yes, the breaker's
+        one trial read: do not wait for it) or None (no: count it as skipped)."""
+        if self._closed:
+            return None
+        state = self.read_breaker.state
+        if not self.read_breaker.allow():
+            return None
+        return "probe" if state == "half-open" else "closed"
+
+    def submit_read(self, fn: Callable[[], Any], *, gated: bool = True) -> Future | None:
+        """Run ``fn`` on the read worker (ahead of every queued write); its result
+        (None if it raised) completes the returned future.  None (counted in
+        ``l3_reads_skipped``) when closed, the breaker refuses (``gated``) or the
+        read queue is full.  ``fn`` may call :meth:`backend_exists` / :meth:`backend_get`."""
+        if self._closed or (gated and self.read_gate() is None):
+            self._count("l3_reads_skipped")
+            return None
+        with self._lock:
+            if self._queued_reads >= self.max_queued_reads:
+                self.counters["l3_reads_skipped"] += 1
+                return None
+            self._queued_reads += 1
+        fut: Future = Future()
+        self._reads.put((fn, fut, 1))
         return fut
 
     def _wait(self, fut: Future | None, timeout_s: float | None) -> Any:
         if fut is None:
             return None
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return fut.result(timeout=self.timeout_s if timeout_s is None else timeout_s)
-        except TimeoutError:
-            self._count("l3_timeouts")
-            logger.warning("L3 read did not finish within %.3g s; treated as a miss", self.timeout_s)
+            return fut.result(timeout=timeout)
+        except FutureTimeout:
+            self.timed_out(timeout)
             return None
 
+    def timed_out(self, waited_s: float) -> None:
+        """A caller stopped waiting for a read after ``waited_s``: count it (and tell the breaker)."""
+        self._count("l3_timeouts")
+        self._read_failed()
+        logger.warning("L3 read did not finish within %.3g s; treated as a miss", waited_s)
+
     # --------------------------------------------------------------- reads
+    def backend_exists(self, keys: list[bytes]) -> list[bool]:
+        """``backend.exists`` (for read jobs on the read worker)."""
+        res = self.backend.exists(keys) if keys else []
+        return [bool(r) for r in res] if len(res) == len(keys) else [False] * len(keys)
+
+    def backend_get(self, keys: list[bytes]) -> list[Any]:
+        """``backend.get``, counted (for read jobs on the read worker)."""
+        if not keys:
+            return []
+        self._count("l3_reads")
+        self._count("l3_read_pages", len(keys))
+        res = self.backend.get(keys)
+        if len(res) != len(keys):
+            return [None] * len(keys)
+        self._count("l3_read_hits", sum(v is not None for v in res))
+        return list(res)
+
     def exists(self, keys: Sequence[bytes], timeout_s: float | None = None) -> list[bool]:
-        """Which keys L3 holds (blocks up to the timeout; late or failed = False)."""
+        """Which keys L3 holds (blocks up to the timeout; late, refused or failed = False)."""
         keys = list(keys)
         if not keys:
             return []
-        res = self._wait(self._submit(lambda: self.backend.exists(keys), wait=True), timeout_s)
-        return [bool(r) for r in res] if res is not None and len(res) == len(keys) else [False] * len(keys)
+        res = self._wait(self.submit_read(lambda: self.backend_exists(keys)), timeout_s)
+        return list(res) if res is not None and len(res) == len(keys) else [False] * len(keys)
 
     def get(self, keys: Sequence[bytes], timeout_s: float | None = None) -> list[Any]:
         """Verified values or ``None`` per key (blocks up to the timeout)."""
         keys = list(keys)
         if not keys:
             return []
-        self._count("l3_reads")
-        self._count("l3_read_pages", len(keys))
-        res = self._wait(self._submit(lambda: self.backend.get(keys), wait=True), timeout_s)
+        res = self._wait(self.submit_read(lambda: self.backend_get(keys)), timeout_s)
         if res is None or len(res) != len(keys):
             return [None] * len(keys)
-        self._count("l3_read_hits", sum(v is not None for v in res))
         return list(res)
 
     def get_async(self, keys: Sequence[bytes], done: Callable[[list[Any]], None]) -> bool:
-        """Read ``keys`` in the background and call ``done(values)`` on the worker.
+        """Read ``keys`` in the background and call ``done(values)`` on the read worker.
 
         ``done`` must not raise (exceptions are logged and counted).  Returns
-        False if the manager is closed.
+        False if the read was refused (closed, breaker open, queue full).
         """
         keys = list(keys)
 
         def job() -> None:
-            self._count("l3_reads")
-            self._count("l3_read_pages", len(keys))
-            values = self.backend.get(keys)
-            self._count("l3_read_hits", sum(v is not None for v in values))
-            done(list(values))
+            done(self.backend_get(keys))
 
-        return self._submit(job, wait=False) is not None or not self._closed
+        return self.submit_read(job) is not None
 
     # -------------------------------------------------------------- writes
-    def put_async(self, keys: Sequence[bytes], values: Sequence[Any], *,
+    def put_async(self, keys: Sequence[bytes], values: Sequence[Any] | None = None, *,
+                  encode: Callable[[], Sequence[Any]] | None = None,
                   event_keys: Sequence[bytes] | None = None, swa: bool = False) -> bool:
         """Queue a write; False (counted as dropped) if the queue is full or closed.
 
-        ``event_keys[i]``: full-KV page key of value i, announced to
-        :attr:`listeners` as ``store`` (or ``swa_store`` when ``swa``) once the
-        write succeeded.
+        Give ``values`` or ``encode``: a callable run on the write worker that
+        returns one value per key, or None for a key whose source is gone (not
+        written, counted in ``l3_write_pages_gone``).  ``event_keys[i]``:
+        full-KV page key of value i, announced to :attr:`listeners` as
+        ``store`` (or ``swa_store`` when ``swa``) once the write succeeded.
         """
-        keys, values = list(keys), list(values)
+        if (values is None) == (encode is None):
+            raise ValueError("give exactly one of values and encode")
+        keys = list(keys)
+        vals = list(values) if values is not None else None
+        if vals is not None and len(vals) != len(keys):
+            raise ValueError(f"values has {len(vals)} entries for {len(keys)} keys")
         ev_keys = list(event_keys) if event_keys is not None else None
         if ev_keys is not None and len(ev_keys) != len(keys):
             raise ValueError(f"event_keys has {len(ev_keys)} entries for {len(keys)} keys")
@@ -187,12 +289,23 @@ class TierManager:
             self.counters["l3_writes_queued"] += n
 
         def job() -> None:
-            ok = self.backend.put(keys, values)
+            ks, ev, vs = keys, ev_keys, vals
+            if vs is None:
+                got = list(encode())  # type: ignore[misc]
+                if len(got) != n:
+                    raise ValueError(f"encode returned {len(got)} values for {n} keys")
+                keep = [i for i, v in enumerate(got) if v is not None]
+                self._count("l3_write_pages_gone", n - len(keep))
+                ks, vs = [keys[i] for i in keep], [got[i] for i in keep]
+                ev = [ev_keys[i] for i in keep] if ev_keys is not None else None
+                if not ks:
+                    return
+            ok = self.backend.put(ks, vs)
             good = sum(bool(x) for x in ok)
             self._count("l3_write_pages_ok", good)
-            self._count("l3_write_failed", n - good)
-            if ev_keys is not None:
-                self._announce([k for k, o in zip(ev_keys, ok) if o], swa)
+            self._count("l3_write_failed", len(ks) - good)
+            if ev is not None:
+                self._announce([k for k, o in zip(ev, ok) if o], swa)
 
         self._submit(job, wait=False, n_write=n)
         return True
@@ -244,27 +357,41 @@ class TierManager:
 
     # ------------------------------------------------------------ lifecycle
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until everything queued so far ran; False on timeout."""
-        fut = self._submit(lambda: None, wait=True)
-        if fut is None:
+        """Wait until everything queued so far (reads and writes) ran; False on timeout."""
+        if self._closed:
             return True
+        deadline = time.monotonic() + timeout_s
+        futs = []
+        for q in (self._reads, self._writes):
+            fut: Future = Future()
+            if q is self._reads:
+                with self._lock:
+                    self._queued_reads += 1
+            q.put((lambda: None, fut, 0))
+            futs.append(fut)
         try:
-            fut.result(timeout=timeout_s)
+            for fut in futs:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
             return True
-        except TimeoutError:
+        except FutureTimeout:
             return False
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Drain the queue, stop the worker (the backend stays open).  Idempotent."""
+        """Drain the queues, stop the workers (the backend stays open).  Idempotent."""
         if self._closed:
             return
         self.flush(timeout_s)
         self._closed = True
-        self._queue.put(_STOP)
-        self._worker.join(timeout=timeout_s)
+        self._reads.put(_STOP)
+        self._writes.put(_STOP)
+        self._reader.join(timeout=timeout_s)
+        self._writer.join(timeout=timeout_s)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             out = dict(self.counters)
             out["l3_queued_write_pages"] = self._queued_write_pages
+            out["l3_queued_reads"] = self._queued_reads
+        out["l3_read_breaker_open"] = int(self.read_breaker.state == "open")
+        out["l3_read_breaker_trips"] = self.read_breaker.opened
         return out

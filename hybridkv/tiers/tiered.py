@@ -45,8 +45,12 @@ layer), and any unexpected error in the tier path is logged, counted in
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +69,7 @@ from .manager import TierManager
 from .payload import PayloadCodec, RealPayload, ScaledPayload, swa_key
 from .storage import StorageBackend, open_backend
 
-__all__ = ["TierConfig", "TieredCache"]
+__all__ = ["TierConfig", "TieredCache", "PrefetchHandle"]
 
 logger = logging.getLogger("hybridkv.tiers")
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -88,7 +92,13 @@ class TierConfig:
         write_policy: ``"write_through"`` or ``"write_back"`` (L1 -> L2).
         l2_device: host buffer device; None picks ``"cpu"`` when L1 holds
             real KV and ``"meta"`` (accounting only) when L1 is ``"meta"``.
-        l3_timeout_s: how long a match waits for L3 reads before a miss.
+        l3_timeout_s: the most :meth:`TieredCache.begin` waits for L3 in total
+            (the fetch runs on the L3 read worker, never under the cache's
+            mutex; what has not arrived in L2 by then is a miss).  A read
+            slower than this counts as a failure for the read breaker.
+        l3_read_breaker: ``(failures, cooldown_s)``: after that many failed or
+            late L3 reads in a row, reads are skipped (misses, no waiting) for
+            ``cooldown_s``; then one probe read goes out, not waited for.
         touch_interval_s: minimum seconds between two L3 touches of a key.
         max_queued_writes: pending L3 write pages before writes are dropped.
         l3_swa: ``"anchored"`` (tails and checkpoint windows only) or ``"all"``.
@@ -102,6 +112,7 @@ class TierConfig:
     touch_interval_s: float = 30.0
     max_queued_writes: int = 65536
     l3_swa: str = "anchored"
+    l3_read_breaker: tuple = (3, 5.0)
 
     def __post_init__(self) -> None:
         if not isinstance(self.l2_bytes, (int, np.integer)) or isinstance(self.l2_bytes, bool):
@@ -112,8 +123,32 @@ class TierConfig:
             raise ValueError(f"write_policy must be one of {_POLICIES}, got {self.write_policy!r}")
         if self.l3_swa not in ("anchored", "all"):
             raise ValueError(f"l3_swa must be 'anchored' or 'all', got {self.l3_swa!r}")
+        rb = self.l3_read_breaker
+        if (not isinstance(rb, tuple) or len(rb) != 2 or not isinstance(rb[0], int) or rb[0] < 1
+                or not isinstance(rb[1], (int, float)) or rb[1] < 0):
+            raise ValueError(f"l3_read_breaker must be (failures >= 1, cooldown_s >= 0), got {rb!r}")
+        if self.l3_timeout_s <= 0:
+            raise ValueError(f"l3_timeout_s must be > 0, got {self.l3_timeout_s}")
         if self.l3 is not None and not isinstance(self.l3, (str, StorageBackend)):
             raise TypeError(f"l3 must be a URL, a StorageBackend or None, got {type(self.l3).__name__}")
+
+
+class PrefetchHandle:
+    """L3 -> L2 loads started by :meth:`TieredCache.prefetch` (or a ``begin``)."""
+
+    def __init__(self, futures: list[Future] | tuple = ()) -> None:
+        self._futures = [f for f in futures if f is not None]
+
+    def done(self) -> bool:
+        """Whether every load finished (landed in L2 or failed as a miss)."""
+        return all(f.done() for f in self._futures)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` (None: forever); True if everything finished."""
+        if not self._futures:
+            return True
+        _, pending = concurrent.futures.wait(self._futures, timeout=timeout_s)
+        return not pending
 
 
 class _BackupPool:
@@ -162,13 +197,16 @@ class TieredCache(HybridKVCache):
             self._backend = tiers.l3
         self.l3 = (TierManager(self._backend, timeout_s=tiers.l3_timeout_s,
                                max_queued_writes=tiers.max_queued_writes,
-                               touch_interval_s=tiers.touch_interval_s)
+                               touch_interval_s=tiers.touch_interval_s,
+                               read_breaker=tiers.l3_read_breaker)
                    if self._backend is not None else None)
         self._fingerprint = spec.fingerprint()
         self._l1_full_key: dict[int, bytes] = {}                 # L1 full page -> page key
         self._l1_swa_key: dict[int, tuple[bytes, bool]] = {}     # L1 SWA page -> (page key, anchored)
         self._protect: tuple[set[int], set[int]] = (set(), set())  # L2 pages a load reads
         self._l3_known: set[bytes] = set()                        # keys written to / read from L3
+        self._inflight: dict[bytes, Future] = {}                  # L3 key -> fetch job loading it
+        self._landed: OrderedDict[bytes, None] = OrderedDict()    # full keys L3 put in L2, not yet served
         self._mutex = threading.RLock()
         self._stream = (torch.cuda.Stream(device=self.pool.buffers.device)
                         if real and self.pool.buffers.device.type == "cuda" else None)
@@ -188,22 +226,57 @@ class TieredCache(HybridKVCache):
         return have + more
 
     # ================================================================ begin
-    def begin(self, tokens: object, namespace: str = "default", rid: Any = None) -> Request:
-        """Match across L1/L2/L3, load what L1 lacks, then lock the hit in L1.
-
-        Returns the :class:`Request` (``prefix_len`` = the hit).  Raises only
-        for bad arguments (like :meth:`HybridKVCache.begin`).  Runtime: key
-        hashing O(L), one L2 lookup per page, at most two L3 round trips
-        (exists, get) plus the copies of the loaded pages.
-        """
+    def _check_prompt(self, tokens: object, namespace: str) -> np.ndarray:
         tokens = as_token_array(tokens)
         if len(tokens) == 0:
             raise ValueError("tokens must not be empty")
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+        return tokens
+
+    def prefetch(self, tokens: object, namespace: str = "default") -> PrefetchHandle:
+        """Start loading into L2 the L3 pages a later :meth:`begin` of ``tokens`` would use.
+
+        Never blocks on L3: the reads run on the L3 read worker and the pages
+        land in L2 while the request waits in the engine's queue; ``begin``
+        then serves them like any L2 page.  Returns a :class:`PrefetchHandle`
+        (already done when there is nothing to fetch, no L3, or the read
+        breaker is open).  Raises only for bad arguments.  Runtime on the
+        caller: key hashing O(L) and one L1/L2 lookup per page.
+        """
+        tokens = self._check_prompt(tokens, namespace)
+        keys = self._page_keys(tokens, namespace, (len(tokens) - 1) // self.page_size)
+        try:
+            return self._start_fetch(tokens, namespace, keys)[0]
+        except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
+            self.tier_counters["tier_errors"] += 1
+            logger.warning("L3 prefetch failed (%s: %s)", type(exc).__name__, exc)
+            return PrefetchHandle()
+
+    def begin(self, tokens: object, namespace: str = "default", rid: Any = None) -> Request:
+        """Match across L1/L2/L3, load what L1 lacks, then lock the hit in L1.
+
+        Returns the :class:`Request` (``prefix_len`` = the hit).  Raises only
+        for bad arguments (like :meth:`HybridKVCache.begin`).  Pages only L3
+        holds are fetched into L2 in the background (see :meth:`prefetch`);
+        ``begin`` waits for them at most ``TierConfig.l3_timeout_s`` in total,
+        without holding the cache's mutex, and serves what is in L1/L2 then
+        (not at all while the read breaker is open).  Runtime: key hashing
+        O(L), one L2 lookup per page, the wait, the copies of loaded pages.
+        """
+        tokens = self._check_prompt(tokens, namespace)
         n = (len(tokens) - 1) // self.page_size
         keys = self._page_keys(tokens, namespace, n)
         origin = np.zeros(n, dtype=np.int8)
+        if self.l3 is not None and n:
+            try:
+                handle, probe = self._start_fetch(tokens, namespace, keys)
+                budget = self.tiers.l3_timeout_s
+                if not probe and not handle.wait(budget):  # the mutex is not held here
+                    self.l3.timed_out(budget)
+            except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
+                self.tier_counters["tier_errors"] += 1
+                logger.warning("L3 fetch failed (%s: %s); serving from L1/L2", type(exc).__name__, exc)
         try:
             with self._mutex:
                 origin = self._load(tokens, namespace, keys)
@@ -225,75 +298,118 @@ class TieredCache(HybridKVCache):
         swa = np.concatenate([nd.swa[:k] for nd, k in path])
         return full, swa, path[-1][0]
 
-    def _load(self, tokens: np.ndarray, namespace: str, keys: list[bytes]) -> np.ndarray:
-        """Make the cross-tier hit resident in L1; returns per-page origin of full KV
-        (1 = L1, 2 = L2, 3 = L3, 0 = none) over the hit."""
+    def _resident(self, tokens: np.ndarray, namespace: str, keys: list[bytes]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple]:
+        """Where pages are in L1/L2: full origin (1 = L1, 2 = L2, 0 = neither), SWA
+        source (same codes), L2 pages of both (-1 = absent) and the L1 path.  Under the mutex."""
         n = len(keys)
         origin = np.zeros(n, dtype=np.int8)
-        if n == 0:
-            return origin
-        P, wp = self.page_size, self.spec.window_pages
-        l1_full, l1_swa, deepest = self._l1_path(tokens, namespace, n * P)
+        l1_full, l1_swa, deepest = self._l1_path(tokens, namespace, n * self.page_size)
         n1 = len(l1_full)
         origin[:n1] = 1
         h_full = np.full(n, -1, dtype=np.int64)
         h_full[n1:] = self.host.lookup_full(keys[n1:])
         origin[n1:][h_full[n1:] >= 0] = 2
-        F = _prefix_true(origin > 0)
-        if self.l3 is not None and F < n:
-            there = np.asarray(self.l3.exists(keys[F:]), dtype=bool)
-            origin[F:][(origin[F:] == 0) & there] = 3
-        F = _prefix_true(origin > 0)
-        origin[F:] = 0
-        swa_src = np.zeros(F, dtype=np.int8)            # 1 = L1, 2 = L2, 3 = L3
-        swa_src[:min(n1, F)][l1_swa[:F] >= 0] = 1
+        swa_src = np.zeros(n, dtype=np.int8)
+        swa_src[:n1][l1_swa >= 0] = 1
         need = np.flatnonzero(swa_src == 0)
-        skeys = {int(i): swa_key(keys[i]) for i in need}
-        h_swa = np.full(F, -1, dtype=np.int64)
+        h_swa = np.full(n, -1, dtype=np.int64)
         if need.size:
-            h_swa[need] = self.host.lookup_swa([skeys[int(i)] for i in need])
+            h_swa[need] = self.host.lookup_swa([swa_key(keys[i]) for i in need.tolist()])
             swa_src[need[h_swa[need] >= 0]] = 2
-        need = np.flatnonzero(swa_src == 0)
-        if self.l3 is not None and need.size:
-            there = np.asarray(self.l3.exists([skeys[int(i)] for i in need]), dtype=bool)
-            swa_src[need[there]] = 3
-        L = _window_safe(swa_src > 0, wp)
-        if L == 0:
-            return origin[:0]
+        return origin, swa_src, h_full, h_swa, (l1_full, l1_swa, deepest)
+
+    def _start_fetch(self, tokens: np.ndarray, namespace: str, keys: list[bytes]
+                     ) -> tuple[PrefetchHandle, bool]:
+        """Queue an L3 -> L2 fetch of what L1/L2 lack for ``keys`` (unless in flight).
+
+        Returns the handle over this and overlapping in-flight fetches, and
+        whether the new fetch is the read breaker's probe (not to be waited for).
+        """
+        n = len(keys)
+        if self.l3 is None or n == 0:
+            return PrefetchHandle(), False
+        wp = self.spec.window_pages
+        with self._mutex:
+            origin, swa_src, _, _, _ = self._resident(tokens, namespace, keys)
+            have_f, have_s = origin > 0, swa_src > 0
+            F = _prefix_true(have_f)
+            if F == n and _window_safe(have_s, wp) == n:
+                return PrefetchHandle(), False  # all of it is in L1/L2
+            cand_f = np.arange(F, n)[~have_f[F:]]
+            cand_s = np.flatnonzero(~have_s)
+            fkeys = [keys[i] for i in cand_f.tolist()]
+            skeys = [swa_key(keys[i]) for i in cand_s.tolist()]
+            waits = {id(f): f for f in (self._inflight.get(k) for k in fkeys + skeys) if f is not None}
+            new_f = np.array([k not in self._inflight for k in fkeys], dtype=bool)
+            new_s = np.array([k not in self._inflight for k in skeys], dtype=bool)
+            if not new_f.any() and not new_s.any():
+                return PrefetchHandle(list(waits.values())), False
+            gate = self.l3.read_gate()
+            if gate is None:
+                self.l3._count("l3_reads_skipped")
+                return PrefetchHandle(list(waits.values())), False
+            mine = [k for k, o in zip(fkeys, new_f) if o] + [k for k, o in zip(skeys, new_s) if o]
+            box: dict[str, Future] = {}
+
+            def job() -> None:
+                try:
+                    self._fetch_job(keys, have_f, have_s, cand_f, cand_s, fkeys, skeys)
+                finally:
+                    with self._mutex:  # registration below finished before this lock was free
+                        fut = box.get("fut")
+                        for k in mine:
+                            if self._inflight.get(k) is fut:
+                                del self._inflight[k]
+
+            fut = self.l3.submit_read(job, gated=False)
+            if fut is None:
+                return PrefetchHandle(list(waits.values())), False
+            box["fut"] = fut
+            for k in mine:
+                self._inflight[k] = fut
+            waits[id(fut)] = fut
+        return PrefetchHandle(list(waits.values())), gate == "probe"
+
+    def _fetch_job(self, keys: list[bytes], have_f: np.ndarray, have_s: np.ndarray, cand_f: np.ndarray,
+                   cand_s: np.ndarray, fkeys: list[bytes], skeys: list[bytes]) -> None:
+        """On the L3 read worker: which candidates L3 holds, plan the hit, read the
+        pages of the plan, land them in L2 (under the mutex)."""
+        assert self.l3 is not None
+        wp = self.spec.window_pages
+        there = np.asarray(self.l3.backend_exists(fkeys + skeys), dtype=bool)
+        ok_f, ok_s = have_f.copy(), have_s.copy()
+        ok_f[cand_f[there[:len(fkeys)]]] = True
+        ok_s[cand_s[there[len(fkeys):]]] = True
+        F = _prefix_true(ok_f)
+        L = _window_safe(ok_s[:F], wp)
         lo = max(0, L - wp)
-        if self.l3 is not None:
-            self._fetch_l3(keys, skeys, origin, swa_src, h_full, h_swa, L, lo)
-            # Only what is now resident counts: L3 pages outside the fetched window were not read.
-            origin[(origin == 3) & (h_full < 0)] = 0
-            swa_src[(swa_src == 3) & (h_swa < 0)] = 0
-            F2 = _prefix_true(origin[:L] > 0)
-            L = _window_safe(swa_src[:F2] > 0, wp)
-            if L == 0:
-                return origin[:0]
-            lo = max(0, L - wp)
-        self._to_l1(tokens, namespace, keys, origin, swa_src, h_full, h_swa, l1_full, l1_swa,
-                    deepest, L, lo, skeys)
-        return origin[:L]
+        sel_f = there[:len(fkeys)] & (cand_f < L)
+        sel_s = there[len(fkeys):] & (cand_s >= lo) & (cand_s < L)
+        if not sel_f.any() and not sel_s.any():
+            return
+        fi, si = cand_f[sel_f], cand_s[sel_s]
+        gk = [k for k, o in zip(fkeys, sel_f) if o]
+        gs = [k for k, o in zip(skeys, sel_s) if o]
+        values = self.l3.backend_get(gk + gs)
+        try:
+            with self._mutex:
+                self._land(keys, fi, si, gk, gs, values, L, lo)
+        except Exception as exc:  # noqa: BLE001 - a bad page is a miss, never a failed request
+            self.tier_counters["tier_errors"] += 1
+            logger.warning("landing L3 pages in L2 failed (%s: %s); treated as a miss", type(exc).__name__, exc)
 
-    def _fetch_l3(self, keys: list[bytes], skeys: dict[int, bytes], origin: np.ndarray,
-                  swa_src: np.ndarray, h_full: np.ndarray, h_swa: np.ndarray, L: int, lo: int) -> None:
-        """L3 -> L2 for the pages of the planned hit that only L3 holds.
+    def _land(self, keys: list[bytes], fi: np.ndarray, si: np.ndarray, fkeys: list[bytes], sk: list[bytes],
+              values: list[Any], L: int, lo: int) -> None:
+        """Decode L3 values into new L2 pages and index them (under the mutex).
 
-        Updates ``origin``/``swa_src`` (3 -> 0 on a failed page) and
-        ``h_full``/``h_swa`` (host pages of what arrived).
+        Pages of the planned hit already in L2 are protected from the L2
+        eviction this allocation may cause.
         """
         assert self.l3 is not None
-        fi = np.flatnonzero(origin[:L] == 3)
-        si = lo + np.flatnonzero(swa_src[lo:L] == 3)
-        if fi.size == 0 and si.size == 0:
-            return
-        fkeys = [keys[i] for i in fi]
-        sk = [skeys[int(i)] for i in si]
-        values = self.l3.get(fkeys + sk, timeout_s=None)
-        keep_f = np.flatnonzero((origin[:L] == 2))
-        keep_s = lo + np.flatnonzero(swa_src[lo:L] == 2)
-        got = self.host.alloc(fi.size, si.size, protect=h_full[keep_f].tolist(),
-                              protect_swa=h_swa[keep_s].tolist())
+        hf = self.host.lookup_full(keys[:L])
+        hs = self.host.lookup_swa([swa_key(k) for k in keys[lo:L]])
+        got = self.host.alloc(fi.size, si.size, protect=hf[hf >= 0].tolist(), protect_swa=hs[hs >= 0].tolist())
         ok_f = np.zeros(fi.size, dtype=bool)
         ok_s = np.zeros(si.size, dtype=bool)
         if got is not None:
@@ -308,10 +424,13 @@ class TieredCache(HybridKVCache):
             self.host.insert_swa([k for k, o in zip(sk, ok_s) if o], ps[ok_s], np.ones(int(ok_s.sum()), bool),
                                  [keys[int(i)] for i in si[ok_s]])
             self.host.free(pf[~ok_f], ps[~ok_s])
-            h_full[fi[ok_f]] = pf[ok_f]
-            h_swa[si[ok_s]] = ps[ok_s]
-            self._l3_known.update(k for k, o in zip(fkeys, ok_f) if o)
+            landed = [k for k, o in zip(fkeys, ok_f) if o]
+            self._l3_known.update(landed)
             self._l3_known.update(k for k, o in zip(sk, ok_s) if o)
+            for k in landed:
+                self._landed[k] = None
+            while len(self._landed) > 1_000_000:  # bounded (only the L3 hit attribution suffers)
+                self._landed.popitem(last=False)
         else:
             self.tier_counters["l2_store_failed"] += fi.size + si.size
         c = self.tier_counters
@@ -324,8 +443,27 @@ class TieredCache(HybridKVCache):
             self.l3.lost([k for k, o in zip(fkeys, ok_f) if not o])
             self.l3.lost([keys[int(i)] for i in si[~ok_s]], swa=True)
             self._l3_known.difference_update(k for k, o in zip(fkeys + sk, np.concatenate([ok_f, ok_s])) if not o)
-        origin[fi[~ok_f]] = 0
-        swa_src[si[~ok_s]] = 0
+
+    def _load(self, tokens: np.ndarray, namespace: str, keys: list[bytes]) -> np.ndarray:
+        """Make the L1/L2 hit resident in L1 (under the mutex); returns per-page origin
+        of full KV (1 = L1, 2 = L2, 3 = landed in L2 from L3, 0 = none) over the hit."""
+        n = len(keys)
+        if n == 0:
+            return np.zeros(0, dtype=np.int8)
+        wp = self.spec.window_pages
+        origin, swa_src, h_full, h_swa, (l1_full, l1_swa, deepest) = self._resident(tokens, namespace, keys)
+        F = _prefix_true(origin > 0)
+        origin[F:] = 0
+        L = _window_safe(swa_src[:F] > 0, wp)
+        if L == 0:
+            return origin[:0]
+        lo = max(0, L - wp)
+        self._to_l1(tokens, namespace, keys, origin, swa_src, h_full, h_swa, l1_full, l1_swa,
+                    deepest, L, lo, {})
+        for i in np.flatnonzero(origin[:L] == 2).tolist():
+            if self._landed.pop(keys[i], 0) is None:  # first served since it came from L3
+                origin[i] = 3
+        return origin[:L]
 
     def _to_l1(self, tokens: np.ndarray, namespace: str, keys: list[bytes], origin: np.ndarray,
                swa_src: np.ndarray, h_full: np.ndarray, h_swa: np.ndarray, l1_full: np.ndarray,
@@ -564,8 +702,21 @@ class TieredCache(HybridKVCache):
         wk = [k for k, s in zip(keys, sel) if s]
         names = keys if kind is AttnKind.FULL else base
         ev = [k for k, s in zip(names, sel) if s] if names is not None else None
-        values = self.codec.encode(kind, wk, np.asarray(host_pages)[sel])  # snapshot: the L2 page may be reused
-        if self.l3.put_async(wk, values, event_keys=ev, swa=kind is AttnKind.SWA):
+        pages = np.asarray(host_pages)[sel].copy()
+
+        def encode() -> list[Any]:
+            """On the L3 write worker: encode the pages that still hold their keys."""
+            with self._mutex:  # the L2 page may have been evicted and reused since
+                cur = self.host.lookup_full(wk) if kind is AttnKind.FULL else self.host.lookup_swa(wk)
+                still = cur == pages
+                out: list[Any] = [None] * len(wk)
+                if still.any():
+                    vals = iter(self.codec.encode(kind, [k for k, o in zip(wk, still) if o], pages[still]))
+                    out = [next(vals) if o else None for o in still.tolist()]
+                self._l3_known.difference_update(k for k, o in zip(wk, still) if not o)
+            return out
+
+        if self.l3.put_async(wk, encode=encode, event_keys=ev, swa=kind is AttnKind.SWA):
             self._l3_known.update(wk)
             if len(self._l3_known) > 4_000_000:
                 self._l3_known.clear()  # bounded; only redundant writes result

@@ -68,7 +68,7 @@ def test_raising_tree_listener_cannot_corrupt_the_cache(kind, caplog):
     cache.tree.listeners.append(bad)
     with caplog.at_level(logging.WARNING):
         check(prompts(16, seed=3), cache)
-    if kind != "swa_store":  # the workload stores, evicts and drops SWA; re-adoption is rarer
+    if kind in ("store", "remove"):  # the workload surely stores and evicts (SWA events depend on policy)
         assert kind in heard
     if kind in heard:
         assert cache.tree.listener_errors > 0
