@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--plot", default=None, help="write a hit-rate-vs-budget PNG (needs --budgets)")
     r.add_argument("--budgets", type=_budgets, default=None, help="GB budgets to sweep, e.g. 59,150,594")
     r.add_argument("--check-every", type=int, default=0, help="check invariants every N requests")
+    r.add_argument("--no-references", action="store_true",
+                   help="skip the LRU-full and optimal (Belady) page-level references")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _tier_args(r)
 
@@ -140,7 +142,8 @@ def _replay(args: argparse.Namespace) -> int:
         progress = None if (args.no_progress or not sys.stderr.isatty()) else stderr_progress(f"{gb:g} GB")
         out = replay(requests, spec, int(gb * _GB), systems=systems, swa_checkpoint=args.swa_checkpoint,
                      chunk=args.chunk, extension_rule=not args.no_extension_rule, progress=progress,
-                     check_every=args.check_every, tiers=_tier_config(args))
+                     check_every=args.check_every, tiers=_tier_config(args),
+                     references=not args.no_references)
         out["trace"] = path
         out["hbm_gb"] = gb
         runs.append(_flatten(out))
@@ -173,12 +176,17 @@ def _print_replay(run: dict[str, Any]) -> None:
     print(f"trace {run['trace']}: {run['requests']} requests, {run['input_tokens']:,} input tokens, "
           f"model {run['model']}, budget {run['hbm_gb']:g} GB, page {run['page_size']}, "
           f"checkpoint {run['swa_checkpoint']}, extension rule {run['extension_rule']}")
-    print(f"{'system':<12}{'hit rate':>10}{'hit tokens':>16}{'match p50 us':>14}{'match p99 us':>14}")
+    print(f"{'system':<18}{'hit rate':>10}{'hit tokens':>16}{'FLOPs saved':>12}{'match p50 us':>14}"
+          f"{'match p99 us':>14}")
     rows = [("hybridkv", run)] + list(run["baselines"].items())
     for name, r in rows:
-        print(f"{name:<12}{r['token_hit_rate']:>10.4f}{r['hit_tokens']:>16,}{r['match_us_p50']:>14.1f}"
+        print(f"{name:<18}{r['token_hit_rate']:>10.4f}{r['hit_tokens']:>16,}"
+              f"{r.get('prefill_flops_saved_fraction', 0.0):>12.4f}{r['match_us_p50']:>14.1f}"
               f"{r['match_us_p99']:>14.1f}")
-    print(f"{'bound':<12}{run['prefix_bound_hit_rate']:>10.4f}")
+    for name, r in run.get("references", {}).items():  # upper references: SWA free, page level
+        print(f"{name:<18}{r['token_hit_rate']:>10.4f}{r['hit_tokens']:>16,}"
+              f"{r['prefill_flops_saved_fraction']:>12.4f}   ({r['label']})")
+    print(f"{'bound':<18}{run['prefix_bound_hit_rate']:>10.4f}   (unlimited prefix cache)")
     print(f"hybridkv / prefix bound = {run['ratio_vs_prefix_bound']:.3f}; "
           + "; ".join(f"hybridkv / {k} = {run['ratio_vs_' + k]:.2f}x" for k in run["baselines"])
           + f"; replay {run['elapsed_s']:.1f} s")
@@ -197,6 +205,9 @@ def _plot(runs: list[dict[str, Any]], path: str, model: str) -> None:
     ax.plot(xs, [r["token_hit_rate"] for r in runs], "o-", label="hybridkv")
     for name in runs[0]["baselines"]:
         ax.plot(xs, [r["baselines"][name]["token_hit_rate"] for r in runs], "s--", label=name)
+    for name in runs[0].get("references", {}):
+        ax.plot(xs, [r["references"][name]["token_hit_rate"] for r in runs], "^:",
+                label=f"{name} (upper ref., SWA free)")
     ax.plot(xs, [r["prefix_bound_hit_rate"] for r in runs], ":", color="gray", label="prefix bound")
     ax.set_xscale("log")
     ax.set_xlabel("KV budget (GB)")

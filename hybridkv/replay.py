@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from .cache import CacheConfig, CacheFullError, HybridKVCache
+from .references import PageLog, prefill_flops, simulate_reference
 from .spec import ModelSpec
 from .traces import PrefixBound, TokenMaterializer, TraceRequest
 
@@ -63,12 +64,14 @@ class ReplayStats:
     begin_us: list[float] = field(default_factory=list)
     request_us: list[float] = field(default_factory=list)
     cache: HybridKVCache | None = None
+    flops_saved: float = 0.0
 
-    def summary(self, input_tokens: int) -> dict[str, Any]:
+    def summary(self, input_tokens: int, prefill_flops_total: float = 0.0) -> dict[str, Any]:
         st = self.cache.stats() if self.cache else {}
         out: dict[str, Any] = {
             "hit_tokens": self.hit_tokens,
             "token_hit_rate": self.hit_tokens / max(1, input_tokens),
+            "prefill_flops_saved_fraction": self.flops_saved / prefill_flops_total if prefill_flops_total else 0.0,
             "raw_match_tokens": self.raw_match_tokens,
             "rejected_requests": self.rejected,
         }
@@ -111,8 +114,13 @@ def run_request(cache: HybridKVCache, tokens: np.ndarray, namespace: str, chunk:
 def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int, *,
            systems: Iterable[str] = SYSTEMS, swa_checkpoint: int = 16384, chunk: int = 8192,
            extension_rule: bool = True, progress: Callable[[int, int], None] | None = None,
-           check_every: int = 0, tiers: Any = None) -> dict[str, Any]:
+           check_every: int = 0, tiers: Any = None, references: bool = True) -> dict[str, Any]:
     """Replay ``requests`` through each system in lockstep; returns a JSON-able dict.
+
+    ``references`` adds ``references.lru_full`` and ``references.optimal_at_budget``
+    (page-level replays of full KV at the same budget, SWA free: upper
+    references, see :mod:`hybridkv.references`).  Every system and reference
+    reports ``prefill_flops_saved_fraction`` beside its token hit rate.
 
     ``check_every > 0`` runs every cache's ``check_invariants()`` that often.
     ``tiers`` (a :class:`hybridkv.tiers.TierConfig`) gives the ``hybridkv``
@@ -127,7 +135,9 @@ def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int,
     stats = {s: ReplayStats(s, cache=caches[s]) for s in systems}
     mat = TokenMaterializer(extension_rule=extension_rule)
     bound = PrefixBound(spec.page_size)
+    log = PageLog(spec.page_size) if references else None
     input_tokens = bound_tokens = 0
+    flops_total = 0.0
     t0 = time.perf_counter()
     total = len(requests)
     for i, r in enumerate(requests):
@@ -136,8 +146,14 @@ def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int,
             continue
         input_tokens += len(tokens)
         bound_tokens += bound.hits(tokens, r.namespace, len(tokens) - 1)
+        flops_total += prefill_flops(spec, len(tokens))
+        if log is not None:
+            log.record(tokens, r.namespace, len(tokens) - 1)
         for s in systems:
+            before = stats[s].hit_tokens
             run_request(caches[s], tokens, r.namespace, chunk, stats[s])
+            if stats[s].hit_tokens > before:
+                stats[s].flops_saved += prefill_flops(spec, stats[s].hit_tokens - before)
             if check_every and (i + 1) % check_every == 0:
                 caches[s].check_invariants()
         if progress is not None:
@@ -155,9 +171,34 @@ def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int,
         "prefix_bound_hit_rate": bound_tokens / max(1, input_tokens),
         "elapsed_s": elapsed,
     }
-    out["systems"] = {s: stats[s].summary(input_tokens) for s in systems}
+    out["prefill_flops_total"] = flops_total
+    out["systems"] = {s: stats[s].summary(input_tokens, flops_total) for s in systems}
+    if log is not None:
+        out["references"] = reference_summary(log, spec, budget_bytes, input_tokens, flops_total)
     if "hybridkv" in caches:
         out["metadata_bytes_per_cached_token"] = metadata_bytes_per_token(caches["hybridkv"])
+    return out
+
+
+_REFERENCE_LABELS = {
+    "lru_full": "upper reference: LRU over full KV pages at the same budget, SWA free",
+    "optimal_at_budget": "upper reference: offline-optimal (Belady) eviction of full KV pages "
+                         "at the same budget, SWA free",
+}
+
+
+def reference_summary(log: PageLog, spec: ModelSpec, budget_bytes: int, input_tokens: int,
+                      flops_total: float) -> dict[str, Any]:
+    """``lru_full`` and ``optimal_at_budget`` hit rates and prefill FLOPs saved for ``log``."""
+    capacity = int(budget_bytes // spec.bytes_per_page("full"))
+    out: dict[str, Any] = {}
+    for name, policy in (("lru_full", "lru"), ("optimal_at_budget", "optimal")):
+        hits = simulate_reference(log, capacity, policy)
+        saved = sum(prefill_flops(spec, int(h)) for h in hits.tolist() if h)
+        out[name] = {"label": _REFERENCE_LABELS[name], "hit_tokens": int(hits.sum()),
+                     "token_hit_rate": int(hits.sum()) / max(1, input_tokens),
+                     "prefill_flops_saved_fraction": saved / flops_total if flops_total else 0.0,
+                     "capacity_full_pages": capacity}
     return out
 
 
@@ -197,7 +238,7 @@ def metadata_bytes_per_token(cache: HybridKVCache) -> float:
         return 0.0
     t = cache.tree
     per_node = (sys.getsizeof(next(iter(t.iter_nodes()), None)) + 3 * 112 + 232 + 3 * 80 + 100) if nodes else 0
-    heap = (len(t._leaf_heap) + len(t._swa_heap) + len(t._anchor_heap)) * 72
+    heap = (len(t._leaf_heap) + len(t._reused_heap) + len(t._swa_heap) + len(t._anchor_heap)) * 72
     return (arrays + nodes * per_node + heap) / tokens
 
 
