@@ -1,0 +1,142 @@
+"""Retention regressions (issue 13): each test lost a hit (or raised) before
+the RetentionPolicy owned every keep/evict decision."""
+
+import numpy as np
+import pytest
+
+from hybridkv import CacheConfig, HybridKVCache, KVShape, ModelSpec
+from hybridkv.radix import TreeConfig, WindowSafeTree
+from hybridkv.radix.policy import AdaptiveRanking, RetentionPolicy
+
+
+def spec(page=2, window=4):
+    return ModelSpec("t", ["full", "swa"], window, KVShape(1, 2, 2), KVShape(1, 2, 2), dtype="float32",
+                     page_size=page)
+
+
+def run(cache, tokens, ns="default", chunk=None):
+    tokens = np.asarray(tokens, dtype=np.int32)
+    req = cache.begin(tokens, ns)
+    hit = req.prefix_len
+    while req.computed < len(tokens):
+        n = min(chunk or len(tokens), len(tokens) - req.computed)
+        cache.allocate(req, n)
+        cache.commit(req, n)
+    cache.finish(req)
+    cache.check_invariants()
+    return hit
+
+
+class Pool:
+    def __init__(self):
+        self.full, self.swa = [], []
+
+    def free_full(self, pages):
+        self.full += pages.tolist()
+
+    def free_swa(self, pages):
+        self.swa += pages.tolist()
+
+
+def test_exact_repeat_of_page_aligned_prompt_hits_under_eager():
+    cache = HybridKVCache(spec(), CacheConfig(full_pages=64, swa_pages=64, swa_checkpoint=0, retention="eager"))
+    prompt = np.arange(8, dtype=np.int32)
+    assert run(cache, prompt, chunk=2) == 0
+    assert run(cache, prompt) == 6  # the hit stops one token short: ends at page 3, not 4
+
+
+def test_exact_repeat_hits_under_adaptive_once_memory_is_full():
+    cache = HybridKVCache(spec(), CacheConfig(full_pages=10, swa_pages=10, swa_checkpoint=0,
+                                              retention="adaptive"))
+    run(cache, np.arange(100, 112), chunk=2)       # 6 of 10 pages in both pools
+    prompt = np.arange(8, dtype=np.int32)
+    run(cache, prompt, chunk=2)                    # fills both pools: its last release is not spared
+    assert run(cache, prompt) == 6
+
+
+def test_tail_survives_when_page_size_does_not_divide_window():
+    cache = HybridKVCache(spec(page=3, window=4),
+                          CacheConfig(full_pages=64, swa_pages=64, swa_checkpoint=0, retention="eager"))
+    first = np.arange(10, dtype=np.int32)
+    run(cache, first, chunk=5)
+    longer = np.concatenate([first[:9], np.arange(50, 58, dtype=np.int32)])
+    assert run(cache, longer) == 9  # the window before the last whole page survived release
+
+
+def test_new_branch_point_gets_a_window_under_pressure():
+    cache = HybridKVCache(spec(), CacheConfig(full_pages=64, swa_pages=64, swa_checkpoint=0, retention="eager"))
+    a = np.arange(16, dtype=np.int32)
+    run(cache, a, chunk=4)                           # SWA kept only at a's tail
+    b = np.concatenate([a[:10], np.arange(60, 66, dtype=np.int32)])
+    assert run(cache, b, chunk=4) == 0               # raw match 10 > hit 0: a divergence point
+    # drop every SWA page no anchor covers: the new branch window must not be among them
+    t = cache.tree
+    unanchored = sum(int(((n.swa >= 0) & (n.anchor == 0)).sum()) for n in t.iter_nodes())
+    t.evict(swa_pages=unanchored)
+    cache.check_invariants()
+    c = np.concatenate([a[:10], np.arange(70, 76, dtype=np.int32)])
+    assert run(cache, c) == 10
+
+
+def test_window_spanning_three_nodes_stays_anchored():
+    t = WindowSafeTree(TreeConfig(1, 4, anchor_branch_points=False), Pool())
+    ids = iter(range(1000))
+
+    def ins(key):  # fresh ids everywhere: the tree frees the duplicates of what it caches
+        n = len(key)
+        t.insert(np.asarray(key, dtype=np.int32), np.array([next(ids) for _ in range(n)], dtype=np.int32),
+                 np.array([next(ids) for _ in range(n)], dtype=np.int32))
+
+    a = list(range(12))
+    ins(a)
+    ins(a[:10] + [100])
+    ins(a[:9] + [200, 201, 202, 203, 204])
+    t.check_invariants()
+    unanchored = sum(int(((n.swa >= 0) & (n.anchor == 0)).sum()) for n in t.iter_nodes())
+    t.evict(swa_pages=unanchored)
+    t.check_invariants()
+    assert t.match(np.array(a[:10] + [100, 7], dtype=np.int32)).length == 11
+    assert t.match(np.array(a + [7], dtype=np.int32)).length == 12
+
+
+def test_eviction_trims_a_leaf_back_to_its_last_window():
+    pool = Pool()
+    t = WindowSafeTree(TreeConfig(2, 4, swa_checkpoint=8), pool)
+    key = np.arange(32, dtype=np.int32)
+    swa = np.full(16, -1, dtype=np.int32)
+    keep = np.array([2, 3, 6, 7, 10, 11, 14, 15])   # checkpoint windows and the tail
+    swa[keep] = 100 + keep
+    t.insert(key, np.arange(16), swa)
+    assert t.evict(full_pages=2) == (4, 2)           # back to the checkpoint at page 12, not all 16
+    t.check_invariants()
+    assert t.match(np.concatenate([key[:24], [99]])).length == 24
+    assert t.full_pages_cached == 12
+
+
+def test_no_swa_eviction_with_fixed_split_evicts_a_leaf_instead_of_failing():
+    cache = HybridKVCache(spec(), CacheConfig(full_pages=32, swa_pages=8, swa_checkpoint=0, retention="none",
+                                              swa_eviction="none", anchor_branch_points=False))
+    run(cache, np.arange(16), chunk=4)               # the tree holds all 8 SWA pages
+    assert run(cache, np.arange(100, 108), chunk=4) == 0   # needs SWA: a leaf must go
+
+
+def test_policy_release_cut_and_divergence():
+    p = RetentionPolicy(page_size=3, window=4, checkpoint=0)
+    assert p.window_pages == 2
+    assert p.release_cut(10) == 1                   # keep pages 1, 2 (window before page 3)
+    assert p.release_cut(9) == 0                    # an exact repeat of 9 tokens hits 6: needs pages 0, 1
+    mask = p.releasable(0, 6, raw_match=12, hit=0)
+    assert mask.tolist() == [True, True, False, False, True, True]
+
+
+def test_adaptive_ranking_moves_target_toward_ghost_hits():
+    r = AdaptiveRanking()
+    r.pages[AdaptiveRanking.RECENT] = 10
+    r.pages[AdaptiveRanking.REUSED] = 10
+    r.remember(AdaptiveRanking.RECENT, 1, 4)
+    r.remember(AdaptiveRanking.REUSED, 2, 3)
+    assert r.on_miss(1) and r.target == 4           # ratio |B2| / |B1| = 3 / 4 -> 1
+    assert r.on_miss(2) and r.target == 1           # B1 is empty now: ratio 1
+    assert not r.on_miss(3)
+    assert r.evict_from(True, True) == AdaptiveRanking.RECENT   # 10 > target 1
+    assert r.evict_from(False, True) == AdaptiveRanking.REUSED
