@@ -37,10 +37,21 @@ class ConnectorConfig:
         stats_file: optional path; each side appends JSON lines with its
             counters (hit tokens per request, pages loaded/saved, faults).
         max_hit_tokens: cap of one external hit (0 = no cap).
-        checkpoint_interval: tokens between SWA retention checkpoints (a
-            multiple of the block size; 0 = tails only): the SWA window before
-            every such position of a prompt is stored too, so shared prefixes
-            that branch there stay hittable.
+        checkpoint_interval: where SWA retention checkpoints go: the SWA
+            window before every checkpoint of a prompt is stored too, so
+            shared prefixes that branch after it stay hittable there.
+            ``"auto"`` (default): a position-only grid that scales with the
+            prompt (:func:`~hybridkv_vllm.plan.checkpoint_ends`: every hit
+            unit up to ``2 * checkpoints_per_doubling`` units, then
+            ``checkpoints_per_doubling`` per doubling of the position); an
+            int: every multiple of it (a multiple of the hit unit); ``0``:
+            tails only.
+        checkpoints_per_doubling: density of the ``"auto"`` grid (> 0).
+        save_queue_mb: bound of the page bytes waiting in the worker's save
+            thread; prefill saves beyond it are dropped (counted).
+        async_save: store pages on the worker's save thread (default); ``False``
+            waits for every save inside the step (the old behaviour, for
+            comparison).
         backend_options: extra keyword options for ``open_backend``.
         l2_gb: host-memory L2 page cache per worker, in GiB (0 disables it):
             saves are written to L2 and through to L3; loads read L2 first.
@@ -52,9 +63,12 @@ class ConnectorConfig:
     save_on_finish: bool = True
     stats_file: str = ""
     max_hit_tokens: int = 0
-    checkpoint_interval: int = 4096
+    checkpoint_interval: int | str = "auto"
+    checkpoints_per_doubling: int = 4
     backend_options: Mapping[str, Any] | None = None
     l2_gb: float = 1.0
+    save_queue_mb: float = 256.0
+    async_save: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -74,19 +88,31 @@ class ConnectorConfig:
                 if not isinstance(extra[name], str):
                     raise TypeError(f"kv_connector_extra_config[{name!r}] must be a str")
                 kw[name] = extra[name]
-        if "save_on_finish" in extra:
-            kw["save_on_finish"] = _as_bool("save_on_finish", extra["save_on_finish"])
-        for name in ("max_hit_tokens", "checkpoint_interval"):
+        for name in ("save_on_finish", "async_save"):
+            if name in extra:
+                kw[name] = _as_bool(name, extra[name])
+        if extra.get("checkpoint_interval") == "auto":
+            kw["checkpoint_interval"] = "auto"
+        elif "checkpoint_interval" in extra:
+            v = extra["checkpoint_interval"]
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError("kv_connector_extra_config['checkpoint_interval'] must be "
+                                 "\"auto\" or an int >= 0")
+            kw["checkpoint_interval"] = v
+        for name, low in (("max_hit_tokens", 0), ("checkpoints_per_doubling", 1)):
             if name in extra:
                 v = extra[name]
-                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                    raise ValueError(f"kv_connector_extra_config[{name!r}] must be an int >= 0")
+                if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                    raise ValueError(f"kv_connector_extra_config[{name!r}] must be an "
+                                     f"int >= {low}")
                 kw[name] = v
-        if "l2_gb" in extra:
-            v = extra["l2_gb"]
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
-                raise ValueError("kv_connector_extra_config['l2_gb'] must be a number >= 0")
-            kw["l2_gb"] = float(v)
+        for name, low in (("l2_gb", 0.0), ("save_queue_mb", 1.0)):
+            if name in extra:
+                v = extra[name]
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= low:
+                    raise ValueError(f"kv_connector_extra_config[{name!r}] must be a "
+                                     f"number >= {low:g}")
+                kw[name] = float(v)
         if "backend_options" in extra:
             if not isinstance(extra["backend_options"], Mapping):
                 raise TypeError("kv_connector_extra_config['backend_options'] must be a dict")

@@ -30,8 +30,18 @@ manager, one block table per KV-cache group):
   places a later hit can end).  The finish save holds the request's blocks
   (``request_finished_all_groups`` returns ``True``) until the worker reports it.
 * Worker: ``register_kv_caches`` wraps vLLM's per-layer tensors per group
-  (:class:`.kvio.GroupBuffers`); loads run in ``start_load_kv``, saves in
-  ``wait_for_save`` (after the forward wrote this step's KV).
+  (:class:`.kvio.GroupBuffers`); loads run in ``start_load_kv``; saves leave
+  the step (:mod:`.saver`): ``wait_for_save`` copies a prefill chunk's pages
+  out of vLLM's blocks and queues the L2/L3 store on a background thread;
+  finish saves copy out on that thread too, under vLLM's delayed-free
+  protocol (the request is listed in ``finished_sending`` once its blocks
+  are copied out).
+* Counters reach vLLM's KV-connector stats (:mod:`.metrics`: the periodic
+  ``KV Transfer metrics`` log line and ``vllm:hybridkv_*_total`` on
+  ``/metrics``); log lines go through vLLM's logger (``vllm.hybridkv_vllm``);
+  the optional stats file gets one JSON line per event and, at shutdown (after
+  the save thread drained), one ``shutdown`` line with the totals, written in
+  one ``O_APPEND`` write and fsync'ed.
 * L2: each worker keeps a host page cache (:class:`.l2.HostPageCache`, hybridkv's
   ``HostTier`` index, ``l2_gb``).  Saves go to L2 and through to L3; loads read
   L2 first and L3 for the rest (L3 reads fill L2).  The scheduler decides hits
@@ -41,12 +51,15 @@ manager, one block table per KV-cache group):
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
 import os
 import threading
 import time
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -66,9 +80,11 @@ from hybridkv.tiers.keys import model_fingerprint, page_keys
 from hybridkv.tiers.storage import open_backend
 
 from .config import ConnectorConfig
-from .kvio import GroupBuffers, as_np_tokens, load_pages, save_pages
+from .kvio import GroupBuffers, as_np_tokens, load_pages
 from .l2 import HostPageCache
-from .plan import GroupInfo, pages_to_save, window_safe_tokens
+from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
+from .plan import GroupInfo, checkpoint_ends, pages_to_save, window_safe_tokens
+from .saver import SaveThread
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,7 +96,30 @@ if TYPE_CHECKING:
 
 __all__ = ["HybridKVConnector", "HybridKVMetadata", "PageJob"]
 
-logger = logging.getLogger("hybridkv_vllm")
+# vLLM configures the "vllm" logger (handler, format, VLLM_LOGGING_LEVEL); a
+# logger outside that namespace has no handler in a vLLM server and its lines
+# never appear.  hybridkv's own loggers ("hybridkv.*": backend faults) are
+# attached to the same handlers when the connector starts.
+logger = init_logger("vllm.hybridkv_vllm.connector")
+
+SENT_KEYS_MAX = 1 << 17  # recently saved keys the scheduler remembers (~15 MB)
+SHUTDOWN_DRAIN_S = 3.0
+LOAD_WAIT_S = 30.0  # a load waits at most this long for a queued save of its pages  # vLLM SIGKILLs an engine process ~5 s after SIGTERM
+
+
+def _route_core_logs() -> None:
+    core, vl = logging.getLogger("hybridkv"), logging.getLogger("vllm")
+    if not core.handlers and vl.handlers:
+        for h in vl.handlers:
+            core.addHandler(h)
+        core.setLevel(vl.level or logging.INFO)
+        core.propagate = False
+
+
+def _shutdown_at_exit(ref: weakref.ref) -> None:
+    conn = ref()
+    if conn is not None:
+        conn.shutdown()
 
 
 @dataclass
@@ -167,28 +206,40 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # A hit must end on a block boundary of every group: the lcm (vLLM's
         # scheduler block size for mixed groups, and what it aligns local hits to).
         self.unit = math.lcm(*(g.block_size for g in self.groups))
-        if self.cfg.checkpoint_interval % self.unit:
+        ci = self.cfg.checkpoint_interval
+        if ci != "auto" and int(ci) % self.unit:
             raise ValueError(f"kv_connector_extra_config['checkpoint_interval'] "
                              f"({self.cfg.checkpoint_interval}) must be a multiple of the "
                              f"hit unit {self.unit} (lcm of the groups' block sizes)")
         self.fingerprints = _fingerprints(vllm_config, kv_cache_config, self.groups,
                                           self.cfg.model_id)
         self.backend = open_backend(self.cfg.l3_url, **dict(self.cfg.backend_options or {}))
-        self.stats: dict[str, int] = {"lookups": 0, "hit_requests": 0, "hit_tokens": 0,
-                                      "load_pages": 0, "load_pages_l2": 0, "load_pages_l3": 0,
-                                      "load_failures": 0, "save_pages": 0, "save_pages_l2": 0,
-                                      "save_skipped": 0, "finish_saves": 0}
+        _route_core_logs()
+        self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # totals (stats file)
+        self._interval: dict[str, int] = {}  # increments since the last vLLM stats pull
         self._stats_lock = threading.Lock()
+        self._stats_fd: int | None = None
+        self._closed = False
+        if self.cfg.stats_file:
+            self._stats_fd = os.open(self.cfg.stats_file,
+                                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: dict[str, PageJob] = {}
         self._pending_saves: list[PageJob] = []
+        # Keys of save jobs already sent to the workers (bounded, oldest out):
+        # lookups count them as stored while their store may still be queued.
+        self._sent: OrderedDict[bytes, None] = OrderedDict()
         # worker side
         self._buffers: dict[int, GroupBuffers] = {}
         self._l2: HostPageCache | None = None
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
-        self._done_send: set[str] = set()
+        self._saver: SaveThread | None = None
+        # vLLM calls shutdown() on both roles at a clean exit; if a path skips
+        # it (e.g. an interpreter exit without engine teardown) the totals are
+        # still written once.
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
         self._record(event="init", unit=self.unit, l2_gb=self.cfg.l2_gb,
                      groups=[[g.index, g.window, g.block_size] for g in self.groups])
         logger.info("HybridKVConnector role=%s l3=%s l2_gb=%s unit=%d groups=%s", role.name,
@@ -201,12 +252,50 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     # ------------------------------------------------------------------ stats
+    def _count(self, **inc: int) -> None:
+        """Add to the totals and to the increments vLLM pulls next (thread-safe)."""
+        with self._stats_lock:
+            for k, v in inc.items():
+                if v:
+                    self.stats[k] = self.stats.get(k, 0) + int(v)
+                    self._interval[k] = self._interval.get(k, 0) + int(v)
+
     def _record(self, **event: Any) -> None:
-        if not self.cfg.stats_file:
+        """Append one JSON line to the stats file.
+
+        Every line carries ``totals``, this role's counters so far, so the
+        last line of a (role, pid) holds its final totals even when the
+        process is killed: with vLLM's default ``--shutdown-timeout 0`` the
+        API server SIGKILLs the engine and worker processes right after
+        SIGTERM, before any shutdown hook runs.  One ``O_APPEND`` write per
+        line: lines of both roles and of several processes never interleave
+        and a kill never leaves half a line.
+        """
+        if self._stats_fd is None:
             return
         event.update(role=self.role.name.lower(), pid=os.getpid(), t=time.time())
-        with self._stats_lock, open(self.cfg.stats_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(event) + "\n")
+        with self._stats_lock:
+            if self._stats_fd is None:
+                return
+            event["totals"] = dict(self.stats)
+            os.write(self._stats_fd, (json.dumps(event) + "\n").encode())
+
+    def get_kv_connector_stats(self) -> HybridKVStats | None:
+        """Counter increments since the last call (vLLM aggregates workers and the
+        scheduler side, logs them and feeds ``/metrics``)."""
+        with self._stats_lock:
+            data, self._interval = self._interval, {}
+        return HybridKVStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HybridKVStats:
+        return HybridKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> HybridKVPromMetrics:
+        return HybridKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ============================================================ scheduler
     def _state(self, request: Request) -> _ReqState:
@@ -242,7 +331,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Window-safe external hit beyond ``num_computed_tokens`` (page aligned).
 
         Side-effect free towards vLLM (only caches keys).  Cost: one batched
-        ``exists`` over the prompt's page keys of every group.
+        ``exists`` over the page keys past the local hit that this engine has
+        not saved itself.
         """
         unit = self.unit
         max_tokens = (request.num_tokens - 1) // unit * unit  # vLLM must compute >= 1 token
@@ -253,16 +343,29 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if max_tokens <= num_computed_tokens:
             return 0, False
         keys = self._keys(st, max_tokens)
-        flat = [k for g in self.groups for k in keys[g.index]]
-        got = np.asarray(self.backend.exists(flat), dtype=bool)
-        present, off = [], 0
-        for g in self.groups:
-            n = len(keys[g.index])
-            present.append(got[off:off + n])
-            off += n
+        # Pages below the engine's own hit are never read (window_safe_tokens
+        # starts there); pages this engine already handed to its workers'
+        # save threads count as present (the worker's load waits for their
+        # store, see SaveThread.wait_keys); only the rest is asked of L3.
+        present, ask, where = [], [], []
+        for gi, g in enumerate(self.groups):
+            ks = keys[g.index]
+            arr = np.zeros(len(ks), dtype=bool)
+            lo = min(len(ks), num_computed_tokens // g.block_size)
+            arr[:lo] = True
+            for i in range(lo, len(ks)):
+                if ks[i] in self._sent:
+                    arr[i] = True
+                else:
+                    ask.append(ks[i])
+                    where.append((gi, i))
+            present.append(arr)
+        if ask:
+            got = self.backend.exists(ask)
+            for (gi, i), ok in zip(where, got):
+                present[gi][i] = bool(ok)
         hit = window_safe_tokens(present, self.groups, unit, num_computed_tokens, max_tokens)
-        with self._stats_lock:
-            self.stats["lookups"] += 1
+        self._count(lookups=1)
         st.hit_tokens = hit if hit > num_computed_tokens else 0
         if not st.hit_tokens:
             return 0, False
@@ -272,13 +375,17 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                                  num_external_tokens: int) -> None:
         """Turn the reported hit into a per-group load job (window blocks for SWA)."""
         st = self._reqs.get(request.request_id)
+        hit = st is not None and num_external_tokens > 0 and bool(st.hit_tokens)
+        if hit:  # counted before the event line, which carries the totals
+            self._count(hit_requests=1, hit_tokens=int(num_external_tokens))
         if st is not None and not st.reported:
             st.reported = True
             self._record(event="alloc", req=request.request_id,
                          prompt_tokens=request.num_prompt_tokens,
                          external_tokens=int(num_external_tokens))
-        if num_external_tokens <= 0 or st is None or not st.hit_tokens:
+        if not hit:
             return
+        assert st is not None
         end = st.hit_tokens
         start = end - int(num_external_tokens)
         keys = self._keys(st, end)
@@ -292,27 +399,26 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             job.groups[g.index] = ([blk[i].block_id for i in sel], [keys[g.index][i] for i in sel])
         self._pending_loads[request.request_id] = job
         st.saved_tokens = max(st.saved_tokens, end)  # these pages are in storage already
-        with self._stats_lock:
-            self.stats["hit_requests"] += 1
-            self.stats["hit_tokens"] += int(num_external_tokens)
 
     def _save_job(self, st: _ReqState, block_ids: tuple[list[int], ...], end_tokens: int,
                   final: bool, null_id: int) -> PageJob | None:
         """Pages of every group completed in ``(saved_tokens, end_tokens]`` worth storing.
 
         Full groups: every complete block.  SWA groups: the windows before
-        checkpoints and (``final``) before the last hit-able end, both on the
-        hit unit (a hit can only end there).
+        checkpoints (:func:`.plan.checkpoint_ends`) and (``final``) before the
+        last hit-able end, both on the hit unit (a hit can only end there).
         """
         keys = self._keys(st, end_tokens)
         job = PageJob(st.request.request_id)
         swa_end = end_tokens // self.unit * self.unit
+        ckpts = checkpoint_ends(st.saved_tokens, swa_end, self.unit,
+                                self.cfg.checkpoint_interval, self.cfg.checkpoints_per_doubling)
         for g in self.groups:
             ids, bs = block_ids[g.index], g.block_size
             if g.is_swa:
                 done = st.saved_swa.setdefault(g.index, set())
                 pages = pages_to_save(g, st.saved_tokens // bs, swa_end // bs, bs, final,
-                                      self.cfg.checkpoint_interval // bs)
+                                      checkpoints=[c // bs for c in ckpts])
             else:
                 done = set()
                 pages = pages_to_save(g, st.saved_tokens // bs, end_tokens // bs, bs, final)
@@ -352,6 +458,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 meta.saves.append(job)
         meta.saves.extend(self._pending_saves)
         self._pending_saves.clear()
+        for job in meta.saves:  # visible to lookups from the next step on
+            for _, ks in job.groups.values():
+                for k in ks:
+                    self._sent[k] = None
+                    self._sent.move_to_end(k)
+        while len(self._sent) > SENT_KEYS_MAX:
+            self._sent.popitem(last=False)
         return meta
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
@@ -381,11 +494,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished_all_groups(request, (block_ids,))
 
     def has_pending_push_work(self) -> bool:
-        # Keep the engine stepping until queued finish saves reach a worker.
+        # Keep the engine stepping until queued finish saves reach a worker
+        # (after that the held request keeps it stepping until finished_sending).
         return bool(self._pending_saves)
-
-    def get_kv_connector_stats(self) -> None:
-        return None
 
     # =============================================================== worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -404,6 +515,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             windows = [int(g.window) for g in self.groups if g.is_swa] or [1]
             self._l2 = HostPageCache(page_bytes.pop(), budget, min(windows))
+        self._saver = SaveThread(self.backend, self._buffers, self._l2,
+                                 {g.index: g.is_swa for g in self.groups},
+                                 int(self.cfg.save_queue_mb * (1 << 20)), self._count,
+                                 self._record)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Run this step's loads (all or nothing per request)."""
@@ -412,19 +527,20 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         swa = {g.index: g.is_swa for g in self.groups}
         for job in meta.loads:
+            if self._saver is not None:  # a page saved moments ago may still be queued
+                self._saver.wait_keys([k for _, ks in job.groups.values() for k in ks],
+                                      LOAD_WAIT_S)
             ok, l2_pages, l3_pages = True, 0, 0
             for gi, (ids, keys) in job.groups.items():
                 if ok and ids:
                     ok, a, b = load_pages(self.backend, self._buffers[gi], keys, ids,
                                           self._l2, swa[gi])
                     l2_pages, l3_pages = l2_pages + a, l3_pages + b
-            with self._stats_lock:
-                if ok:
-                    self.stats["load_pages"] += job.num_pages()
-                    self.stats["load_pages_l2"] += l2_pages
-                    self.stats["load_pages_l3"] += l3_pages
-                else:
-                    self.stats["load_failures"] += 1
+            if ok:
+                self._count(load_pages=job.num_pages(), load_pages_l2=l2_pages,
+                            load_pages_l3=l3_pages)
+            else:
+                self._count(load_failures=1)
             (self._done_recv if ok else self._failed_recv).add(job.req_id)
             self._record(event="load", req=job.req_id, pages=job.num_pages(), ok=ok,
                          l2_pages=l2_pages, l3_pages=l3_pages)
@@ -437,32 +553,25 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return  # saved in wait_for_save, once the whole step's KV is written
 
     def wait_for_save(self) -> None:
-        """Store this step's save jobs (existing keys are skipped)."""
+        """Hand this step's save jobs to the save thread (see :mod:`.saver`).
+
+        Prefill pages are copied out of vLLM's blocks here; the L2/L3 store
+        runs on the thread.  With ``async_save: false`` the step waits for it.
+        """
         meta = self._connector_metadata
-        if not isinstance(meta, HybridKVMetadata) or not meta.saves:
+        if not isinstance(meta, HybridKVMetadata) or not meta.saves or self._saver is None:
             return
-        swa = {g.index: g.is_swa for g in self.groups}
         for job in meta.saves:
-            stored = skipped = in_l2 = 0
-            for gi, (ids, keys) in job.groups.items():
-                s, k, h = save_pages(self.backend, self._buffers[gi], keys, ids, self._l2,
-                                     swa[gi])
-                stored, skipped, in_l2 = stored + s, skipped + k, in_l2 + h
-            with self._stats_lock:
-                self.stats["save_pages"] += stored
-                self.stats["save_pages_l2"] += in_l2
-                self.stats["save_skipped"] += skipped
-                self.stats["finish_saves"] += int(job.finish)
-            if job.finish:
-                self._done_send.add(job.req_id)
-            self._record(event="save", req=job.req_id, stored=stored, skipped=skipped,
-                         stored_l2=in_l2, finish=job.finish)
+            self._saver.submit(job.req_id, job.groups, job.finish)
+        if not self.cfg.async_save:
+            self._saver.drain(float("inf"))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        res = KVConnectorTransferResults(finished_sending=self._done_send,
+        sent = self._saver.pop_released() if self._saver is not None else set()
+        res = KVConnectorTransferResults(finished_sending=sent,
                                          finished_recving=self._done_recv | self._failed_recv,
                                          failed_recving=self._failed_recv)
-        self._done_send, self._done_recv, self._failed_recv = set(), set(), set()
+        self._done_recv, self._failed_recv = set(), set()
         return res
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -470,8 +579,33 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return r.finished_sending or None, r.finished_recving or None
 
     def shutdown(self) -> None:
-        extra = {"l2": self._l2.stats()} if self._l2 is not None else {}
-        self._record(event="shutdown", **self.stats, **extra)
+        """Drain the save thread (bounded), then append the totals and fsync.
+
+        Idempotent (vLLM's teardown and the ``atexit`` fallback may both call it).
+        """
+        with self._stats_lock:
+            if self._closed:
+                return
+            self._closed = True
+        drained = True
+        if self._saver is not None:
+            drained = self._saver.stop(SHUTDOWN_DRAIN_S)
+            if not drained:
+                logger.warning("hybridkv: %d saves still queued at shutdown are dropped",
+                               self._saver.pending())
+        extra: dict[str, Any] = {"l2": self._l2.stats()} if self._l2 is not None else {}
+        with self._stats_lock:
+            totals = dict(self.stats)
+        self._record(event="shutdown", drained=drained, **extra)
+        with self._stats_lock:
+            fd, self._stats_fd = self._stats_fd, None
+        if fd is not None:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        logger.info("hybridkv %s totals: %s", self.role.name.lower(),
+                    {k: v for k, v in totals.items() if v})
         try:
             self.backend.close()
         except Exception:  # closing is best effort at interpreter exit

@@ -25,9 +25,11 @@ from hybridkv.tiers.storage import StorageBackend
 if TYPE_CHECKING:
     from .l2 import HostPageCache
 
-__all__ = ["GroupBuffers", "load_pages", "save_pages"]
+__all__ = ["GroupBuffers", "gather_host", "load_pages", "save_pages", "store_rows"]
 
-logger = logging.getLogger("hybridkv_vllm")
+# Under the "vllm." namespace: vLLM configures that logger (handler, format,
+# VLLM_LOGGING_LEVEL), so these lines appear in the server log.
+logger = logging.getLogger("vllm.hybridkv_vllm.kvio")
 
 
 @dataclass
@@ -101,31 +103,50 @@ class GroupBuffers:
             off += lay.elems
 
 
-def save_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[bytes],
-               block_ids: Sequence[int], l2: HostPageCache | None = None,
-               swa: bool = False) -> tuple[int, int, int]:
-    """Store pages into L2 (when given) and into L3 where its key is missing.
+def gather_host(group: GroupBuffers, block_ids: Sequence[int]) -> torch.Tensor:
+    """Copy blocks out of vLLM's KV tensors: ``[n, page_bytes]`` uint8 on the host.
 
-    L3 is written through (a fresh process or another server can only hit
-    there); L2 keeps a host copy so this worker's next load skips L3.
-    Returns ``(stored_l3, skipped_existing_l3, stored_l2)``.  Backend faults
-    come back as ``False`` from ``put`` (counted by the backend); nothing
-    raises.  O(n * page bytes).
+    After this returns the blocks may be reused (the rows are a private copy).
+    On a CPU build this is the whole copy; on an accelerator it is one gather
+    plus a device-to-host copy.  O(n * page bytes).
+    """
+    rows = group.gather(list(block_ids))
+    if rows.device.type != "cpu":
+        rows = rows.cpu()
+    return rows.view(torch.uint8)
+
+
+def store_rows(backend: StorageBackend, keys: Sequence[bytes], rows: torch.Tensor,
+               l2: HostPageCache | None = None, swa: bool = False) -> tuple[int, int, int]:
+    """Store host ``rows`` (from :func:`gather_host`) into L2 (when given) and L3.
+
+    L3 is written through where a key is missing (a fresh process or another
+    server can only hit there); L2 keeps a host copy so this worker's next
+    load skips L3.  Returns ``(stored_l3, skipped_existing_l3, stored_l2)``.
+    Backend faults come back as ``False`` from ``put`` (counted by the
+    backend); nothing raises.  O(n * page bytes).
     """
     if not keys:
         return 0, 0, 0
+    in_l2 = 0
+    if l2 is not None and l2.page_bytes == rows.shape[1]:
+        in_l2 = l2.store(swa, list(keys), rows)
     present = backend.exists(list(keys))
     todo = [i for i, p in enumerate(present) if not p]
-    need_l2 = l2 is not None and l2.page_bytes == group.page_bytes
-    if not todo and not need_l2:
-        return 0, len(keys), 0
-    rows = group.gather(list(block_ids)).view(torch.uint8)
-    in_l2 = l2.store(swa, list(keys), rows) if need_l2 else 0  # type: ignore[union-attr]
     if not todo:
         return 0, len(keys), in_l2
     raw = rows.numpy()
     ok = backend.put([keys[i] for i in todo], [raw[i] for i in todo])
     return sum(ok), len(keys) - len(todo), in_l2
+
+
+def save_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[bytes],
+               block_ids: Sequence[int], l2: HostPageCache | None = None,
+               swa: bool = False) -> tuple[int, int, int]:
+    """:func:`gather_host` then :func:`store_rows`, synchronously (same return)."""
+    if not keys:
+        return 0, 0, 0
+    return store_rows(backend, keys, gather_host(group, block_ids), l2, swa)
 
 
 def load_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[bytes],
@@ -143,12 +164,11 @@ def load_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[byte
         return True, 0, 0
     buf = torch.empty((n, group.page_bytes), dtype=torch.uint8)
     use_l2 = l2 is not None and l2.page_bytes == group.page_bytes
-    host = l2.lookup(swa, list(keys)) if use_l2 else np.full(n, -1)  # type: ignore[union-attr]
-    hit = np.flatnonzero(host >= 0)
-    if hit.size:
-        buf.index_copy_(0, torch.as_tensor(hit, dtype=torch.long),
-                        l2.read(swa, host[hit]))  # type: ignore[union-attr]
-    miss = np.flatnonzero(host < 0)
+    hit = (l2.fetch(swa, list(keys), buf) if use_l2  # type: ignore[union-attr]
+           else np.zeros(0, dtype=np.int64))
+    held = np.zeros(n, dtype=bool)
+    held[hit] = True
+    miss = np.flatnonzero(~held)
     if miss.size:
         arr = buf.numpy()
         got = backend.get_into([keys[i] for i in miss.tolist()],

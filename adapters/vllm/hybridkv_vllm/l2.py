@@ -14,12 +14,15 @@ key (per-group fingerprint), so groups never collide.
 
 Memory: ``torch.empty`` rows (untouched rows are not resident); resident
 bytes stay within ``budget_bytes`` plus the pages HostTier has freed but the
-allocator has not reused yet.  Not thread-safe: the worker calls it from its
-one execute thread.
+allocator has not reused yet.  Thread-safe: one lock serialises every call
+(the worker's execute thread loads, its save thread stores);
+:meth:`HostPageCache.fetch` looks up and copies under one hold, so a page
+cannot be evicted and reused between the two.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -59,9 +62,14 @@ class HostPageCache:
         rows = int(budget_bytes) // self.page_bytes
         self._rows = {AttnKind.FULL: torch.empty((rows, self.page_bytes), dtype=torch.uint8),
                       AttnKind.SWA: torch.empty((rows, self.page_bytes), dtype=torch.uint8)}
+        self._lock = threading.RLock()
 
     def lookup(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:
         """Host page of each key, ``-1`` where absent (touches hits).  O(n)."""
+        with self._lock:
+            return self._lookup(swa, keys)
+
+    def _lookup(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:
         if swa:
             return self.tier.lookup_swa(keys, touch=True)
         return self.tier.lookup_full(keys, touch=True)
@@ -69,7 +77,23 @@ class HostPageCache:
     def read(self, swa: bool, pages: np.ndarray) -> torch.Tensor:
         """``[n, page_bytes]`` uint8 copies of host ``pages``.  O(n * page_bytes)."""
         kind = AttnKind.SWA if swa else AttnKind.FULL
-        return self._rows[kind].index_select(0, torch.as_tensor(pages, dtype=torch.long))
+        with self._lock:
+            return self._rows[kind].index_select(0, torch.as_tensor(pages, dtype=torch.long))
+
+    def fetch(self, swa: bool, keys: Sequence[bytes], out: torch.Tensor) -> np.ndarray:
+        """Copy every held page into ``out[i]`` (``[n, page_bytes]`` uint8); returns the
+        indices ``i`` copied.  Lookup and copy happen under one lock hold (a
+        concurrent store cannot evict and overwrite a row in between).
+        O(n * page_bytes)."""
+        kind = AttnKind.SWA if swa else AttnKind.FULL
+        with self._lock:
+            host = self._lookup(swa, keys)
+            hit = np.flatnonzero(host >= 0)
+            if hit.size:
+                out.index_copy_(0, torch.as_tensor(hit, dtype=torch.long),
+                                self._rows[kind].index_select(
+                                    0, torch.as_tensor(host[hit], dtype=torch.long)))
+        return hit
 
     def store(self, swa: bool, keys: Sequence[bytes], rows: torch.Tensor) -> int:
         """Copy ``rows`` (``[n, page_bytes]`` uint8) in under ``keys``; returns pages stored.
@@ -81,7 +105,11 @@ class HostPageCache:
         if rows.dim() != 2 or rows.shape[1] != self.page_bytes or rows.shape[0] != len(keys):
             raise ValueError(f"rows must be [{len(keys)}, {self.page_bytes}] uint8, "
                              f"got {tuple(rows.shape)}")
-        have = self.lookup(swa, keys)
+        with self._lock:
+            return self._store(swa, keys, rows)
+
+    def _store(self, swa: bool, keys: Sequence[bytes], rows: torch.Tensor) -> int:
+        have = self._lookup(swa, keys)
         todo = np.flatnonzero(have < 0)
         if todo.size == 0:
             return 0
@@ -101,4 +129,5 @@ class HostPageCache:
         return int(todo.size)
 
     def stats(self) -> dict[str, int]:
-        return self.tier.stats()
+        with self._lock:
+            return self.tier.stats()

@@ -17,6 +17,7 @@ import numpy as np
 
 __all__ = [
     "GroupInfo",
+    "checkpoint_ends",
     "pages_to_save",
     "swa_first_page",
     "window_safe_pages",
@@ -133,17 +134,58 @@ def window_safe_tokens(present: Sequence[np.ndarray], groups: Sequence[GroupInfo
     return int(good[-1]) if good.size else 0
 
 
+def checkpoint_ends(lo: int, hi: int, unit: int, interval: int | str = "auto",
+                    per_doubling: int = 4) -> list[int]:
+    """SWA retention checkpoints ``c`` (tokens) with ``lo < c <= hi``.
+
+    ``interval`` an int > 0: every multiple of it (a multiple of ``unit``);
+    ``0``: none.  ``"auto"``: a grid that depends only on the position (so
+    every request sharing a prefix agrees on it) and scales with it: with
+    ``m = c / unit``, every ``m <= 2 * per_doubling`` is a checkpoint, then
+    ``per_doubling`` evenly spaced ones per doubling of ``m`` (``m`` in
+    ``[2^j, 2^(j+1))`` is a checkpoint iff it is a multiple of
+    ``max(1, 2^j // per_doubling)``).  A prefix shared up to ``p`` tokens
+    therefore hits at least ``p - max(unit, p / per_doubling)`` tokens, for
+    short prompts as for long ones, and a prompt of ``P`` tokens has about
+    ``per_doubling * (log2(P / unit) + 1)`` checkpoints.  Sorted; O(result + 64).
+    """
+    if unit <= 0:
+        raise ValueError(f"unit must be > 0, got {unit}")
+    if hi <= lo:
+        return []
+    if interval != "auto":
+        step = int(interval)
+        if step <= 0:
+            return []
+        first = (lo // step + 1) * step
+        return list(range(first, hi + 1, step))
+    if per_doubling <= 0:
+        raise ValueError(f"per_doubling must be > 0, got {per_doubling}")
+    m_lo, m_hi = lo // unit + 1, hi // unit  # candidate m in [m_lo, m_hi]
+    out: list[int] = []
+    j = max(0, m_lo.bit_length() - 1)
+    while (1 << j) <= m_hi:
+        step = max(1, (1 << j) // per_doubling)
+        a, b = max(m_lo, 1 << j), min(m_hi, (1 << (j + 1)) - 1)
+        first = -(-a // step) * step
+        out.extend(m * unit for m in range(first, b + 1, step))
+        j += 1
+    return out
+
+
 def pages_to_save(group: GroupInfo, saved_pages: int, end_pages: int, page_size: int,
-                  final: bool, checkpoint_pages: int = 0) -> list[int]:
+                  final: bool, checkpoint_pages: int = 0,
+                  checkpoints: Sequence[int] | None = None) -> list[int]:
     """Pages of ``group`` to store when a request's KV is complete up to ``end_pages``.
 
     Full groups store every page not stored yet (``[saved_pages, end_pages)``).
     SWA groups store only windows a later hit can end at: the window before
-    every checkpoint (a multiple of ``checkpoint_pages``, 0 = none) in
-    ``(saved_pages, end_pages]``, and, when ``final`` (prompt end or request
-    end), the window before ``end_pages``.  SWA KV elsewhere can never make a
-    window-safe hit and is not worth its bytes.  Sorted, unique page indices;
-    O(pages returned).
+    every checkpoint in ``(saved_pages, end_pages]`` (``checkpoints``, in
+    pages of this group, e.g. from :func:`checkpoint_ends`; else every
+    multiple of ``checkpoint_pages``, 0 = none), and, when ``final`` (prompt
+    end or request end), the window before ``end_pages``.  SWA KV elsewhere
+    can never make a window-safe hit and is not worth its bytes.  Sorted,
+    unique page indices; O(pages returned).
     """
     if end_pages <= 0:
         return []
@@ -151,7 +193,9 @@ def pages_to_save(group: GroupInfo, saved_pages: int, end_pages: int, page_size:
         return list(range(min(saved_pages, end_pages), end_pages))
     assert group.window is not None
     ends: list[int] = []
-    if checkpoint_pages > 0:
+    if checkpoints is not None:
+        ends = [int(e) for e in checkpoints if saved_pages < e <= end_pages]
+    elif checkpoint_pages > 0:
         first = (saved_pages // checkpoint_pages + 1) * checkpoint_pages
         ends = list(range(first, end_pages + 1, checkpoint_pages))
     if final and (not ends or ends[-1] != end_pages):

