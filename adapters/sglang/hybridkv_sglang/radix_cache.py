@@ -236,9 +236,14 @@ class HybridKVRadixCache(BasePrefixCache):
             return
         length = n_pages * self.page_size
         tokens = np.asarray(req.full_untruncated_fill_ids[:length], dtype=np.int64)
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :length:self.page_size]
-        full = (row.to(torch.int64) // self.page_size).numpy().astype(np.int32)
-        swa = self.pool.swa_pages_of(full)
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :length:self.page_size].cpu().numpy()
+        full = (row if self.page_size == 1 else row // self.page_size).astype(np.int32)
+        # [0, protected) is the tree's own path (the row was rewritten onto it at
+        # match or at the last checkpoint): its SWA is the tree's, not the
+        # request's, so only the new pages carry SWA.  Keeps a checkpoint's
+        # mapping reads O(new pages) instead of O(up_to).
+        swa = np.full(n_pages, -1, dtype=np.int32)
+        swa[protected:] = self.pool.swa_pages_of(full[protected:])
         ns = namespace_of(req.extra_key, req.cache_salt)
         # Record owners before the insert: the tree may free duplicates right away.
         self.pool.adopt(full[protected:], swa[protected:])
