@@ -11,7 +11,7 @@ Quick start::
     cache.finish(req)
 """
 
-from .cache import CacheConfig, CacheFullError, HybridKVCache, Request
+from .cache import CacheConfig, CacheFullError, HybridKVCache, Request, StepBatch
 from .pools import DualPool
 from .radix import TreeConfig, WindowSafeTree
 from .spec import AttnKind, KVShape, ModelSpec, PRESETS, preset_names
@@ -19,5 +19,5 @@ from .spec import AttnKind, KVShape, ModelSpec, PRESETS, preset_names
 __version__ = "0.1.0"
 
 __all__ = ["AttnKind", "CacheConfig", "CacheFullError", "DualPool", "HybridKVCache", "KVShape",
-           "ModelSpec", "PRESETS", "Request", "TreeConfig", "WindowSafeTree", "preset_names",
+           "ModelSpec", "PRESETS", "Request", "StepBatch", "TreeConfig", "WindowSafeTree", "preset_names",
            "__version__"]

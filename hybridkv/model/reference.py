@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..cache import HybridKVCache, Request
+from ..cache import HybridKVCache, Request, StepBatch
 from ..spec import AttnKind, KVShape, ModelSpec
 
 __all__ = ["ReferenceModel", "tiny_spec"]
@@ -156,11 +156,34 @@ class ReferenceModel:
         release out-of-window SWA).  ``before_layer(i)`` is called before layer
         ``i`` reads any KV (a layerwise loader waits there).
         """
+        self._need_memory(cache)
+        start = req.computed
+        full_new, swa_new = cache.allocate(req, n)
+        logits = self._forward(cache, req, start, start + n, full_new, swa_new, before_layer)
+        cache.commit(req, n)
+        return logits
+
+    def forward_step(self, cache: HybridKVCache, batch: StepBatch, row: int) -> torch.Tensor:
+        """Row ``row`` of a :meth:`HybridKVCache.step` batch: compute its new
+        positions at the slots the batch handed out (the caller commits the
+        batch).  Returns their logits."""
+        self._need_memory(cache)
+        if not batch.ok[row]:
+            raise ValueError(f"row {row} of the batch got no slots")
+        lo, hi = int(batch.cu_new[row]), int(batch.cu_new[row + 1])
+        start = int(batch.start[row])
+        return self._forward(cache, batch.requests[row], start, start + hi - lo, batch.full_slots[lo:hi],
+                             batch.swa_slots[lo:hi], None)
+
+    @staticmethod
+    def _need_memory(cache: HybridKVCache) -> None:
         buffers = cache.pool.buffers
         if buffers is None or buffers.device.type == "meta":
             raise ValueError("forward_cached needs a cache with real KV buffers (device='cpu')")
-        start, end = req.computed, req.computed + n
-        full_new, swa_new = cache.allocate(req, n)
+
+    def _forward(self, cache: HybridKVCache, req: Request, start: int, end: int, full_new: np.ndarray,
+                 swa_new: np.ndarray, before_layer: Callable[[int], None] | None) -> torch.Tensor:
+        buffers = cache.pool.buffers
         ids = torch.as_tensor(req.tokens[start:end] % self.vocab, dtype=torch.long)
         pos = torch.arange(start, end)
         full_all = cache.full_slots(req, 0, end)
@@ -182,5 +205,4 @@ class ReferenceModel:
             k_read, v_read = kb.read(li, slots)
             h = h + self._attend(i, q, pos, k_read, v_read, kpos)
             h = h + self._mlp(i, h)
-        cache.commit(req, n)
         return self._norm(h) @ self.lm_head

@@ -79,6 +79,14 @@ class KindBuffers:
         """Physical block ids of logical ``pages`` for layer group ``group``."""
         return self.table[pages, group]
 
+    def physical_slots(self, slots: np.ndarray, group: int = 0) -> np.ndarray:
+        """Logical token ``slots`` (what the cache hands out) as slots of layer
+        group ``group``'s view, ``block * page_size + offset`` (int64): vLLM's
+        ``slot_mapping`` for ``layer_view(i)`` of a layer in that group.  O(n)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        p = self.k.shape[2]
+        return self.table[slots // p, group].astype(np.int64) * p + slots % p
+
     def blocks(self, pages: np.ndarray) -> np.ndarray:
         """All blocks of ``pages`` in page-major, group-minor order (what a page
         copy moves): ``[len(pages) * blocks_per_page]`` int64."""

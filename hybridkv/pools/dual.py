@@ -113,10 +113,13 @@ class DualPool:
             budget_bytes = full_pages * self.full_page_bytes + swa_pages * self.swa_page_bytes
         if self.layout is not None:  # the arena holds whole blocks only
             budget_bytes -= budget_bytes % self.layout.block_bytes
-        if full_pages is None:
-            full_pages = budget_bytes // self.full_page_bytes if self.full_page_bytes else 0
+        # a kind the model lacks (no layers) costs nothing: as many ids as the other kind
+        if full_pages is None and self.full_page_bytes:
+            full_pages = budget_bytes // self.full_page_bytes
         if swa_pages is None:
-            swa_pages = budget_bytes // self.swa_page_bytes if self.swa_page_bytes else 0
+            swa_pages = budget_bytes // self.swa_page_bytes if self.swa_page_bytes else full_pages or 0
+        if full_pages is None:
+            full_pages = swa_pages
         self.budget_bytes = int(budget_bytes)
         self.shared = self.budget_bytes < (full_pages * self.full_page_bytes
                                            + swa_pages * self.swa_page_bytes)
