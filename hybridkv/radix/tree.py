@@ -177,6 +177,7 @@ class WindowSafeTree:
         self.ranking = AdaptiveRanking()
         self._leaf_heap: list[tuple[int, int, TreeNode]] = []     # leaves of the RECENT segment
         self._reused_heap: list[tuple[int, int, TreeNode]] = []   # leaves of the REUSED segment
+        self._dead: list[TreeNode] = []  # leaves left without a held tail window: no hit can end in them
         self._swa_heap: list[tuple[int, int, TreeNode]] = []      # unanchored SWA first
         self._anchor_heap: list[tuple[int, int, TreeNode]] = []   # then tails/checkpoints
         self.num_nodes = 0
@@ -375,7 +376,10 @@ class WindowSafeTree:
             heapq.heappush(self._swa_heap, entry)
             if self.config.swa_eviction == "page":
                 heapq.heappush(self._anchor_heap, entry)
-        if max(len(self._swa_heap), len(self._leaf_heap) + len(self._reused_heap)) > 4 * self.num_nodes + 4096:
+        # lazy heaps collect stale entries; rebuilding at 4x the live nodes keeps
+        # memory O(nodes) (the anchor heap was left out and grew without bound)
+        if (max(len(self._swa_heap), len(self._anchor_heap), len(self._leaf_heap) + len(self._reused_heap))
+                > 4 * self.num_nodes + 4096):
             self._rebuild_heaps()
 
     @staticmethod
@@ -678,7 +682,13 @@ class WindowSafeTree:
         return nf, ns
 
     def _pop_leaf(self) -> TreeNode | None:
-        """The next evictable leaf by the ranking (RECENT or REUSED segment, LRU within)."""
+        """The next evictable leaf: a dead one first (its pages serve no hit), then by
+        the ranking (RECENT or REUSED segment, LRU within)."""
+        dead = self._dead
+        while dead:
+            node = dead.pop()
+            if node.alive and not node.children and not node.lock and node.parent is not None:
+                return node
         ranking = self.ranking
         first = ranking.evict_from(bool(self._leaf_heap), bool(self._reused_heap))
         for seg in (first, AdaptiveRanking.REUSED if first == AdaptiveRanking.RECENT else AdaptiveRanking.RECENT):
@@ -711,6 +721,8 @@ class WindowSafeTree:
         node = self._pop_leaf()
         if node is None:
             return 0, 0
+        if want is not None and (self._window_pages(node) < 0).any():
+            want = 1  # dead: keep what still ends at a held window, free the rest
         keep = self._trim_point(node, want)
         size = self.page_size
         parent = node.parent
@@ -749,6 +761,8 @@ class WindowSafeTree:
         if parent.parent is not None:
             self._reanchor(parent)
             self._enqueue(parent)  # may be a leaf now; its tail became a leaf tail
+            if not parent.children and not parent.lock and (self._window_pages(parent) < 0).any():
+                self._dead.append(parent)
         return gone, int(swa.size)
 
     def _evict_swa(self, freed_s: list, anchored: bool) -> tuple[int, int]:
