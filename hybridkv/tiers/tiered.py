@@ -614,12 +614,9 @@ class TieredCache(HybridKVCache):
         return super().finish(req, cache)
 
     def _anchored(self, idx: np.ndarray, end: int) -> np.ndarray:
-        """Which page indices end a kept window: the tail before ``end`` or a checkpoint."""
-        wp, kp = self.spec.window_pages, self.tree.config.checkpoint_pages
-        out = idx >= end - wp
-        if kp:
-            out |= (idx % kp) >= kp - wp
-        return out
+        """Which page indices end a kept window: the tail before ``end`` or a checkpoint
+        (the tree's :class:`~hybridkv.radix.policy.RetentionPolicy` decides, as in L1)."""
+        return self.tree.policy.tier_anchored(idx, end)
 
     def _register(self, req: Request, aligned: int, keys: list[bytes]) -> None:
         lo = req.tree_pages
