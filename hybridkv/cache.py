@@ -297,8 +297,15 @@ class HybridKVCache:
         """
         self._check_reserve(req, n)
         self._reserve(req, n)
-        end = req.computed + n
-        return self._full_slots(req, req.computed, end), self._swa_slots(req, req.computed, end)
+        start = req.computed
+        if n == 1:  # decode: two scalars, not two fancy-indexing passes
+            P = self.page_size
+            pg, off = divmod(start, P)
+            swa = int(req.swa_pages[pg])
+            if swa >= 0:
+                return (np.array([int(req.full_pages[pg]) * P + off], dtype=np.int64),
+                        np.array([swa * P + off], dtype=np.int64))
+        return self._full_slots(req, start, start + n), self._swa_slots(req, start, start + n)
 
     def reserve(self, req: Request, n: int) -> None:
         """:meth:`allocate` without computing slots (schedulers that only account)."""

@@ -92,9 +92,13 @@ class PageAllocator:
         Raises ValueError (and frees nothing) if any id is out of range, not
         allocated, or repeated.
         """
-        arr = as_page_array(pages, "pages")
+        if type(pages) is np.ndarray and pages.dtype == np.int32 and pages.ndim == 1:
+            arr = pages  # the tree's and the cache's own arrays: no conversion
+        else:
+            arr = as_page_array(pages, "pages")
         if arr.size == 0:
             return
+        # ids >= _high are never allocated (the bitmap reads False or is out of range)
         if arr.min() < 0 or arr.max() >= self._high:
             raise ValueError(f"pages contain ids outside the allocated range of pool {self.name!r}")
         if not self._allocated[arr].all():

@@ -1,0 +1,195 @@
+"""Per-step cache cost an engine's scheduler pays, side by side with vLLM.
+
+Decode: B running requests with a C-token context, ``--steps`` decode steps;
+per request per step, in one run:
+
+* ``hybridkv_batched``: ``cache.step(reqs, new_tokens=...)`` + ``cache.commit_step``
+  (append, allocate both kinds, slots of the whole batch);
+* ``hybridkv_single``: ``append_tokens`` + ``allocate(req, 1)`` + ``commit(req, 1)``;
+* ``vllm``: vLLM 0.32 ``KVCacheManager`` (real class, same hybrid layout,
+  ``benchmarks/peers/engine_step_vllm.py`` in the vLLM venv):
+  ``append_output_token_ids`` + ``allocate_slots(req, 1)``.
+
+Request path: ``begin + allocate + commit + finish`` per request replaying the
+Mooncake conversation trace (``hybridkv replay``'s ``request_ops_us``).
+
+    python benchmarks/engine_step.py --json            # all of it (vLLM venv via benchmarks/peers/envs.sh)
+    python benchmarks/engine_step.py --no-vllm --steps 64 --batches 32 --contexts 4096
+
+Medians of ``--repeats`` runs; meta device (accounting only: what is timed is
+the scheduler-side bookkeeping, not KV copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hybridkv import CacheConfig, HybridKVCache, ModelSpec
+from hybridkv.replay import replay
+from hybridkv.traces import default_shared_traces, load_trace
+
+HERE = Path(__file__).resolve().parent
+GB = 10**9
+
+
+def _cache(spec: ModelSpec, budget: int) -> HybridKVCache:
+    return HybridKVCache(spec, CacheConfig(budget_bytes=budget, device="meta"))
+
+
+def _prefill(cache: HybridKVCache, batch: int, context: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    reqs = [cache.begin(rng.integers(0, 50000, context).astype(np.int32)) for _ in range(batch)]
+    while True:
+        left = [r for r in reqs if r.computed < r.n_tokens]
+        if not left:
+            return reqs
+        b = cache.step(left, num_new=np.array([min(8192, r.n_tokens - r.computed) for r in left]))
+        assert b.ok.all(), b.errors
+        cache.commit_step(b)
+
+
+def decode_batched(spec: ModelSpec, budget: int, batch: int, context: int, steps: int, seed: int) -> float:
+    cache = _cache(spec, budget)
+    reqs = _prefill(cache, batch, context, seed)
+    toks = np.random.default_rng(seed + 1).integers(0, 50000, (steps, batch))
+    clock = time.perf_counter
+    total = 0.0
+    for s in range(steps):
+        row = toks[s]
+        t0 = clock()
+        b = cache.step(reqs, new_tokens=row)
+        cache.commit_step(b)
+        total += clock() - t0
+        assert b.ok.all()
+    for r in reqs:
+        cache.finish(r)
+    return total / (steps * batch) * 1e6
+
+
+def decode_single(spec: ModelSpec, budget: int, batch: int, context: int, steps: int, seed: int) -> float:
+    cache = _cache(spec, budget)
+    reqs = _prefill(cache, batch, context, seed)
+    toks = np.random.default_rng(seed + 1).integers(0, 50000, (steps, batch)).tolist()
+    clock = time.perf_counter
+    append, allocate, commit = cache.append_tokens, cache.allocate, cache.commit
+    total = 0.0
+    for s in range(steps):
+        row = toks[s]
+        t0 = clock()
+        for i, r in enumerate(reqs):
+            append(r, [row[i]])
+            allocate(r, 1)
+            commit(r, 1)
+        total += clock() - t0
+    for r in reqs:
+        cache.finish(r)
+    return total / (steps * batch) * 1e6
+
+
+def vllm_python() -> str | None:
+    env = os.environ.get("HYBRIDKV_VLLM_PYTHON")
+    if env:
+        return env
+    try:
+        venv = subprocess.run(["bash", "-c", f"source {HERE / 'peers' / 'envs.sh'} && vllm"], capture_output=True,
+                              text=True, timeout=1800).stdout.strip().splitlines()[-1]
+    except (subprocess.SubprocessError, IndexError):
+        return None
+    py = Path(venv) / "bin" / "python"
+    return str(py) if py.exists() else None
+
+
+def decode_vllm(spec: ModelSpec, budget: int, batches: list[int], contexts: list[int], steps: int,
+                repeats: int) -> dict:
+    py = vllm_python()
+    if py is None:
+        return {"error": "no vLLM venv (benchmarks/peers/envs.sh vllm)"}
+    meta = {"page_size": spec.page_size, "window": spec.window, "full_layers": len(spec.full_layers),
+            "swa_layers": len(spec.swa_layers), "full_bpt": spec.bytes_per_token_full,
+            "swa_bpt": spec.bytes_per_token_swa, "budget_bytes": budget}
+    cfg = {"meta": meta, "batches": batches, "contexts": contexts, "steps": steps, "repeats": repeats}
+    r = subprocess.run([py, str(HERE / "peers" / "engine_step_vllm.py"), json.dumps(cfg)], capture_output=True,
+                       text=True, timeout=3600)
+    if r.returncode != 0:
+        return {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def request_ops(spec: ModelSpec, trace: str | None, limit: int | None) -> dict:
+    path = trace or str(default_shared_traces() / "mooncake_conversation_trace.jsonl")
+    reqs = load_trace(path, limit=limit)
+    t0 = time.perf_counter()
+    res = replay(reqs, spec, 594 * GB, systems=("hybridkv",), references=False)
+    elapsed = time.perf_counter() - t0
+    h = res["systems"]["hybridkv"]
+    return {"trace": path, "requests": len(reqs), "replay_s": elapsed,
+            "request_ops_us_p50": h["request_ops_us_p50"], "request_ops_us_p99": h["request_ops_us_p99"],
+            "token_hit_rate": h.get("token_hit_rate")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="mimo-v2.5-pro", help="model preset (default mimo-v2.5-pro)")
+    ap.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
+    ap.add_argument("--batches", default="32,128,256", help="comma-separated batch sizes")
+    ap.add_argument("--contexts", default="4096,32768", help="comma-separated context lengths (tokens)")
+    ap.add_argument("--steps", type=int, default=512, help="decode steps per run (default 512)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    ap.add_argument("--budget-gb", type=float, default=4000.0,
+                    help="KV budget in GB (10^9 bytes); roomy so decode never evicts (default 4000)")
+    ap.add_argument("--trace", default=None, help="trace for the request-path figure (default: the shared "
+                    "Mooncake conversation trace)")
+    ap.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
+    ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's figures")
+    ap.add_argument("--no-replay", action="store_true", help="skip the request-path replay")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args()
+    spec = ModelSpec.preset(args.preset, page_size=args.page_size)
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    budget = int(args.budget_gb * GB)
+    out: dict = {"preset": args.preset, "page_size": args.page_size, "steps": args.steps, "repeats": args.repeats}
+    per_ctx: dict = {}
+    for ctx in contexts:
+        fig: dict = {"hybridkv_batched": {}, "hybridkv_single": {}}
+        for b in batches:
+            for name, fn in (("hybridkv_batched", decode_batched), ("hybridkv_single", decode_single)):
+                vals = [fn(spec, budget, b, ctx, args.steps, seed) for seed in range(args.repeats)]
+                fig[name][str(b)] = float(np.median(vals))
+        per_ctx[ctx] = fig
+    if not args.no_vllm:
+        v = decode_vllm(spec, budget, batches, contexts, args.steps, args.repeats)
+        out["vllm_version"] = v.get("version", v.get("error"))
+        for ctx in contexts:
+            per_ctx[ctx]["vllm"] = v.get("decode_us_per_req", {}).get(str(ctx), {})
+    for i, ctx in enumerate(contexts):
+        key = "decode_us_per_req" if ctx == 4096 else f"decode_us_per_req_{ctx // 1024}k"
+        out[key] = per_ctx[ctx]
+        vl = per_ctx[ctx].get("vllm") or {}
+        out[key.replace("decode_us_per_req", "batched_vs_vllm")] = {
+            b: per_ctx[ctx]["hybridkv_batched"][b] / vl[b] for b in vl if vl[b]}
+    if not args.no_replay:
+        out.update(request_ops(spec, args.trace, args.limit))
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return
+    for key, fig in out.items():
+        if key.startswith("decode_us_per_req"):
+            print(key)
+            for name, row in fig.items():
+                print(f"  {name:<18}" + "  ".join(f"B={b}: {us:6.2f} us" for b, us in row.items()))
+    for key in ("request_ops_us_p50", "request_ops_us_p99", "replay_s"):
+        if key in out:
+            print(f"{key}: {out[key]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
