@@ -95,33 +95,110 @@ def load_trace(path: str | os.PathLike, *, limit: int | None = None,
 
 
 def _load_file(p: Path, session: int) -> list[TraceRequest]:
+    """Parse one trace file; every problem is a one-line ValueError naming the file
+    (and, for jsonl, the line number)."""
     opener = gzip.open if p.name.endswith(".gz") else open
-    with opener(p, "rt") as fh:  # type: ignore[operator]
-        if p.name.endswith(".jsonl"):
-            return [_mooncake(json.loads(line)) for line in fh if line.strip()]
-        data = json.load(fh)
+    try:
+        with opener(p, "rt", encoding="utf-8") as fh:  # type: ignore[operator]
+            if p.name.endswith(".jsonl"):
+                out = []
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except ValueError as exc:
+                        raise ValueError(f"{p}:{lineno}: malformed JSON ({_one_line(exc)})") from None
+                    try:
+                        out.append(_mooncake(row))
+                    except _BadRecord as exc:
+                        raise ValueError(f"{p}:{lineno}: {exc}") from None
+                return out
+            try:
+                data = json.load(fh)
+            except ValueError as exc:
+                raise ValueError(f"{p}: malformed JSON ({_one_line(exc)})") from None
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{p}: cannot read the trace ({type(exc).__name__}: {_one_line(exc)})") from None
     if isinstance(data, dict) and "requests" in data:
-        name = str(data.get("id") or p.name.split(".")[0])
-        return list(_session(data, name, session, 0.0, int(data.get("block_size", 64))))
+        try:
+            name = str(data.get("id") or p.name.split(".")[0])
+            return list(_session(data, name, session, 0.0, _int(data.get("block_size", 64), "block_size", 1)))
+        except _BadRecord as exc:
+            raise ValueError(f"{p}: {exc}") from None
     raise ValueError(f"trace file {p.name!r} is neither Mooncake jsonl nor a kv-cache-tester session")
 
 
-def _mooncake(row: dict) -> TraceRequest:
-    return TraceRequest("default", float(row["timestamp"]) / 1000.0, int(row["input_length"]),
-                        int(row.get("output_length", 0)), tuple(int(h) for h in row["hash_ids"]), 512)
+class _BadRecord(Exception):
+    """A trace record that cannot be used (the caller adds where it is)."""
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _field(row: object, name: str, what: str = "record") -> object:
+    if not isinstance(row, dict):
+        raise _BadRecord(f"{what} must be a JSON object, got {type(row).__name__}")
+    if name not in row:
+        raise _BadRecord(f"{what} lacks the required field {name!r} (has {sorted(map(str, row))[:8]})")
+    return row[name]
+
+
+def _int(value: object, name: str, lo: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value in (float("inf"), float("-inf")) or int(value) != value or int(value) < lo:
+        raise _BadRecord(f"field {name!r} must be an integer >= {lo}, got {value!r:.40}")
+    return int(value)
+
+
+def _number(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value in (float("inf"), float("-inf")):
+        raise _BadRecord(f"field {name!r} must be a finite number, got {value!r:.40}")
+    return float(value)
+
+
+def _ids(value: object, name: str = "hash_ids") -> list[int]:
+    if not isinstance(value, list):
+        raise _BadRecord(f"field {name!r} must be a list of block ids, got {type(value).__name__}")
+    out = []
+    for h in value:
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 1 << 62:
+            raise _BadRecord(f"field {name!r} must hold integer block ids in [0, 2^62), got {h!r:.40}")
+        out.append(h)
+    return out
+
+
+def _mooncake(row: object) -> TraceRequest:
+    ts = _number(_field(row, "timestamp"), "timestamp")
+    n = _int(_field(row, "input_length"), "input_length")
+    ids = _ids(_field(row, "hash_ids"))
+    out = _int(row.get("output_length", 0), "output_length")  # type: ignore[union-attr]
+    return TraceRequest("default", ts / 1000.0, n, out, tuple(ids), 512)
 
 
 def _session(data: dict, name: str, session: int, t0: float, block: int) -> Iterator[TraceRequest]:
     base = (session + 1) << 40
-    for r in data["requests"]:
-        t = t0 + float(r.get("t", 0.0))
-        if r.get("type") == "subagent" and "requests" in r:
-            yield from _session(r, name, session, t, block)
-            continue
-        if "hash_ids" not in r:
-            continue
-        ids = tuple(base | int(h) for h in r["hash_ids"])
-        yield TraceRequest(name, t, int(r["in"]), int(r.get("out", 0)), ids, block)
+    reqs = data["requests"]
+    if not isinstance(reqs, list):
+        raise _BadRecord(f"'requests' must be a list, got {type(reqs).__name__}")
+    for i, r in enumerate(reqs, 1):
+        what = f"request {i}"
+        if not isinstance(r, dict):
+            raise _BadRecord(f"{what} must be a JSON object, got {type(r).__name__}")
+        try:
+            t = t0 + _number(r.get("t", 0.0), "t")
+            if r.get("type") == "subagent" and "requests" in r:
+                yield from _session(r, name, session, t, block)
+                continue
+            if "hash_ids" not in r:
+                continue
+            ids = tuple(base | h for h in _ids(r["hash_ids"]))
+            yield TraceRequest(name, t, _int(_field(r, "in", what), "in"), _int(r.get("out", 0), "out"), ids, block)
+        except _BadRecord as exc:
+            msg = str(exc)
+            raise _BadRecord(msg if msg.startswith("request ") else f"{what}: {msg}") from None
 
 
 def _mix64(x: int) -> int:
