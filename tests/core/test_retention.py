@@ -140,3 +140,29 @@ def test_adaptive_ranking_moves_target_toward_ghost_hits():
     assert not r.on_miss(3)
     assert r.evict_from(True, True) == AdaptiveRanking.RECENT   # 10 > target 1
     assert r.evict_from(False, True) == AdaptiveRanking.REUSED
+
+
+def test_a_leaf_left_without_its_window_is_evicted_before_live_data():
+    pool = Pool()
+    t = WindowSafeTree(TreeConfig(2, 4), pool)
+    ids = iter(range(10_000))
+
+    def ins(key, swa_pages):
+        n = len(key) // 2
+        swa = np.full(n, -1, dtype=np.int32)
+        for i in swa_pages:
+            swa[i] = next(ids)
+        t.insert(np.asarray(key, dtype=np.int32), np.array([next(ids) for _ in range(n)], dtype=np.int32), swa)
+
+    c = list(range(500, 516))
+    a = list(range(16))
+    ins(c, [6, 7])
+    ins(a, [6, 7])
+    ins(a + list(range(100, 108)), [10, 11])      # extends a: a's tail window is no anchor any more
+    t.evict(swa_pages=2)                           # ... so it goes first under SWA pressure
+    t.match(np.array(c + [1], dtype=np.int32))     # c is used again, then a's prefix (more recent)
+    t.match(np.array(a[:8] + [1], dtype=np.int32))
+    assert t.evict(full_pages=1)[0] == 4           # the extension (RECENT) goes first ...
+    assert t.evict(full_pages=1)[0] == 8           # ... leaving a without a window: dead, before c
+    t.check_invariants()
+    assert t.match(np.array(c + [1], dtype=np.int32)).length == 16
