@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any, Sequence
 
+from . import __version__
 from .spec import ModelSpec, preset_names
 
 __all__ = ["main"]
 
-_GB = 10**9
+_GB = 10**9  # every "GB" of the CLI is 10^9 bytes (the Python API takes bytes)
+_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _spec(args: argparse.Namespace) -> ModelSpec:
@@ -29,14 +32,25 @@ def _budgets(text: str) -> list[float]:
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridkv", description=__doc__)
+    p = argparse.ArgumentParser(prog="hybridkv", description=__doc__,
+                                epilog="GB everywhere means 10^9 bytes.  Logs go to stderr.")
+    p.add_argument("--version", action="version", version=f"hybridkv {__version__}",
+                   help="print the version and exit")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="more log output on stderr (-v: info, -vv: debug)")
+    p.add_argument("-q", "--quiet", action="store_true", help="log errors only")
+    p.add_argument("--log-level", choices=_LEVELS, default=None, type=str.lower,
+                   help="log level of the hybridkv loggers (overrides -v/-q; default warning)")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
@@ -51,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: the bundled Mooncake sample)")
     common(r)
     r.add_argument("--hbm-gb", type=_positive_float, default=594.0,
-                   help="KV budget in GB (1e9 bytes) for the preset (default 594)")
+                   help="KV budget in GB (10^9 bytes) for the preset (default 594)")
     r.add_argument("--swa-checkpoint", type=int, default=16384, help="K: SWA checkpoint interval (0 = off)")
     r.add_argument("--chunk", type=int, default=8192, help="prefill chunk size in tokens")
     r.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
@@ -59,8 +73,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated subset of hybridkv,naive,tombstone")
     r.add_argument("--no-extension-rule", action="store_true",
                    help="treat a refilled partial block as a divergence (see docs)")
-    r.add_argument("--plot", default=None, help="write a hit-rate-vs-budget PNG (needs --budgets)")
-    r.add_argument("--budgets", type=_budgets, default=None, help="GB budgets to sweep, e.g. 59,150,594")
+    r.add_argument("--plot", default=None, metavar="PNG",
+                   help="write a hit-rate-vs-budget PNG to this path (needs --budgets and matplotlib)")
+    r.add_argument("--budgets", type=_budgets, default=None,
+                   help="budgets to sweep in GB (10^9 bytes), comma-separated, e.g. 59,150,594")
     r.add_argument("--check-every", type=int, default=0, help="check invariants every N requests")
     r.add_argument("--no-references", action="store_true",
                    help="skip the LRU-full and optimal (Belady) page-level references")
@@ -70,20 +86,47 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="reference model through the cache vs a dense forward")
     v.add_argument("trace", nargs="?", default=None, help="trace (default: the bundled Mooncake sample)")
     v.add_argument("--requests", type=int, default=60, help="requests to run (default 60)")
-    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--seed", type=int, default=0, help="reference model weights and branch seed (default 0)")
     v.add_argument("--json", action="store_true", help="print one JSON object")
+    v.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _tier_args(v)
 
     i = sub.add_parser("info", help="bytes per token and what fits, single vs dual pool")
     common(i)
-    i.add_argument("--hbm-gb", type=_positive_float, default=80.0, help="KV budget in GB (default 80)")
+    i.add_argument("--hbm-gb", type=_positive_float, default=80.0, help="KV budget in GB (10^9 bytes; default 80)")
     from .routing.cli import add_route_sim_parser
     add_route_sim_parser(sub)
     return p
 
 
+def _logging(args: argparse.Namespace) -> Any:
+    """Level of the ``hybridkv`` loggers from --log-level / -v / -q and a stderr handler
+    for the command's duration; returns the function that restores the previous state."""
+    if args.log_level:
+        level = getattr(logging, args.log_level.upper())
+    elif args.quiet:
+        level = logging.ERROR
+    else:
+        level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
+    log = logging.getLogger("hybridkv")
+    saved = (log.level, log.propagate)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("hybridkv: %(levelname)s: %(name)s: %(message)s"))
+    log.setLevel(level)
+    log.addHandler(handler)
+    log.propagate = False  # one copy on stderr, not another through the root logger
+
+    def restore() -> None:
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+    return restore
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    restore_logging = _logging(args)
     try:
         if args.command == "replay":
             return _replay(args)
@@ -93,9 +136,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             return _verify(args)
         return _info(args)
-    except ValueError as exc:
-        print(f"hybridkv: error: {exc}", file=sys.stderr)
+    except (ValueError, ImportError, OSError) as exc:  # bad input, a missing extra, an unusable path
+        print(f"hybridkv: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    finally:
+        restore_logging()
 
 
 def _load(args: argparse.Namespace) -> tuple[list, str]:
@@ -103,14 +148,23 @@ def _load(args: argparse.Namespace) -> tuple[list, str]:
 
     path = args.trace or str(bundled_sample())
     limit = getattr(args, "limit", None)
-    return load_trace(path, limit=limit), path
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    requests = load_trace(path, limit=limit)
+    if not requests:
+        raise ValueError(f"trace {path} has no requests")
+    return requests, path
 
 
 def _tier_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--l2-gb", type=_positive_float, default=None,
-                    help="L2 host tier budget in GB (enables tiers for the hybridkv system)")
+                    help="L2 host tier budget in GB (10^9 bytes; enables tiers for the hybridkv system)")
     sp.add_argument("--l3", default=None, metavar="URL",
-                    help="L3 storage backend URL (file:///dir, redis://host:port/db, ...; needs --l2-gb)")
+                    help="L3 storage backend URL (file:///dir, redis://host:port/db, "
+                         "mooncake://host:port?metadata=http://host:port/metadata, nixl+posix:///dir; "
+                         "needs --l2-gb)")
+    sp.add_argument("--strict", action="store_true",
+                    help="exit 1 if any L3 read or write failed (the run itself degrades to misses)")
     sp.add_argument("--write-policy", default="write_through", choices=("write_through", "write_back"),
                     help="L1 -> L2 write policy (default write_through)")
 
@@ -135,6 +189,8 @@ def _replay(args: argparse.Namespace) -> int:
             raise ValueError(f"--systems: unknown system {s!r} (choose from {', '.join(SYSTEMS)})")
     if args.plot and not args.budgets:
         raise ValueError("--plot needs --budgets")
+    if args.plot:
+        _matplotlib()  # before the sweep, not after it
     requests, path = _load(args)
     budgets = args.budgets or [args.hbm_gb]
     runs = []
@@ -149,12 +205,30 @@ def _replay(args: argparse.Namespace) -> int:
         runs.append(_flatten(out))
     if args.plot:
         _plot(runs, args.plot, spec.name)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}, indent=1))
     else:
         for run in runs:
             _print_replay(run)
-    return 0
+    return _l3_verdict(args, [(r.get("l3_backend", {}), r.get("l3_last_error")) for r in runs], args.json)
+
+
+def _l3_verdict(args: argparse.Namespace, runs: list[tuple[dict[str, Any], str | None]], quiet: bool) -> int:
+    """Print how many L3 page reads/writes failed and why (stderr under --json); 1 if
+    any failed and --strict, else 0."""
+    if not getattr(args, "l3", None):
+        return 0
+    reads = sum(int(b.get("read_keys_failed", 0)) for b, _ in runs)
+    writes = sum(int(b.get("write_keys_failed", 0)) for b, _ in runs)
+    why = next((e for _, e in reversed(runs) if e), None)
+    if reads or writes:
+        line = (f"L3 {args.l3}: {reads:,} page reads and {writes:,} page writes failed "
+                f"(served as misses; last error: {why or 'skipped by the circuit breaker'})")
+    else:
+        line = f"L3 {args.l3}: no page read or write failed"
+    print(line, file=sys.stderr if quiet else sys.stdout)
+    return 1 if args.strict and (reads or writes) else 0
 
 
 def _flatten(out: dict[str, Any]) -> dict[str, Any]:
@@ -174,7 +248,7 @@ def _flatten(out: dict[str, Any]) -> dict[str, Any]:
 
 def _print_replay(run: dict[str, Any]) -> None:
     print(f"trace {run['trace']}: {run['requests']} requests, {run['input_tokens']:,} input tokens, "
-          f"model {run['model']}, budget {run['hbm_gb']:g} GB, page {run['page_size']}, "
+          f"model {run['model']}, budget {run['hbm_gb']:g} GB (10^9 bytes), page {run['page_size']}, "
           f"checkpoint {run['swa_checkpoint']}, extension rule {run['extension_rule']}")
     print(f"{'system':<18}{'hit rate':>10}{'hit tokens':>16}{'FLOPs saved':>12}{'match p50 us':>14}"
           f"{'match p99 us':>14}")
@@ -190,9 +264,16 @@ def _print_replay(run: dict[str, Any]) -> None:
     print(f"hybridkv / prefix bound = {run['ratio_vs_prefix_bound']:.3f}; "
           + "; ".join(f"hybridkv / {k} = {run['ratio_vs_' + k]:.2f}x" for k in run["baselines"])
           + f"; replay {run['elapsed_s']:.1f} s")
+    if "l1_hit_tokens" in run:  # tiers: where hybridkv's hits came from
+        print(f"tier hits (tokens): L1 {run['l1_hit_tokens']:,}, L2 {run['l2_hit_tokens']:,}, "
+              f"L3 {run['l3_hit_tokens']:,}; bytes moved {run['bytes_moved'] / _GB:.3f} GB (10^9 bytes)")
+        old = run.get("l3_preexisting_hit_tokens", 0)
+        if old:
+            print(f"note: {old:,} of the L3 hit tokens came from data older than this run (the L3 keeps "
+                  f"data between runs), so the hit rate can exceed the prefix bound of this trace alone")
 
 
-def _plot(runs: list[dict[str, Any]], path: str, model: str) -> None:
+def _matplotlib() -> Any:
     try:
         import matplotlib
 
@@ -200,6 +281,11 @@ def _plot(runs: list[dict[str, Any]], path: str, model: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--plot needs matplotlib (pip install 'hybridkv[plot]')") from None
+    return plt
+
+
+def _plot(runs: list[dict[str, Any]], path: str, model: str) -> None:
+    plt = _matplotlib()
     xs = [r["hbm_gb"] for r in runs]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(xs, [r["token_hit_rate"] for r in runs], "o-", label="hybridkv")
@@ -210,7 +296,7 @@ def _plot(runs: list[dict[str, Any]], path: str, model: str) -> None:
                 label=f"{name} (upper ref., SWA free)")
     ax.plot(xs, [r["prefix_bound_hit_rate"] for r in runs], ":", color="gray", label="prefix bound")
     ax.set_xscale("log")
-    ax.set_xlabel("KV budget (GB)")
+    ax.set_xlabel("KV budget (GB = 10^9 bytes)")
     ax.set_ylabel("token hit rate")
     ax.set_title(f"{model}: hit rate vs budget")
     ax.legend()
@@ -219,22 +305,34 @@ def _plot(runs: list[dict[str, Any]], path: str, model: str) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .model.verify import run_verify
+    from .model.verify import TOLERANCE, run_verify
+    from .replay import stderr_progress
 
+    if args.requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {args.requests}")
+    progress = None if args.no_progress else stderr_progress("verify")
     if getattr(args, "l2_gb", None) is not None or getattr(args, "l3", None):
         from .tiers.verify import run_tier_verify  # forced evict -> reload through L2/L3
         if args.l2_gb is None:
             raise ValueError("--l3 needs --l2-gb (L3 loads go through the L2 host tier)")
         out = run_tier_verify(args.trace, requests=args.requests, seed=args.seed, l2_gb=args.l2_gb,
-                              l3=args.l3, write_policy=args.write_policy)
+                              l3=args.l3, write_policy=args.write_policy, progress=progress)
     else:
-        out = run_verify(args.trace, requests=args.requests, seed=args.seed)
+        out = run_verify(args.trace, requests=args.requests, seed=args.seed, progress=progress)
+    ok = out["mismatched_requests"] == 0
     if args.json:
         print(json.dumps(out, indent=1))
     else:
         for k, v in out.items():
             print(f"{k}: {v}")
-    return 0 if out["mismatched_requests"] == 0 else 1
+    l3 = {"read_keys_failed": out.get("l3_backend_read_keys_failed", 0),
+          "write_keys_failed": out.get("l3_backend_write_keys_failed", 0)}
+    rc = _l3_verdict(args, [(l3, out.get("l3_last_error"))], args.json)
+    verdict = (f"{'PASS' if ok else 'FAIL'}: {out['requests']} requests, {out['mismatched_requests']} with "
+               f"logits off the dense forward (max |diff| {out['max_abs_diff']:.3g}, tolerance {TOLERANCE:g}), "
+               f"{out['hit_tokens']:,} hit tokens")
+    print(verdict, file=sys.stderr if args.json else sys.stdout)
+    return 1 if not ok else rc
 
 
 def _info(args: argparse.Namespace) -> int:

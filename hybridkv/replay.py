@@ -80,6 +80,7 @@ class ReplayStats:
             out[key] = st.get(key, 0)
         if hasattr(self.cache, "tier_counters"):  # TieredCache (--l2-gb / --l3)
             out.update(tier_summary(st))
+            out["l3_last_error"] = self.cache.l3_last_error()  # type: ignore[union-attr]
         for name, values in (("match_us", self.match_us), ("begin_us", self.begin_us),
                              ("request_ops_us", self.request_us)):
             arr = np.asarray(values) if values else np.zeros(1)
@@ -211,8 +212,8 @@ def _make_cache(system: str, spec: ModelSpec, budget_bytes: int, swa_checkpoint:
     return TieredCache(spec, config, tiers=tiers)
 
 
-_TIER_KEYS = ("l1_hit_tokens", "l2_hit_tokens", "l3_hit_tokens", "bytes_h2d", "bytes_d2h",
-              "bytes_l3_read", "bytes_l3_written", "l3_clamped_pages", "tier_errors")
+_TIER_KEYS = ("l1_hit_tokens", "l2_hit_tokens", "l3_hit_tokens", "l3_preexisting_hit_tokens", "bytes_h2d",
+              "bytes_d2h", "bytes_l3_read", "bytes_l3_written", "l3_clamped_pages", "tier_errors")
 
 
 def tier_summary(st: dict[str, Any]) -> dict[str, Any]:

@@ -92,14 +92,16 @@ def small_cache(spec: Any, *, full_pages: int = 150, swa_pages: int = 40, swa_ch
                                            device="cpu", swa_checkpoint=swa_checkpoint, retention=retention))
 
 
-def run_verify(trace: str | None = None, *, requests: int = 60, seed: int = 0) -> dict[str, Any]:
-    """The ``hybridkv verify`` job; returns its JSON dict."""
+def run_verify(trace: str | None = None, *, requests: int = 60, seed: int = 0,
+               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """The ``hybridkv verify`` job; returns its JSON dict (``progress(done, total)`` per request)."""
     t0 = time.perf_counter()
     spec = tiny_spec()
     model = ReferenceModel(spec, seed=seed)
     prompts = scaled_prompts(trace, requests)
     cache = small_cache(spec)
-    out = verify_requests(prompts, cache, model)
+    out = verify_requests(prompts, cache, model,
+                          on_request=None if progress is None else lambda i: progress(i + 1, len(prompts)))
     cache.check_invariants()
     out["trace"] = str(trace or bundled_sample())
     out["elapsed_s"] = time.perf_counter() - t0

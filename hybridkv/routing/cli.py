@@ -30,18 +30,20 @@ def add_route_sim_parser(sub: Any) -> argparse.ArgumentParser:
     r.add_argument("trace", nargs="?", default=None,
                    help="Mooncake .jsonl, kv-cache-tester session file or folder (default: the bundled "
                         "Mooncake sample)")
-    r.add_argument("--model", default="mimo-v2.5-pro", choices=preset_names())
-    r.add_argument("--page-size", type=int, default=64)
+    r.add_argument("--model", default="mimo-v2.5-pro", choices=preset_names(),
+                   help="model preset (default: mimo-v2.5-pro)")
+    r.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
     r.add_argument("--workers", type=int, default=d.workers, help=f"workers (default {d.workers})")
     r.add_argument("--hbm-gb", type=_pos, default=d.budget_bytes / _GB,
-                   help=f"KV budget per worker in GB (default {d.budget_bytes / _GB:g})")
+                   help=f"KV budget per worker in GB (10^9 bytes; default {d.budget_bytes / _GB:g})")
     r.add_argument("--prefill-tps", type=_pos, default=d.prefill_tps,
                    help=f"prefill throughput per worker, uncached tokens/s (default {d.prefill_tps:g})")
     r.add_argument("--prefill-overhead", type=float, default=d.prefill_overhead_s, help="seconds per prefill")
     r.add_argument("--tpot", type=float, default=d.tpot_s, help="decode seconds per output token")
     r.add_argument("--time-scale", type=_pos, default=d.time_scale,
                    help="divide trace timestamps by this (>1: arrivals faster)")
-    r.add_argument("--queue", choices=("uncached", "fifo"), default=d.queue)
+    r.add_argument("--queue", choices=("uncached", "fifo"), default=d.queue,
+                   help=f"worker queue order: fewest uncached tokens first, or arrival order (default {d.queue})")
     r.add_argument("--max-wait", type=float, default=d.max_wait_s, help="starvation guard, seconds")
     r.add_argument("--balance", type=float, default=d.balance, help="load weight against predicted hit")
     r.add_argument("--max-share", type=float, default=d.max_share, help="max share of total load per worker")
@@ -51,7 +53,8 @@ def add_route_sim_parser(sub: Any) -> argparse.ArgumentParser:
     r.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
     r.add_argument("--redis", default=None, help="redis:// URL: carry affinity's KV events over a Redis stream")
     r.add_argument("--plot", default=None, help="write a PNG comparing the policies (needs matplotlib)")
-    r.add_argument("--no-extension-rule", action="store_true")
+    r.add_argument("--no-extension-rule", action="store_true",
+                   help="treat a refilled partial block as a divergence (see docs)")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     return r
 

@@ -78,7 +78,7 @@ _COUNTERS = ("l1_hit_tokens", "l2_hit_tokens", "l3_hit_tokens", "bytes_d2h", "by
              "bytes_l3_read", "bytes_l3_written", "l2_to_l1_full_pages", "l2_to_l1_swa_pages",
              "l1_to_l2_full_pages", "l1_to_l2_swa_pages", "l3_to_l2_full_pages", "l3_to_l2_swa_pages",
              "l3_clamped_pages", "repair_swa_d2h_pages", "repair_swa_h2d_pages", "l2_store_failed",
-             "l1_load_failed", "tier_errors")
+             "l1_load_failed", "tier_errors", "l3_preexisting_hit_tokens")
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,10 @@ class TieredCache(HybridKVCache):
         self._protect: tuple[set[int], set[int]] = (set(), set())  # L2 pages a load reads
         self._l3_known: set[bytes] = set()                        # keys written to / read from L3
         self._inflight: dict[bytes, Future] = {}                  # L3 key -> fetch job loading it
-        self._landed: OrderedDict[bytes, None] = OrderedDict()    # full keys L3 put in L2, not yet served
+        self._landed: OrderedDict[bytes, bool] = OrderedDict()    # full keys L3 put in L2, not yet served
+        #                                                           (-> whether the data predates this cache)
+        self._l3_mine: set[bytes] = set()                          # keys this cache queued for L3
+        self._l3_mine_overflow = False                             # too many to tell what predates us
         self._mutex = threading.RLock()
         self._stream = (torch.cuda.Stream(device=self.pool.buffers.device)
                         if real and self.pool.buffers.device.type == "cuda" else None)
@@ -427,8 +430,9 @@ class TieredCache(HybridKVCache):
             landed = [k for k, o in zip(fkeys, ok_f) if o]
             self._l3_known.update(landed)
             self._l3_known.update(k for k, o in zip(sk, ok_s) if o)
+            mine, unknown = self._l3_mine, self._l3_mine_overflow
             for k in landed:
-                self._landed[k] = None
+                self._landed[k] = not unknown and k not in mine  # written before this cache existed
             while len(self._landed) > 1_000_000:  # bounded (only the L3 hit attribution suffers)
                 self._landed.popitem(last=False)
         else:
@@ -446,7 +450,8 @@ class TieredCache(HybridKVCache):
 
     def _load(self, tokens: np.ndarray, namespace: str, keys: list[bytes]) -> np.ndarray:
         """Make the L1/L2 hit resident in L1 (under the mutex); returns per-page origin
-        of full KV (1 = L1, 2 = L2, 3 = landed in L2 from L3, 0 = none) over the hit."""
+        of full KV (1 = L1, 2 = L2, 3 = landed in L2 from L3, 4 = the same
+        from data older than this cache, 0 = none) over the hit."""
         n = len(keys)
         if n == 0:
             return np.zeros(0, dtype=np.int8)
@@ -461,8 +466,9 @@ class TieredCache(HybridKVCache):
         self._to_l1(tokens, namespace, keys, origin, swa_src, h_full, h_swa, l1_full, l1_swa,
                     deepest, L, lo, {})
         for i in np.flatnonzero(origin[:L] == 2).tolist():
-            if self._landed.pop(keys[i], 0) is None:  # first served since it came from L3
-                origin[i] = 3
+            old = self._landed.pop(keys[i], None)
+            if old is not None:  # first served since it came from L3 (4: data older than this cache)
+                origin[i] = 4 if old else 3
         return origin[:L]
 
     def _to_l1(self, tokens: np.ndarray, namespace: str, keys: list[bytes], origin: np.ndarray,
@@ -556,7 +562,9 @@ class TieredCache(HybridKVCache):
         src = np.ones(h, dtype=np.int8)
         m = min(h, len(origin))
         src[:m] = np.where(origin[:m] > 0, origin[:m], 1)
-        per = {f"l{t}_hit_tokens": int(np.count_nonzero(src == t)) * self.page_size for t in (1, 2, 3)}
+        per = {f"l{t}_hit_tokens": int(np.count_nonzero(src == t)) * self.page_size for t in (1, 2)}
+        per["l3_hit_tokens"] = int(np.count_nonzero(src >= 3)) * self.page_size
+        per["l3_preexisting_hit_tokens"] = int(np.count_nonzero(src == 4)) * self.page_size
         req.extra["tiers"] = per  # added to the totals when the request finishes (not on abort)
         if h:
             with self._mutex:
@@ -567,7 +575,7 @@ class TieredCache(HybridKVCache):
                     self.tier_counters["tier_errors"] += 1
                     logger.warning("anchoring the hit window failed (%s: %s)", type(exc).__name__, exc)
             if self.l3 is not None:  # repair 3: hot prefixes keep their L3 keys alive
-                served = [k for k, t in zip(keys[:h], src.tolist()) if t != 3]
+                served = [k for k, t in zip(keys[:h], src.tolist()) if t < 3]
                 served += [swa_key(k) for k in keys[max(0, h - self.spec.window_pages):h]]
                 self.l3.touch(served)
 
@@ -715,6 +723,11 @@ class TieredCache(HybridKVCache):
 
         if self.l3.put_async(wk, encode=encode, event_keys=ev, swa=kind is AttnKind.SWA):
             self._l3_known.update(wk)
+            if not self._l3_mine_overflow:
+                self._l3_mine.update(wk)
+                if len(self._l3_mine) > 4_000_000:  # bounded: stop telling old data from ours
+                    self._l3_mine.clear()
+                    self._l3_mine_overflow = True
             if len(self._l3_known) > 4_000_000:
                 self._l3_known.clear()  # bounded; only redundant writes result
             self.tier_counters["bytes_l3_written"] += len(wk) * self.codec.nominal_bytes(kind)
@@ -752,6 +765,10 @@ class TieredCache(HybridKVCache):
         """Fingerprint in this cache's L2/L3 page keys (a KV-event publisher of its
         tier events must hash L1 pages with the same one)."""
         return self._fingerprint
+
+    def l3_last_error(self) -> str | None:
+        """The L3 backend's last fault in one line (why reads/writes failed), or None."""
+        return getattr(self._backend, "last_error", None)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait for queued L3 writes/touches; False on timeout (or True without L3)."""

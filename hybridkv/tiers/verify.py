@@ -39,8 +39,9 @@ def flush_l2(cache: TieredCache) -> int:
 
 def run_tier_verify(trace: str | None = None, *, requests: int = 60, seed: int = 0, l2_gb: float = 1.0,
                     l3: str | None = None, write_policy: str = "write_back", l1_flush_every: int = 3,
-                    l2_flush_every: int = 7) -> dict[str, Any]:
-    """Run the verify workload through L1/L2/L3 with forced reloads; returns its JSON dict."""
+                    l2_flush_every: int = 7, progress: Any = None) -> dict[str, Any]:
+    """Run the verify workload through L1/L2/L3 with forced reloads; returns its JSON dict
+    (``progress(done, total)`` is called after each request)."""
     if l2_gb <= 0:
         raise ValueError(f"l2_gb must be > 0, got {l2_gb}")
     t0 = time.perf_counter()
@@ -64,6 +65,8 @@ def run_tier_verify(trace: str | None = None, *, requests: int = 60, seed: int =
             cache.flush()  # the L3 writes of what L2 holds land before L2 forgets it
             flush_l2(cache)
             cycles["l2_flushes"] += 1
+        if progress is not None:
+            progress(idx + 1, len(prompts))
 
     try:
         out = verify_requests(prompts, cache, model, on_request=on_request)
@@ -77,6 +80,9 @@ def run_tier_verify(trace: str | None = None, *, requests: int = 60, seed: int =
               "repair_swa_d2h_pages"):
         out[k] = st[k]
     out["l3_backend_corrupt"] = st.get("l3_backend_corrupt", 0)
+    out["l3_backend_read_keys_failed"] = st.get("l3_backend_read_keys_failed", 0)
+    out["l3_backend_write_keys_failed"] = st.get("l3_backend_write_keys_failed", 0)
+    out["l3_last_error"] = cache.l3_last_error()
     out["l3"] = l3
     out["write_policy"] = write_policy
     out["trace"] = str(trace or bundled_sample())

@@ -33,7 +33,9 @@ T = TypeVar("T")
 
 #: Counters reported by :meth:`StorageBackend.stats`.
 STAT_NAMES = ("hits", "misses", "puts", "put_failures", "deletes", "errors", "corrupt",
-              "timeouts", "skipped", "evictions", "bytes_read", "bytes_written")
+              "timeouts", "skipped", "evictions", "bytes_read", "bytes_written",
+              "read_keys_failed", "write_keys_failed")
+_READ_OPS = ("exists", "get", "get_into")
 MAX_KEY_BYTES = 512
 
 
@@ -178,6 +180,8 @@ class BaseBackend(ABC):
         self._last_warn: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
         self._closed = False
+        #: the last read/write fault in one line (``"get: ConnectionError: ..."``), or None
+        self.last_error: str | None = None
 
     # ----------------------------------------------------------- subclass API
     @abstractmethod
@@ -245,18 +249,27 @@ class BaseBackend(ABC):
 
     def _guard(self, op: str, n: int, call: Callable[[], T], fallback: Callable[[], T]) -> T:
         """Run a backend call behind the breaker; faults become ``fallback()``."""
+        failed = "read_keys_failed" if op in _READ_OPS else "write_keys_failed" if op == "put" else None
         if self._closed:
             self._count("errors")
+            if failed:
+                self._count(failed, n)
+                self.last_error = f"{op}: the backend is closed"
             self._warn("closed", f"{op} on a closed backend; treated as a miss")
             return fallback()
         if not self.breaker.allow():
             self._count("skipped", n)
+            if failed:
+                self._count(failed, n)
             return fallback()
         try:
             result = call()
         except Exception as exc:  # noqa: BLE001 - any client fault must degrade, not raise
             category = self._classify(exc)
             self._count(category)
+            if failed:  # why reads/writes failed (touch/delete faults only log)
+                self._count(failed, n)
+                self.last_error = f"{op}: {type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
             self.breaker.record_failure()
             self._warn(f"{op}:{category}", f"{op} of {n} keys failed ({type(exc).__name__}: {exc}); "
                                            f"treated as a miss (breaker {self.breaker.state})")

@@ -118,6 +118,9 @@ def open_backend(url: str, **opts: Any) -> BaseBackend:
         q, _ = _split_query(parts.query, _MOONCAKE, url_arg="url")
         if not parts.hostname or not parts.port:
             raise ValueError(f"url {url!r} must name the master as host:rpc_port")
+        if "metadata" not in q and "metadata" not in opts:
+            raise ValueError(f"url {url!r} needs the transfer engine's metadata server: "
+                             f"mooncake://{parts.hostname}:{parts.port}?metadata=http://HOST:PORT/metadata")
         from .mooncake_backend import MooncakeBackend
         return MooncakeBackend(f"{parts.hostname}:{parts.port}", **{**q, **opts})
     if scheme == "nixl+posix":
