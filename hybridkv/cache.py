@@ -439,10 +439,10 @@ class HybridKVCache:
         rest_full = req.full_pages[aligned:req.n_pages]
         rest_swa = req.swa_pages[aligned:req.n_pages]
         if rest_full.size:
-            self.pool.free_full(rest_full)
+            self.pool.free_full_trusted(rest_full)
         rest_swa = rest_swa[rest_swa >= 0]
         if rest_swa.size:
-            self.pool.free_swa(rest_swa)
+            self.pool.free_swa_trusted(rest_swa)
         self.tree.unlock(req.handle)
         req.finished = True
         del self._live[id(req)]

@@ -188,6 +188,19 @@ class DualPool:
         if self._arena is not None:
             self._arena.release(AttnKind.SWA, np.asarray(pages, dtype=np.int64))
 
+    def free_full_trusted(self, pages: np.ndarray) -> None:
+        """:meth:`free_full` for the tree and the cache, which free only pages they
+        own (allocated, distinct int32 ids): no checks.  O(n)."""
+        self.full.free_trusted(pages)
+        if self._arena is not None:
+            self._arena.release(AttnKind.FULL, pages)
+
+    def free_swa_trusted(self, pages: np.ndarray) -> None:
+        """:meth:`free_swa` without checks (see :meth:`free_full_trusted`)."""
+        self.swa.free_trusted(pages)
+        if self._arena is not None:
+            self._arena.release(AttnKind.SWA, pages)
+
     def tensor_bytes(self) -> int:
         """Bytes of every KV tensor this pool allocated (0 on ``meta``)."""
         return self._arena.nbytes if self._arena is not None else 0
