@@ -26,7 +26,7 @@ if command -v nvcc >/dev/null; then
     make -s -C src_cuda
 fi
 
-python3 -m pytest -q -p no:cacheprovider tests
+python3 -m pytest -q -rs -p no:cacheprovider tests
 
 for suite in adapters/sglang/run-tests.sh adapters/vllm/run-tests.sh; do
     if [ -f "$suite" ]; then
