@@ -170,3 +170,34 @@ def test_reference_model_on_arena_full_heavy_then_swa_heavy_and_back():
     cache.check_invariants()
     assert cache.pool.buffers.storage.data_ptr() == ptr
     assert shares[0] > 0.5 and shares[1] < 0.35 and shares[2] > 0.5, shares
+
+
+@pytest.mark.parametrize("backend", ["torch", "host"])
+def test_transfer_kernels_copy_and_pack_arena_pages(backend):
+    """copy_pages / pack_pages / unpack_pages on the arena's 5-D block views
+    (page stride = block bytes): bitwise what was written, both backends."""
+    from hybridkv.transfer import copy_pages, pack_pages, unpack_pages
+    from hybridkv.transfer.host_kernel import load_host_kernel
+
+    if backend == "host" and load_host_kernel() is None:
+        pytest.skip("the C host kernel did not build here (no C compiler)")
+    spec = tiny_spec()
+    lay = ArenaLayout.for_spec(spec)
+    src = DualPool(spec, budget_bytes=20 * lay.page_bytes("swa"), device="cpu")
+    dst = DualPool(spec, budget_bytes=30 * lay.page_bytes("swa"), device="cpu")
+    for kind, alloc in (("full", lambda p, n: p.alloc(n, 0)[0]), ("swa", lambda p, n: p.alloc(0, n)[1])):
+        a = alloc(src, 5)
+        dst_junk = alloc(dst, 3)  # so page ids differ between the two arenas
+        b = alloc(dst, 5)
+        sk, dk = src.buffers.of(kind), dst.buffers.of(kind)
+        _tag(sk, a, 7.0)
+        copy_pages(sk.k, sk.v, dk.k, dk.v, sk.blocks(a), dk.blocks(b), spec.page_size, backend=backend)
+        for p_src, p_dst in zip(a, b):
+            assert torch.equal(sk.k[:, sk.table[p_src]], dk.k[:, dk.table[p_dst]])
+            assert torch.equal(sk.v[:, sk.table[p_src]], dk.v[:, dk.table[p_dst]])
+        rows = pack_pages(sk.k, sk.v, torch.from_numpy(sk.blocks(a)), spec.page_size, backend=backend)
+        dst.free_full(dst_junk) if kind == "full" else dst.free_swa(dst_junk)
+        c = alloc(dst, 5)
+        unpack_pages(rows, dk.k, dk.v, torch.from_numpy(dk.blocks(c)), spec.page_size, backend=backend)
+        for p_src, p_dst in zip(a, c):
+            assert torch.equal(sk.k[:, sk.table[p_src]], dk.k[:, dk.table[p_dst]])
