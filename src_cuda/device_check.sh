@@ -7,7 +7,9 @@
 #   bash src_cuda/device_check.sh            # from the repository root
 #
 # Needs: nvcc, a CUDA build of torch, pytest + hypothesis (nixl optional).
-# Writes transfer_tests.txt and transfer_bench.json to $OUT (default: .).
+# Writes transfer_tests.txt, transfer_bench.json and arena_check.json (the KV
+# arena on CUDA: memory_allocated vs the budget, verify on CUDA buffers) to
+# $OUT (default: .).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out_dir="${OUT:-.}"
@@ -25,4 +27,5 @@ export HYBRIDKV_CUDA_LIB="$PWD/src_cuda/build/libhybridkv_cuda.so"
 status=0
 python -m pytest tests/transfer -q -rs 2>&1 | tee "$out_dir/transfer_tests.txt" || status=1
 python benchmarks/transfer.py --cuda --json --repeats 5 | tee "$out_dir/transfer_bench.json" || status=1
+python benchmarks/gpu_arena.py --json | tee "$out_dir/arena_check.json" || status=1
 exit "$status"

@@ -202,7 +202,7 @@ class ReferenceModel:
                 slots, kpos = full_all, torch.arange(0, end)
             else:
                 slots, kpos = swa_win, torch.arange(lo, end)
-            k_read, v_read = kb.read(li, slots)
-            h = h + self._attend(i, q, pos, k_read, v_read, kpos)
+            k_read, v_read = kb.read(li, slots)  # on the arena's device (CPU or CUDA)
+            h = h + self._attend(i, q, pos, k_read.to(q.device), v_read.to(q.device), kpos)
             h = h + self._mlp(i, h)
         return self._norm(h) @ self.lm_head

@@ -108,8 +108,8 @@ class KindBuffers:
         """Store K/V ``[n, heads, dim]`` at logical token ``slots`` of one layer."""
         s, blk, off = self._physical(local_layer, slots)
         bi, oi = torch.from_numpy(blk), torch.from_numpy(off)
-        self.k[s][bi, oi] = k.to(self.k.dtype)
-        self.v[s][bi, oi] = v.to(self.v.dtype)
+        self.k[s][bi, oi] = k.to(device=self.k.device, dtype=self.k.dtype)
+        self.v[s][bi, oi] = v.to(device=self.v.device, dtype=self.v.dtype)
 
 
 class KVArena:
