@@ -10,11 +10,14 @@ L3 (a :class:`~hybridkv.tiers.storage.StorageBackend` behind a
 **Match across tiers** (:meth:`TieredCache.begin`): page ``i`` has full KV if
 L1, L2 or L3 holds it, SWA if L1, L2 or L3 holds it; the hit is the largest
 page-aligned ``L`` with full KV for ``[0, L)`` and SWA for the window before
-``L``.  What L1 lacks is loaded L3 -> L2 -> L1, then inserted into the L1 tree,
-and the hit is recomputed from what *actually* arrived: an L3 value that
-vanished, timed out or failed verification between ``exists`` and ``get`` is
-a miss, never garbage.  The ordinary L1 match + lock then runs on the
-repaired tree, so locking and window safety stay the tree's business.
+``L``.  Pages only L3 holds are fetched L3 -> L2 by a job on the L3 read
+worker (:meth:`TieredCache.prefetch` starts the same job ahead of scheduling);
+``begin`` waits for it at most ``l3_timeout_s`` in total, without holding the
+cache's lock, then loads L2 -> L1 and inserts into the L1 tree, and the hit is
+recomputed from what is *actually* resident: an L3 value that vanished, timed
+out or failed verification is a miss, never garbage.  The ordinary L1 match +
+lock then runs on the repaired tree, so locking and window safety stay the
+tree's business.
 
 **Write policies** (``TierConfig.write_policy``): ``"write_through"`` copies a
 request's pages to L2 when it finishes (prefill end); ``"write_back"`` copies
@@ -48,7 +51,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
