@@ -230,6 +230,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Keys of save jobs already sent to the workers (bounded, oldest out):
         # lookups count them as stored while their store may still be queued.
         self._sent: OrderedDict[bytes, None] = OrderedDict()
+        self._loading: dict[str, list[bytes]] = {}  # req -> keys of its load in flight
         # worker side
         self._buffers: dict[int, GroupBuffers] = {}
         self._l2: HostPageCache | None = None
@@ -398,6 +399,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             sel = [i for i in range(lo, min(hi, len(blk))) if not blk[i].is_null]
             job.groups[g.index] = ([blk[i].block_id for i in sel], [keys[g.index][i] for i in sel])
         self._pending_loads[request.request_id] = job
+        self._loading[request.request_id] = [k for _, ks in job.groups.values() for k in ks]
         st.saved_tokens = max(st.saved_tokens, end)  # these pages are in storage already
 
     def _save_job(self, st: _ReqState, block_ids: tuple[list[int], ...], end_tokens: int,
@@ -476,6 +478,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """
         st = self._reqs.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)
         if st is None or not self.cfg.save_on_finish or not any(block_ids):
             return False, None
         computed = min(request.num_computed_tokens, len(request.all_token_ids))
@@ -492,6 +495,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                          ) -> tuple[bool, dict[str, Any] | None]:
         # Called instead of the all-groups variant when vLLM runs one group.
         return self.request_finished_all_groups(request, (block_ids,))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """A failed load forgets its keys from the sent set: a save that was
+        dropped (queue full) or lost must not make every later lookup fail."""
+        for req_id in connector_output.finished_recving or ():
+            keys = self._loading.pop(req_id, ())
+            if req_id in (connector_output.failed_recving or ()):
+                for k in keys:
+                    self._sent.pop(k, None)
 
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping until queued finish saves reach a worker
@@ -531,6 +543,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._saver.wait_keys([k for _, ks in job.groups.values() for k in ks],
                                       LOAD_WAIT_S)
             ok, l2_pages, l3_pages = True, 0, 0
+            t0 = time.perf_counter()
             for gi, (ids, keys) in job.groups.items():
                 if ok and ids:
                     ok, a, b = load_pages(self.backend, self._buffers[gi], keys, ids,
@@ -543,7 +556,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._count(load_failures=1)
             (self._done_recv if ok else self._failed_recv).add(job.req_id)
             self._record(event="load", req=job.req_id, pages=job.num_pages(), ok=ok,
-                         l2_pages=l2_pages, l3_pages=l3_pages)
+                         l2_pages=l2_pages, l3_pages=l3_pages,
+                         ms=round((time.perf_counter() - t0) * 1e3, 3))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv (asynchronous-load path, see module doc)
@@ -564,7 +578,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         for job in meta.saves:
             self._saver.submit(job.req_id, job.groups, job.finish)
         if not self.cfg.async_save:
-            self._saver.drain(float("inf"))
+            self._saver.drain(None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent = self._saver.pop_released() if self._saver is not None else set()

@@ -28,6 +28,7 @@ finish save is never dropped without releasing its blocks.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -40,6 +41,8 @@ import torch
 from .kvio import GroupBuffers, gather_host, store_rows
 
 __all__ = ["SaveTask", "SaveThread"]
+
+SAVE_THREAD_NICE = 10  # the save thread's nice value (its stores yield to the engine step)
 
 
 @dataclass
@@ -138,11 +141,15 @@ class SaveThread:
                 self._lock.wait(left)
         return True
 
-    def drain(self, timeout_s: float) -> bool:
-        """Wait until every queued task is done (``True``) or ``timeout_s`` passed."""
-        deadline = time.monotonic() + max(0.0, timeout_s)
+    def drain(self, timeout_s: float | None) -> bool:
+        """Wait until every queued task is done (``True``) or ``timeout_s`` passed
+        (``None``: no limit)."""
+        deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
         with self._lock:
             while self._pending:
+                if deadline is None:
+                    self._lock.wait()
+                    continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -161,6 +168,10 @@ class SaveThread:
 
     # ------------------------------------------------------------- save thread
     def _run(self) -> None:
+        try:  # Linux nice is per thread: the forward pass goes first on a busy CPU
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_THREAD_NICE)
+        except (AttributeError, OSError):
+            pass
         while True:
             task = self._q.get()
             if task is None:

@@ -7,15 +7,18 @@ is given, then, in one run:
 
 1. starts a server without connector (``base``) and one with the connector
    on an empty L3 (``hkv``); both bind 127.0.0.1 on free ports;
-2. drives them one after the other (never both at once) with the same
-   workload over HTTP: ``rounds`` batches of ``batch`` concurrent requests
-   sharing a fresh system prompt each (the *concurrent* TTFT), then a
-   *multi-turn* client (``convs`` conversations, ``turns`` turns, each turn
-   = previous prompt + its answer + a new user message; conversations
-   interleaved so they evict each other from vLLM's small KV cache);
-3. stops ``hkv`` and starts ``hkv2``, a fresh server on the same L3 (filled
-   by ``hkv``), and replays the multi-turn client (the *filled L3* TTFT);
-4. prints JSON: median TTFT per phase and server, hit tokens from
+2. sends ``rounds`` batches of ``batch`` concurrent requests sharing a fresh
+   system prompt each (the *concurrent* TTFT, empty L3), round ``r`` to every
+   server, then round ``r + 1`` (never two servers at once; load drifts of
+   this shared machine hit all alike);
+3. runs the *multi-turn* client (``convs`` conversations, ``turns`` turns,
+   each turn = previous prompt + its answer + a new user message;
+   conversations interleaved so they evict each other from vLLM's small KV
+   cache) on ``hkv``, which fills L3, and stops it;
+4. starts ``hkv2``, a fresh server on the same L3, and replays the
+   multi-turn client on ``base`` and ``hkv2``, request by request
+   interleaved (the *filled L3* TTFT);
+5. prints JSON: median TTFT per phase and server, hit tokens from
    ``/metrics`` and per request, and whether every output equals ``base``.
 
 The test ``tests/test_vllm_server.py`` uses the same helpers.  Every server
@@ -286,11 +289,38 @@ def read_stats(path: Path) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- bench
+def interleaved(fns: dict[str, Any], steps: int) -> dict[str, list[Any]]:
+    """Step ``i`` of every server, then step ``i + 1``: the machine's load drifts
+    (a shared 2-core box here) hit every server alike."""
+    out: dict[str, list[Any]] = {n: [] for n in fns}
+    for i in range(steps):
+        for n, fn in fns.items():
+            out[n].append(fn(i))
+    return out
+
+
+def multi_turn_steps(port: int, wl: Workload) -> Any:
+    """:func:`run_multi_turn` as a step function (one request per call)."""
+    convs = len(wl.conv_starts)
+    prompts = [list(p) for p in wl.conv_starts]
+    res: list[list[dict[str, Any]]] = [[] for _ in range(convs)]
+
+    def step(i: int) -> dict[str, Any]:
+        t, c = divmod(i, convs)
+        if t:
+            prompts[c] = prompts[c] + res[c][-1]["tokens"] + wl.user_turns[c][t - 1]
+        r = complete(port, prompts[c], wl.max_tokens)
+        res[c].append(r)
+        return r
+
+    return step, res
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model dir (default: build tiny MiMo-V2 in --work)")
     ap.add_argument("--work", default="/tmp/hybridkv-bench-server")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--system-len", type=int, default=1024)
     ap.add_argument("--convs", type=int, default=6)
@@ -313,8 +343,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from tiny_models import build
 
         model = build("mimo_v2", work / "mimo_v2", window=64)
-    l3 = work / f"l3-{os.getpid()}"
-    stats = work / f"stats-{os.getpid()}.jsonl"
+    tag = f"{os.getpid()}"
+    l3, stats = work / f"l3-{tag}", work / f"stats-{tag}.jsonl"
     kv_bytes = args.kv_cache_mb << 20
     wl = make_workload(seed=1, rounds=args.rounds, batch=args.batch,
                        system_len=args.system_len, convs=args.convs, turns=args.turns,
@@ -329,48 +359,54 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def mk(name: str, spec: Any) -> Server:
         port = free_port()
         return Server(name, server_command(model, port, spec, kv_bytes, max_len), port,
-                      work / f"{name}-{os.getpid()}.log")
+                      work / f"{name}-{tag}.log")
 
     servers = {n: mk(n, s) for n, s in specs.items()}
     result: dict[str, Any] = {"workload": {k: v for k, v in vars(args).items()
                                            if k not in ("json", "work", "model")},
-                              "ttft_ms": {}, "hits": {}, "start_s": {}}
-    res: dict[str, dict[str, Any]] = {}
+                              "ttft_ms": {}, "hits": {}, "start_s": {}, "metrics": {}}
+    conc: dict[str, list[list[dict[str, Any]]]] = {}
+    mt: dict[str, list[list[dict[str, Any]]]] = {}
     try:
         for s in servers.values():
             s.start()
         for s in servers.values():
             s.wait_ready()
             result["start_s"][s.name] = round(s.start_s, 1)
-        for name, s in servers.items():
             complete(s.port, list(range(4, 68)), 2)  # warm-up (one request, not measured)
-            res[name] = {"concurrent": run_concurrent(s.port, wl),
-                         "multi_turn": run_multi_turn(s.port, wl)}
-            if name != "base":
-                res[name]["metrics"] = scrape(s.port, "vllm:hybridkv_")
-        for name in [n for n in servers if n != "base"]:
-            servers[name].stop()
+        # 1. concurrent batches, empty L3: round r on every server, then round r + 1
+        one = {n: (lambda i, p=s.port: run_concurrent(p, Workload(batches=[wl.batches[i]],
+                                                                   max_tokens=wl.max_tokens))[0])
+               for n, s in servers.items()}
+        conc = interleaved(one, len(wl.batches))
+        # 2. multi-turn on the connector servers: fills their L3 (and is measured)
+        for n in [n for n in servers if n != "base"]:
+            mt[n] = run_multi_turn(servers[n].port, wl)
+            result["metrics"][n] = scrape(servers[n].port, "vllm:hybridkv_")
+            servers[n].stop()
+        # 3. restart on the filled L3; multi-turn interleaved with base, request by request
         hkv2 = mk("hkv2", specs["hkv"]).start().wait_ready()
         servers["hkv2"] = hkv2
         result["start_s"]["hkv2"] = round(hkv2.start_s, 1)
         complete(hkv2.port, list(range(4, 68)), 2)
-        res["hkv2"] = {"multi_turn": run_multi_turn(hkv2.port, wl)}
-        res["hkv2"]["metrics"] = scrape(hkv2.port, "vllm:hybridkv_")
+        steps = {n: multi_turn_steps(servers[n].port, wl) for n in ("base", "hkv2")}
+        interleaved({n: f for n, (f, _) in steps.items()}, len(wl.conv_starts) * args.turns)
+        mt.update({n: r for n, (_, r) in steps.items()})
+        result["metrics"]["hkv2"] = scrape(hkv2.port, "vllm:hybridkv_")
     finally:
         for s in servers.values():
             s.stop()
-    base = res["base"]
-    for name, r in res.items():
+    for name in servers:
         row: dict[str, Any] = {}
-        for phase in ("concurrent", "multi_turn"):
-            if phase in r:
-                row[phase] = median_ms(ttfts(r[phase]))
-                row[f"{phase}_equal_to_base"] = outputs(r[phase]) == outputs(base[phase])
+        for phase, res in (("concurrent", conc), ("multi_turn", mt)):
+            if name in res:
+                row[phase] = median_ms(ttfts(res[name]))
+                row[f"{phase}_outputs_equal_base"] = outputs(res[name]) == outputs(res["base"])
         result["ttft_ms"][name] = row
-        result["hits"][name] = {
-            "cached_tokens_multi_turn": [[x["cached_tokens"] for x in c]
-                                         for c in r["multi_turn"]],
-            "metrics": r.get("metrics", {})}
+        if name in mt:
+            result["hits"][name] = [[x["cached_tokens"] for x in c] for c in mt[name]]
+    result["concurrent_ttft_ms_per_round"] = {
+        n: [median_ms([x["ttft_s"] for x in r]) for r in rs] for n, rs in conc.items()}
     b = result["ttft_ms"]["base"]
     result["ratios"] = {
         "concurrent_empty_l3_vs_base": round(result["ttft_ms"]["hkv"]["concurrent"]

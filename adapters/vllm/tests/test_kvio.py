@@ -111,7 +111,7 @@ def test_save_thread_async_store_release_and_wait(tmp_path) -> None:
     assert counts["save_dropped"] == 2
     assert not st.wait_keys(keys[:1], 0.05)  # still queued behind the gate
     gate.set()
-    assert st.wait_keys(keys[:3], 10) and st.drain(10)
+    assert st.wait_keys(keys[:3], 10) and st.drain(None)
     assert st.pop_released() == {"r2"} and st.pop_released() == set()
     assert counts["save_pages"] == 3 and counts["finish_saves"] == 1
     assert [e["req"] for e in events] == ["r1", "r2"]
