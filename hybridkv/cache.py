@@ -84,6 +84,8 @@ class CacheConfig:
             releases (baselines that hold SWA for every cached token).
         decode_release_interval: release out-of-window SWA every N decode tokens.
         swa_eviction / anchor_branch_points: see :class:`TreeConfig`.
+        eviction_ranking: which leaf eviction takes, ``"adaptive"``, ``"arc"``
+            or ``"lru"`` (:class:`TreeConfig` ``ranking``; docs/policy.md).
     """
 
     budget_bytes: int | None = None
@@ -96,6 +98,7 @@ class CacheConfig:
     decode_release_interval: int = 64
     swa_eviction: str = "page"
     anchor_branch_points: bool = True
+    eviction_ranking: str = "adaptive"
 
     def __post_init__(self) -> None:
         if self.retention not in _RETENTION:
@@ -221,7 +224,7 @@ class HybridKVCache:
                 f"{pool.full_page_bytes} + {pool.swa_page_bytes} bytes per full + SWA page)")
         self.tree = WindowSafeTree(
             TreeConfig(spec.page_size, spec.window, config.swa_checkpoint, config.swa_eviction,
-                       config.anchor_branch_points),
+                       config.anchor_branch_points, config.eviction_ranking),
             self.pool, full_page_bytes=self.pool.full_page_bytes, swa_page_bytes=self.pool.swa_page_bytes)
         self._live: dict[int, Request] = {}
         self.last_match_us = 0.0  # duration of the tree match inside the last begin()

@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--budgets", type=_budgets, default=None,
                    help="budgets to sweep in GB (10^9 bytes), comma-separated, e.g. 59,150,594")
     r.add_argument("--check-every", type=int, default=0, help="check invariants every N requests")
+    r.add_argument("--eviction-ranking", default="adaptive", choices=("adaptive", "arc", "lru"),
+                   help="hybridkv's leaf ranking (default adaptive; see docs/policy.md)")
     r.add_argument("--no-references", action="store_true",
                    help="skip the LRU-full and optimal (Belady) page-level references")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -199,7 +201,7 @@ def _replay(args: argparse.Namespace) -> int:
         out = replay(requests, spec, int(gb * _GB), systems=systems, swa_checkpoint=args.swa_checkpoint,
                      chunk=args.chunk, extension_rule=not args.no_extension_rule, progress=progress,
                      check_every=args.check_every, tiers=_tier_config(args),
-                     references=not args.no_references)
+                     references=not args.no_references, eviction_ranking=args.eviction_ranking)
         out["trace"] = path
         out["hbm_gb"] = gb
         runs.append(_flatten(out))

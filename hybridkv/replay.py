@@ -36,10 +36,11 @@ TOMBSTONE_SWA_RATIO = 0.8
 
 
 def system_config(system: str, spec: ModelSpec, budget_bytes: int, *, swa_checkpoint: int = 16384,
-                  device: str | None = "meta") -> CacheConfig:
+                  device: str | None = "meta", eviction_ranking: str = "adaptive") -> CacheConfig:
     """The :class:`CacheConfig` of ``system`` at ``budget_bytes``."""
     if system == "hybridkv":
-        return CacheConfig(budget_bytes=budget_bytes, device=device, swa_checkpoint=swa_checkpoint)
+        return CacheConfig(budget_bytes=budget_bytes, device=device, swa_checkpoint=swa_checkpoint,
+                           eviction_ranking=eviction_ranking)
     if system == "naive":
         return CacheConfig(budget_bytes=budget_bytes, device=device, swa_checkpoint=0,
                            retention="none", swa_eviction="none", anchor_branch_points=False)
@@ -115,7 +116,8 @@ def run_request(cache: HybridKVCache, tokens: np.ndarray, namespace: str, chunk:
 def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int, *,
            systems: Iterable[str] = SYSTEMS, swa_checkpoint: int = 16384, chunk: int = 8192,
            extension_rule: bool = True, progress: Callable[[int, int], None] | None = None,
-           check_every: int = 0, tiers: Any = None, references: bool = True) -> dict[str, Any]:
+           check_every: int = 0, tiers: Any = None, references: bool = True,
+           eviction_ranking: str = "adaptive") -> dict[str, Any]:
     """Replay ``requests`` through each system in lockstep; returns a JSON-able dict.
 
     ``references`` adds ``references.lru_full`` and ``references.optimal_at_budget``
@@ -132,7 +134,7 @@ def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int,
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     systems = list(systems)
-    caches = {s: _make_cache(s, spec, budget_bytes, swa_checkpoint, tiers) for s in systems}
+    caches = {s: _make_cache(s, spec, budget_bytes, swa_checkpoint, tiers, eviction_ranking) for s in systems}
     stats = {s: ReplayStats(s, cache=caches[s]) for s in systems}
     mat = TokenMaterializer(extension_rule=extension_rule)
     bound = PrefixBound(spec.page_size)
@@ -165,7 +167,7 @@ def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int,
     elapsed = time.perf_counter() - t0
     out: dict[str, Any] = {
         "model": spec.name, "page_size": spec.page_size, "budget_bytes": int(budget_bytes),
-        "swa_checkpoint": swa_checkpoint, "chunk": chunk,
+        "swa_checkpoint": swa_checkpoint, "chunk": chunk, "eviction_ranking": eviction_ranking,
         "extension_rule": "on" if extension_rule else "off",
         "requests": total, "input_tokens": input_tokens,
         "prefix_bound_hit_tokens": bound_tokens,
@@ -204,8 +206,9 @@ def reference_summary(log: PageLog, spec: ModelSpec, budget_bytes: int, input_to
 
 
 def _make_cache(system: str, spec: ModelSpec, budget_bytes: int, swa_checkpoint: int,
-                tiers: Any) -> HybridKVCache:
-    config = system_config(system, spec, budget_bytes, swa_checkpoint=swa_checkpoint)
+                tiers: Any, eviction_ranking: str = "adaptive") -> HybridKVCache:
+    config = system_config(system, spec, budget_bytes, swa_checkpoint=swa_checkpoint,
+                           eviction_ranking=eviction_ranking)
     if tiers is None or system != "hybridkv":
         return HybridKVCache(spec, config)
     from .tiers.tiered import TieredCache

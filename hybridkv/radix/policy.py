@@ -135,6 +135,9 @@ class AdaptiveRanking:
         self._ghosts = {self.RECENT: OrderedDict(), self.REUSED: OrderedDict()}
         self._ghost_pages = {self.RECENT: 0, self.REUSED: 0}
         self.ghost_hits = {self.RECENT: 0, self.REUSED: 0}
+        self.arc_credit = 0.0  # pages hit that only the segment rule kept
+        self.lru_credit = 0.0  # pages missed that only the segment rule evicted
+        self.eviction_age = 0  # ticks since last use of the leaf LRU would evict now
 
     def capacity(self) -> int:
         return self.pages[self.RECENT] + self.pages[self.REUSED]
@@ -146,25 +149,47 @@ class AdaptiveRanking:
             return self.RECENT
         return self.REUSED
 
-    def remember(self, segment: int, key: int, pages: int) -> None:
-        """A leaf of ``segment`` lost ``pages`` pages starting at ghost ``key``."""
+    def remember(self, segment: int, key: int, pages: int, deviated: int = -1) -> None:
+        """A leaf of ``segment`` lost ``pages`` pages starting at ghost ``key``.
+        ``deviated`` is the leaf's last use tick when plain LRU would have
+        evicted another leaf instead (else -1)."""
         ghosts = self._ghosts[segment]
-        old = ghosts.pop(key, 0)
-        ghosts[key] = old + pages
+        old = ghosts.pop(key, (0, -1))
+        ghosts[key] = (old[0] + pages, max(deviated, old[1]))
         self._ghost_pages[segment] += pages
         cap = max(1, self.capacity())
         while self._ghost_pages[segment] > cap and ghosts:
-            _, n = ghosts.popitem(last=False)
+            _, (n, _) = ghosts.popitem(last=False)
             self._ghost_pages[segment] -= n
 
-    def on_miss(self, key: int) -> bool:
-        """A request's match stopped at page ``key``: adapt if it is a ghost.  True if it was."""
+    def _credit(self, *, arc: int = 0, lru: int = 0) -> None:
+        self.arc_credit += arc
+        self.lru_credit += lru
+        if self.arc_credit + self.lru_credit > max(1, self.capacity()):  # forget old evidence
+            self.arc_credit /= 2
+            self.lru_credit /= 2
+
+    def spared_hit(self, pages: int) -> None:
+        """A leaf that LRU would have evicted (the segment rule spared it) was hit."""
+        self._credit(arc=pages)
+
+    def trust_segments(self) -> bool:
+        """Deviate from plain LRU only while deviating has paid off (counterfactual duel)."""
+        return self.arc_credit >= self.lru_credit
+
+    def on_miss(self, key: int, now: int = 0) -> bool:
+        """A request's match stopped at page ``key`` at tick ``now``: adapt if it is a
+        ghost.  True if it was."""
         for seg, other in ((self.RECENT, self.REUSED), (self.REUSED, self.RECENT)):
-            n = self._ghosts[seg].pop(key, 0)
+            n = self._ghosts[seg].pop(key, None)
             if n:
-                ratio = max(1.0, self._ghost_pages[other] / max(1, self._ghost_pages[seg]))
+                n, used = n
                 self._ghost_pages[seg] -= n
-                step = n * ratio
+                if used >= 0 and now - used < self.eviction_age:
+                    # evicted off the LRU order, and younger than what LRU evicts now:
+                    # plain LRU would still hold it (characteristic-time estimate)
+                    self._credit(lru=n)
+                step = n
                 cap = float(self.capacity())
                 self.target = min(cap, self.target + step) if seg == self.RECENT else max(0.0, self.target - step)
                 self.ghost_hits[seg] += 1

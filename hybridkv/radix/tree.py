@@ -62,6 +62,12 @@ class TreeConfig:
             dies with full KV).
         anchor_branch_points: treat the window before a branch point as a
             checkpoint (shared system prompts end there).
+        ranking: which leaf eviction takes (see
+            :class:`~hybridkv.radix.policy.AdaptiveRanking`): ``"adaptive"``
+            (LRU, deviating to the RECENT/REUSED segment rule while that pays
+            off, judged on a sample of evictions), ``"arc"`` (always the
+            segment rule: thrash resistant, wins when the budget is far below
+            the working set, loses when it is not) or ``"lru"``.
     """
 
     page_size: int
@@ -69,8 +75,11 @@ class TreeConfig:
     swa_checkpoint: int = 0
     swa_eviction: str = "page"
     anchor_branch_points: bool = True
+    ranking: str = "adaptive"
 
     def __post_init__(self) -> None:
+        if self.ranking not in ("adaptive", "arc", "lru"):
+            raise ValueError(f"ranking must be 'adaptive', 'arc' or 'lru', got {self.ranking!r}")
         for name in ("page_size", "window", "swa_checkpoint"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -177,7 +186,9 @@ class WindowSafeTree:
         self.ranking = AdaptiveRanking()
         self._leaf_heap: list[tuple[int, int, TreeNode]] = []     # leaves of the RECENT segment
         self._reused_heap: list[tuple[int, int, TreeNode]] = []   # leaves of the REUSED segment
+        self._deviated = -1  # last use of the leaf being evicted if plain LRU would take another
         self._dead: list[TreeNode] = []  # leaves left without a held tail window: no hit can end in them
+        self._ghost_hits: set[tuple[str, int]] = set()  # (namespace, token pos) where a match hit a ghost
         self._swa_heap: list[tuple[int, int, TreeNode]] = []      # unanchored SWA first
         self._anchor_heap: list[tuple[int, int, TreeNode]] = []   # then tails/checkpoints
         self.num_nodes = 0
@@ -189,6 +200,14 @@ class WindowSafeTree:
         self.evicted_swa_pages = 0
         self.listeners: list[Callable[[TreeEvent], None]] = []
         self.listener_errors = 0  # listener exceptions caught (logged; the tree stays consistent)
+
+    # Pages the tree frees are its own: a pool may offer unchecked frees for them.
+    # Looked up per call: an owner may swap ``pool`` after construction (tiers).
+    def _free_full(self, pages: np.ndarray) -> None:
+        (getattr(self.pool, "free_full_trusted", None) or self.pool.free_full)(pages)
+
+    def _free_swa(self, pages: np.ndarray) -> None:
+        (getattr(self.pool, "free_swa_trusted", None) or self.pool.free_swa)(pages)
 
     def _emit(self, kind: str, node: TreeNode, lo: int = 0, hi: int | None = None) -> None:
         """Tell listeners about ``node``'s pages ``[lo, hi)`` (only built when someone listens).
@@ -313,7 +332,10 @@ class WindowSafeTree:
         if touch:
             pos = raw_pages * self.page_size
             if pos + self.page_size <= len(key):  # did a ghost of an evicted leaf start here?
-                self.ranking.on_miss(self._ghost_key(namespace, pos, key[pos:pos + self.page_size]))
+                if self.ranking.on_miss(self._ghost_key(namespace, pos, key[pos:pos + self.page_size]), self._tick):
+                    if len(self._ghost_hits) > 4096:
+                        self._ghost_hits.clear()
+                    self._ghost_hits.add((namespace, pos))  # its re-insert is proven reuse (ARC)
         if touch and path:
             now = self._now()
             for n, _ in path:
@@ -329,6 +351,9 @@ class WindowSafeTree:
         # Recency: heap entries are refreshed lazily when popped (see _fresh).  A node
         # used again by a later request moves to the REUSED segment.
         node.last_access = now
+        if node.spared:
+            node.spared = False
+            self.ranking.spared_hit(node.n_pages)
         if node.seg == AdaptiveRanking.RECENT:
             node.seg = AdaptiveRanking.REUSED
             self.ranking.pages[AdaptiveRanking.RECENT] -= node.n_pages
@@ -523,6 +548,9 @@ class WindowSafeTree:
             self.num_nodes += 1
             self.full_pages_cached += new_pages
             self.swa_pages_cached += leaf.swa_valid
+            if self._ghost_hits and (namespace, pi * size) in self._ghost_hits:
+                self._ghost_hits.discard((namespace, pi * size))
+                leaf.seg = AdaptiveRanking.REUSED
             self.ranking.pages[leaf.seg] += new_pages
             if self.policy.checkpoint_pages:
                 leaf.anchor += self.policy.checkpoint_mask(pi, n)
@@ -535,9 +563,9 @@ class WindowSafeTree:
             if self.listeners:
                 self._emit("store", leaf)
         if drop_full:
-            self.pool.free_full(np.concatenate(drop_full))
+            self._free_full(np.concatenate(drop_full))
         if drop_swa:
-            self.pool.free_swa(np.concatenate(drop_swa))
+            self._free_swa(np.concatenate(drop_swa))
         return InsertResult(node if node is not root else None, new_pages, adopted)
 
     # ================================================================= locks
@@ -674,32 +702,55 @@ class WindowSafeTree:
             nf += got[0]
             ns += got[1]
         if freed_f:
-            self.pool.free_full(np.concatenate(freed_f))
+            self._free_full(np.concatenate(freed_f))
         if freed_s:
-            self.pool.free_swa(np.concatenate(freed_s))
+            self._free_swa(np.concatenate(freed_s))
         self.evicted_full_pages += nf
         self.evicted_swa_pages += ns
         return nf, ns
 
     def _pop_leaf(self) -> TreeNode | None:
-        """The next evictable leaf: a dead one first (its pages serve no hit), then by
-        the ranking (RECENT or REUSED segment, LRU within)."""
+        """The next evictable leaf: a dead one first (its pages serve no hit), then
+        the least recently used leaf of the segment the ranking names, as long as
+        deviating from plain LRU has paid off (else the LRU leaf of both)."""
+        self._deviated = -1
         dead = self._dead
         while dead:
             node = dead.pop()
             if node.alive and not node.children and not node.lock and node.parent is not None:
                 return node
-        ranking = self.ranking
-        first = ranking.evict_from(bool(self._leaf_heap), bool(self._reused_heap))
-        for seg in (first, AdaptiveRanking.REUSED if first == AdaptiveRanking.RECENT else AdaptiveRanking.RECENT):
-            heap = self._leaf_heap if seg == AdaptiveRanking.RECENT else self._reused_heap
-            while heap:
-                t, _, node = heapq.heappop(heap)
-                if (not node.alive or node.children or node.lock or node.parent is None
-                        or node.seg != seg):
-                    continue
-                if not self._fresh(heap, t, node):
-                    continue
+        recent = self._heap_top(self._leaf_heap, AdaptiveRanking.RECENT)
+        reused = self._heap_top(self._reused_heap, AdaptiveRanking.REUSED)
+        if recent is None or reused is None:
+            pick = recent or reused
+            if pick is None:
+                return None
+        else:
+            oldest = recent if (recent.last_access, recent.nid) < (reused.last_access, reused.nid) else reused
+            self.ranking.eviction_age = self._tick - oldest.last_access
+            seg = self.ranking.evict_from(True, True)
+            pick = recent if seg == AdaptiveRanking.RECENT else reused
+            # follow the segments while that pays off; a sample of leaves always
+            # does, so the evidence keeps coming when plain LRU is followed
+            mode = self.config.ranking
+            follow = mode == "arc" or (mode == "adaptive" and (self.ranking.trust_segments() or pick.nid % 16 == 0))
+            if pick is not oldest and follow:
+                self._deviated = pick.last_access
+                oldest.spared = True
+            else:
+                pick = oldest
+        heapq.heappop(self._leaf_heap if pick.seg == AdaptiveRanking.RECENT else self._reused_heap)
+        return pick
+
+    def _heap_top(self, heap: list, seg: int) -> TreeNode | None:
+        """The current top of a lazy leaf heap (stale entries dropped or refreshed)."""
+        while heap:
+            t, _, node = heap[0]
+            if not node.alive or node.children or node.lock or node.parent is None or node.seg != seg:
+                heapq.heappop(heap)
+            elif t != node.last_access:
+                heapq.heapreplace(heap, (node.last_access, node.nid, node))
+            else:
                 return node
         return None
 
@@ -742,7 +793,7 @@ class WindowSafeTree:
         self.ranking.pages[node.seg] -= gone
         pos = node.start + keep * size
         self.ranking.remember(node.seg, self._ghost_key(node.namespace, pos, node.key[keep * size:(keep + 1) * size]),
-                              gone)
+                              gone, self._deviated)
         if self.listeners:
             self._emit("remove", node, keep)
         if keep:  # trimmed: still a leaf, its tail window now ends at the new end
