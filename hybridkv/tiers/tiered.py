@@ -346,11 +346,13 @@ class TieredCache(HybridKVCache):
             fkeys = [keys[i] for i in cand_f.tolist()]
             skeys = [swa_key(keys[i]) for i in cand_s.tolist()]
             waits = {id(f): f for f in (self._inflight.get(k) for k in fkeys + skeys) if f is not None}
+            if self.l3.read_breaker.state != "closed":
+                waits = {}  # L3 is failing: do not wait for reads already in flight either
             new_f = np.array([k not in self._inflight for k in fkeys], dtype=bool)
             new_s = np.array([k not in self._inflight for k in skeys], dtype=bool)
             if not new_f.any() and not new_s.any():
                 return PrefetchHandle(list(waits.values())), False
-            gate = self.l3.read_gate()
+            gate = self.l3.read_gate()  # claims the breaker's probe slot when half-open
             if gate is None:
                 self.l3._count("l3_reads_skipped")
                 return PrefetchHandle(list(waits.values())), False
@@ -368,7 +370,9 @@ class TieredCache(HybridKVCache):
                                 del self._inflight[k]
 
             fut = self.l3.submit_read(job, gated=False)
-            if fut is None:
+            if fut is None:  # closed or the read queue is full
+                if gate == "probe":
+                    self.l3.read_breaker.record_failure()  # give the probe slot back (re-opens)
                 return PrefetchHandle(list(waits.values())), False
             box["fut"] = fut
             for k in mine:

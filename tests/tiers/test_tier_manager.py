@@ -199,3 +199,24 @@ def test_future_timeouts_are_caught_on_python_3_10():
         assert mgr.stats()["l3_timeouts"] == 1
     finally:
         mgr.close()
+
+
+def test_read_breaker_recovers_when_l3_does(warm_l3):
+    backend, ps = warm_l3
+    slow = FaultyBackend(backend)
+    slow.delay.update(exists=0.3, get=0.3)
+    b = tiered(slow, l3_timeout_s=0.05, l3_read_breaker=(1, 0.3))
+    try:
+        b.abort(b.begin(ps[0][1], "default"))  # late: the breaker opens
+        time.sleep(1.3)  # the late read finishes (0.6 s, another failure), the cooldown passes
+        assert b.stats()["l3_read_breaker_trips"] >= 1
+        slow.delay.clear()
+        t0 = time.perf_counter()
+        b.abort(b.begin(ps[1][1], "default"))  # the probe: sent, not waited for
+        assert time.perf_counter() - t0 < 0.2
+        assert b.flush(5)
+        assert b.stats()["l3_read_breaker_open"] == 0
+        out = run(b, [ps[2]])  # healthy again: L3 serves
+        assert out["hit_tokens"] == 40 and b.stats()["l3_hit_tokens"] >= 40
+    finally:
+        b.close()
