@@ -166,3 +166,25 @@ def test_a_leaf_left_without_its_window_is_evicted_before_live_data():
     assert t.evict(full_pages=1)[0] == 8           # ... leaving a without a window: dead, before c
     t.check_invariants()
     assert t.match(np.array(c + [1], dtype=np.int32)).length == 16
+
+
+@pytest.mark.parametrize("ranking", ["adaptive", "arc", "lru"])
+def test_every_ranking_keeps_the_invariants_under_churn(ranking):
+    rng = np.random.default_rng(7)
+    cache = HybridKVCache(spec(), CacheConfig(full_pages=40, swa_pages=16, swa_checkpoint=8,
+                                              eviction_ranking=ranking))
+    convs = [list(rng.integers(0, 50, 4)) for _ in range(6)]
+    hits = 0
+    for i in range(150):
+        c = convs[rng.integers(0, len(convs))]
+        c += list(rng.integers(0, 50, rng.integers(1, 7)))   # the next turn extends the conversation
+        if len(c) > 30:
+            c[:] = list(rng.integers(0, 50, 4))
+        hits += run(cache, c, chunk=4)
+    assert hits > 0
+    assert cache.tree.ranking.pages[1] + cache.tree.ranking.pages[2] == cache.tree.full_pages_cached
+
+
+def test_unknown_ranking_is_rejected():
+    with pytest.raises(ValueError, match="ranking"):
+        TreeConfig(2, 4, ranking="mru")
