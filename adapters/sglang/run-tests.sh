@@ -2,6 +2,7 @@
 # Create (or refresh) the adapter's own virtual environment and run its tests.
 #
 #   adapters/sglang/run-tests.sh [pytest args...]
+#   adapters/sglang/run-tests.sh --install-only     # create/refresh the venv, run nothing
 #
 # SGLang 0.5.23 pins a CUDA torch, so it is installed with --no-deps and its
 # pure-Python dependencies are installed under a constraint that keeps the
@@ -35,6 +36,9 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
     # The core and the adapter, editable, without letting pip touch torch again.
     "${PIP[@]}" install -c "$CONSTRAINT" --no-deps --no-build-isolation -e "$ROOT" -e "$HERE"
     echo "$WANT" > "$STAMP"
+fi
+if [ "${1:-}" = "--install-only" ]; then
+    exit 0
 fi
 cd "$HERE"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests "$@"

@@ -179,8 +179,11 @@ class Driver:
         self.after_step: Callable[["Driver"], None] | None = None
 
     # ------------------------------------------------------------ public
-    def run(self, sequences: Iterable[tuple[np.ndarray, int, str | None]]) -> FlowStats:
-        """Run ``(prompt, n_output, extra_key)`` requests, ``max_live`` at a time."""
+    def run(self, sequences: Iterable[tuple[np.ndarray, int | np.ndarray, str | None]]) -> FlowStats:
+        """Run ``(prompt, outputs, extra_key)`` requests, ``max_live`` at a time.
+
+        ``outputs`` is the number of tokens to decode (their ids are derived from
+        the prompt) or the output token ids themselves."""
         pending = list(sequences)[::-1]
         while pending or self._live:
             while pending and len(self._live) < self.max_live:
@@ -195,9 +198,12 @@ class Driver:
         return self.stats
 
     # ------------------------------------------------------------ steps
-    def _admit(self, prompt: np.ndarray, n_out: int, extra_key: str | None) -> None:
+    def _admit(self, prompt: np.ndarray, n_out: int | np.ndarray, extra_key: str | None) -> None:
         self._rid += 1
-        outputs = (prefix_hashes(prompt)[-1:] + np.arange(1, n_out + 1)) % 50000 + 7 if n_out else np.zeros(0)
+        if isinstance(n_out, np.ndarray):
+            outputs, n_out = n_out, len(n_out)
+        else:
+            outputs = (prefix_hashes(prompt)[-1:] + np.arange(1, n_out + 1)) % 50000 + 7 if n_out else np.zeros(0)
         tokens = np.concatenate([prompt, outputs.astype(np.int64)]).astype(np.int64)
         req = Req(f"r{self._rid}", "", array("q", prompt.astype(np.int64).tolist()),
                   SamplingParams(max_new_tokens=max(1, n_out)), extra_key=extra_key)

@@ -1,0 +1,86 @@
+"""In-engine equal-memory benchmark: hybridkv's SGLang backend vs SGLang's own tree.
+
+Runs inside the SGLang 0.5.23 venv (``in_engine.sh`` makes it).  Mooncake
+conversation requests go through SGLang's real pools, ``Req`` objects and
+scheduler helpers (``adapters/sglang/tests/sglang_flow.py``) at two KV-memory
+sizes picked from the workload (``roomy`` ~ the replays' 594 GB regime, ``tight``
+~ 59 GB; see ``adapters/sglang/tests/equal_memory.py``), for
+
+* ``hybridkv``         ``HybridKVRadixCache`` at the split ``hybridkv_sglang.split`` chooses;
+* ``unified_default``  ``UnifiedRadixCache`` (FULL + SWA) at ``--swa-full-tokens-ratio`` 0.8;
+* ``unified_best``     the same at the swept ratio with the most hit tokens.
+
+    benchmarks/peers/in_engine.sh --json [--trace T] [--limit N]
+
+``--json`` prints one object ``{"sglang": [{"kv_bytes", "system", "swa_ratio",
+"hit_tokens", "input_tokens"}, ...]}`` on stdout; progress and every swept ratio
+go to stderr (and to ``--details FILE`` as JSON when given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(ROOT / "adapters" / "sglang" / "tests"))
+
+import conftest  # noqa: E402  (torchvision stand-in, torch single-threaded)
+
+conftest.publish_test_server_args()
+
+import equal_memory as em  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    default_trace = (conftest.shared_traces() or Path("traces")) / "mooncake_conversation_trace.jsonl"
+    ap.add_argument("--trace", type=Path, default=default_trace, help=f"trace file (default {default_trace})")
+    ap.add_argument("--limit", type=int, default=1000, help="first N requests of the trace (default 1000)")
+    ap.add_argument("--ratios", default=",".join(str(r) for r in em.RATIOS),
+                    help="UnifiedRadixCache --swa-full-tokens-ratio values to sweep (0.8 is always run)")
+    ap.add_argument("--details", type=Path, help="write every run (pool sizes, sweep, timings) here as JSON")
+    args = ap.parse_args(argv)
+    if args.limit < 1:
+        ap.error("--limit must be >= 1")
+    if not args.trace.is_file():
+        ap.error(f"--trace {args.trace} is not a file")
+    ratios = [float(x) for x in args.ratios.split(",") if x]
+    if any(not 0 < r <= 1 for r in ratios):
+        ap.error("--ratios: SGLang accepts --swa-full-tokens-ratio in (0, 1]")
+
+    def log(msg: str) -> None:
+        print(f"[in-engine] {msg}", file=sys.stderr, flush=True)
+
+    start = time.perf_counter()
+    prompts = em.mooncake_prompts(args.trace, args.limit)
+    sizes = em.pick_sizes(prompts)
+    for name, s in sizes.items():
+        log(f"{name}: {s['kv_bytes'] / 1e9:.2f} GB ({s['kv_bytes'] // em.FULL_BYTES_PER_TOKEN} tokens of full KV "
+            f"alone: LRU {s['full_kv_lru_hits']} hit tokens, prefix bound {s['prefix_bound']}, "
+            f"input {s['input_tokens']})")
+    rows = em.equal_memory(prompts, sizes, ratios=ratios, progress=log)
+    main_rows = [r for r in rows if r.system in ("hybridkv", "unified_default", "unified_best")]
+    bad = [r for r in main_rows if r.system == "hybridkv" and r.rejected]
+    if args.details:
+        args.details.write_text(json.dumps({"trace": str(args.trace), "limit": args.limit, "sizes": sizes,
+                                            "runs": [vars(r) for r in rows]}, indent=1))
+    log(f"done in {time.perf_counter() - start:.0f} s")
+    if args.json:
+        print(json.dumps({"sglang": [r.public() for r in main_rows]}))
+    else:
+        print("| size | kv_bytes | system | swa_ratio | full / SWA pool tokens | hit tokens | input tokens | hit rate |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in main_rows:
+            print(f"| {r.size} | {r.kv_bytes:,} | {r.system} | {r.swa_ratio:.4f} | {r.full_tokens:,} / "
+                  f"{r.swa_tokens:,} | {r.hit_tokens:,} | {r.input_tokens:,} | {r.hit_tokens / r.input_tokens:.2%} |")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
