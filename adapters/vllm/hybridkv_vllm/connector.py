@@ -231,6 +231,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # lookups count them as stored while their store may still be queued.
         self._sent: OrderedDict[bytes, None] = OrderedDict()
         self._loading: dict[str, list[bytes]] = {}  # req -> keys of its load in flight
+        # Keys of save jobs built but not sent yet (dedup only; lookups do not see them:
+        # a load in the same step would run before the save is submitted).
+        self._claimed: set[bytes] = set()
         # worker side
         self._buffers: dict[int, GroupBuffers] = {}
         self._l2: HostPageCache | None = None
@@ -426,8 +429,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 pages = pages_to_save(g, st.saved_tokens // bs, end_tokens // bs, bs, final)
             sel = [i for i in pages if i < len(ids) and ids[i] != null_id and i not in done]
             done.update(sel if g.is_swa else ())
+            # A page another job already carries (a shared system prompt saved by
+            # the first request of a batch) is neither copied out nor stored again.
+            ks = keys[g.index]
+            sel = [i for i in sel if ks[i] not in self._sent and ks[i] not in self._claimed]
             if sel:
-                job.groups[g.index] = ([ids[i] for i in sel], [keys[g.index][i] for i in sel])
+                job.groups[g.index] = ([ids[i] for i in sel], [ks[i] for i in sel])
+                self._claimed.update(ks[i] for i in sel)
         st.saved_tokens = max(st.saved_tokens, end_tokens)
         return job if job.groups else None
 
@@ -465,6 +473,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 for k in ks:
                     self._sent[k] = None
                     self._sent.move_to_end(k)
+        self._claimed.clear()
         while len(self._sent) > SENT_KEYS_MAX:
             self._sent.popitem(last=False)
         return meta

@@ -24,11 +24,15 @@ thread; the request is reported finished as soon as its copy-out is done
 The queue is bounded in bytes (``save_queue_mb``): a prefill save that does
 not fit is dropped (counted; a best-effort cache only misses later).  A
 finish save is never dropped without releasing its blocks.
+
+The thread runs at the process's priority: lowering it (a per-thread nice)
+was tried and made loads slower on a loaded CPU: the thread holds the L2
+lock while it copies pages in, and a load waiting for that lock then waits
+for a thread the kernel rarely schedules (priority inversion).
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -41,8 +45,6 @@ import torch
 from .kvio import GroupBuffers, gather_host, store_rows
 
 __all__ = ["SaveTask", "SaveThread"]
-
-SAVE_THREAD_NICE = 10  # the save thread's nice value (its stores yield to the engine step)
 
 
 @dataclass
@@ -168,10 +170,6 @@ class SaveThread:
 
     # ------------------------------------------------------------- save thread
     def _run(self) -> None:
-        try:  # Linux nice is per thread: the forward pass goes first on a busy CPU
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_THREAD_NICE)
-        except (AttributeError, OSError):
-            pass
         while True:
             task = self._q.get()
             if task is None:

@@ -15,9 +15,10 @@ is given, then, in one run:
    each turn = previous prompt + its answer + a new user message;
    conversations interleaved so they evict each other from vLLM's small KV
    cache) on ``hkv``, which fills L3, and stops it;
-4. starts ``hkv2``, a fresh server on the same L3, and replays the
-   multi-turn client on ``base`` and ``hkv2``, request by request
-   interleaved (the *filled L3* TTFT);
+4. stops them all; starts ``base2`` (no connector) and ``hkv2`` (on the
+   L3 ``hkv`` filled) fresh and together, warms both alike, and replays the
+   multi-turn client on both, request by request interleaved (the *filled
+   L3* TTFT: a restarted server with and without hybridkv);
 5. prints JSON: median TTFT per phase and server, hit tokens from
    ``/metrics`` and per request, and whether every output equals ``base``.
 
@@ -383,36 +384,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for n in [n for n in servers if n != "base"]:
             mt[n] = run_multi_turn(servers[n].port, wl)
             result["metrics"][n] = scrape(servers[n].port, "vllm:hybridkv_")
-            servers[n].stop()
-        # 3. restart on the filled L3; multi-turn interleaved with base, request by request
-        hkv2 = mk("hkv2", specs["hkv"]).start().wait_ready()
-        servers["hkv2"] = hkv2
-        result["start_s"]["hkv2"] = round(hkv2.start_s, 1)
-        complete(hkv2.port, list(range(4, 68)), 2)
-        steps = {n: multi_turn_steps(servers[n].port, wl) for n in ("base", "hkv2")}
+        for s in servers.values():
+            s.stop()
+        # 3. restart: a fresh server without connector (base2) and a fresh one on the
+        #    filled L3 (hkv2), started together and warmed alike (unrelated prompts of
+        #    the workload's length); multi-turn interleaved request by request
+        fresh = {"base2": mk("base2", None), "hkv2": mk("hkv2", specs["hkv"])}
+        servers.update(fresh)
+        for s in fresh.values():
+            s.start()
+        warm = make_workload(seed=99, rounds=0, convs=2, turns=1,
+                             context_len=args.context_len).conv_starts
+        for s in fresh.values():
+            s.wait_ready()
+            result["start_s"][s.name] = round(s.start_s, 1)
+            for p in warm:
+                complete(s.port, p, 2)
+        steps = {n: multi_turn_steps(s.port, wl) for n, s in fresh.items()}
         interleaved({n: f for n, (f, _) in steps.items()}, len(wl.conv_starts) * args.turns)
         mt.update({n: r for n, (_, r) in steps.items()})
-        result["metrics"]["hkv2"] = scrape(hkv2.port, "vllm:hybridkv_")
+        result["metrics"]["hkv2"] = scrape(fresh["hkv2"].port, "vllm:hybridkv_")
     finally:
         for s in servers.values():
             s.stop()
     for name in servers:
         row: dict[str, Any] = {}
         for phase, res in (("concurrent", conc), ("multi_turn", mt)):
+            ref = res.get("base", res.get("base2"))
             if name in res:
                 row[phase] = median_ms(ttfts(res[name]))
-                row[f"{phase}_outputs_equal_base"] = outputs(res[name]) == outputs(res["base"])
+                row[f"{phase}_outputs_equal_base"] = outputs(res[name]) == outputs(ref)
         result["ttft_ms"][name] = row
         if name in mt:
             result["hits"][name] = [[x["cached_tokens"] for x in c] for c in mt[name]]
     result["concurrent_ttft_ms_per_round"] = {
         n: [median_ms([x["ttft_s"] for x in r]) for r in rs] for n, rs in conc.items()}
     b = result["ttft_ms"]["base"]
+    b.pop("multi_turn", None)
     result["ratios"] = {
         "concurrent_empty_l3_vs_base": round(result["ttft_ms"]["hkv"]["concurrent"]
                                              / b["concurrent"], 3),
         "multi_turn_filled_l3_vs_base": round(result["ttft_ms"]["hkv2"]["multi_turn"]
-                                              / b["multi_turn"], 3)}
+                                              / result["ttft_ms"]["base2"]["multi_turn"], 3)}
+    result["multi_turn_ttft_ms_per_turn"] = {
+        n: [median_ms([c[t]["ttft_s"] for c in mt[n]]) for t in range(args.turns)]
+        for n in mt}
     if "hkv_sync" in result["ttft_ms"]:
         result["ratios"]["concurrent_sync_save_vs_base"] = round(
             result["ttft_ms"]["hkv_sync"]["concurrent"] / b["concurrent"], 3)
