@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=1000, help="first N requests of the trace (default 1000)")
     ap.add_argument("--ratios", default=",".join(str(r) for r in em.RATIOS),
                     help="UnifiedRadixCache --swa-full-tokens-ratio values to sweep (0.8 is always run)")
+    ap.add_argument("--unquoted-answers", action="store_true",
+                    help="decode tokens no later turn quotes (as when reasoning is stripped from the history) "
+                         "instead of the answer the next turn quotes")
     ap.add_argument("--details", type=Path, help="write every run (pool sizes, sweep, timings) here as JSON")
     args = ap.parse_args(argv)
     if args.limit < 1:
@@ -64,11 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name}: {s['kv_bytes'] / 1e9:.2f} GB ({s['kv_bytes'] // em.FULL_BYTES_PER_TOKEN} tokens of full KV "
             f"alone: LRU {s['full_kv_lru_hits']} hit tokens, prefix bound {s['prefix_bound']}, "
             f"input {s['input_tokens']})")
-    rows = em.equal_memory(prompts, sizes, ratios=ratios, progress=log)
+    rows = em.equal_memory(prompts, sizes, ratios=ratios, quoted_answers=not args.unquoted_answers, progress=log)
     main_rows = [r for r in rows if r.system in ("hybridkv", "unified_default", "unified_best")]
     bad = [r for r in main_rows if r.system == "hybridkv" and r.rejected]
     if args.details:
         args.details.write_text(json.dumps({"trace": str(args.trace), "limit": args.limit, "sizes": sizes,
+                                            "quoted_answers": not args.unquoted_answers,
                                             "runs": [vars(r) for r in rows]}, indent=1))
     log(f"done in {time.perf_counter() - start:.0f} s")
     if args.json:

@@ -166,9 +166,12 @@ def hybridkv_split(kv_bytes: int, prompts: Sequence[np.ndarray], chunk: int = CH
 
 
 def run_one(system: str, prompts: Sequence[np.ndarray], full: int, swa: int, *,
-            sanity_every: int = 0, chunk: int = CHUNK, max_live: int = MAX_LIVE) -> tuple[dict, float]:
+            sanity_every: int = 0, chunk: int = CHUNK, max_live: int = MAX_LIVE,
+            quoted_answers: bool = True) -> tuple[dict, float]:
     """Replay ``prompts`` through ``system`` (``"hybridkv"`` or ``"unified"``) on
-    pools of ``full`` / ``swa`` tokens.  Returns the driver's stats and seconds."""
+    pools of ``full`` / ``swa`` tokens.  ``quoted_answers``: the decoded tokens are
+    what the next turn quotes (:func:`conversation_outputs`), else tokens no later
+    prompt holds.  Returns the driver's stats and seconds."""
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from hybridkv_sglang.radix_cache import HybridKVRadixCache
@@ -193,7 +196,8 @@ def run_one(system: str, prompts: Sequence[np.ndarray], full: int, swa: int, *,
                 d.cache.sanity_check()
         driver.after_step = sanity
     start = time.perf_counter()
-    stats = driver.run([(p, o, None) for p, o in zip(prompts, conversation_outputs(prompts))])
+    outputs = conversation_outputs(prompts) if quoted_answers else [OUTPUT_TOKENS] * len(prompts)
+    stats = driver.run([(p, o, None) for p, o in zip(prompts, outputs)])
     cache.sanity_check()
     return ({"hit_tokens": stats.hit_tokens, "input_tokens": stats.input_tokens, "requests": stats.requests,
              "rejected": stats.rejected, "checks": stats.checks,
@@ -202,7 +206,7 @@ def run_one(system: str, prompts: Sequence[np.ndarray], full: int, swa: int, *,
 
 def equal_memory(prompts: Sequence[np.ndarray], sizes: dict[str, dict], *, ratios: Sequence[float] = RATIOS,
                  sanity_every: int = 0, chunk: int = CHUNK, max_live: int = MAX_LIVE,
-                 progress: Callable[[str], None] | None = None) -> list[Row]:
+                 quoted_answers: bool = True, progress: Callable[[str], None] | None = None) -> list[Row]:
     """hybridkv, unified_default and unified_best at every size (and, with
     ``progress``, a line per run).  A ratio whose pools reject a request (SWA too
     small for the running requests) is not eligible as ``unified_best``."""
@@ -210,7 +214,8 @@ def equal_memory(prompts: Sequence[np.ndarray], sizes: dict[str, dict], *, ratio
 
     def record(size, kv_bytes, system, ratio, full, swa) -> Row:
         st, secs = run_one("hybridkv" if system == "hybridkv" else "unified", prompts, full, swa,
-                           sanity_every=sanity_every, chunk=chunk, max_live=max_live)
+                           sanity_every=sanity_every, chunk=chunk, max_live=max_live,
+                           quoted_answers=quoted_answers)
         row = Row(size, kv_bytes, system, ratio, full, swa, st["hit_tokens"], st["input_tokens"], st["requests"],
                   st["rejected"], st["checks"], st["hits_verified"], round(secs, 1))
         if progress:
