@@ -177,8 +177,10 @@ def _tier_config(args: argparse.Namespace) -> Any:
             raise ValueError("--l3 needs --l2-gb (L3 loads go through the L2 host tier)")
         return None
     from .tiers.tiered import TierConfig
+    # A replay is not real time: L3 is assumed to keep up with the writes (an engine's
+    # bounded queue drops them instead, counted), so the figures do not depend on timing.
     return TierConfig(l2_bytes=int(args.l2_gb * _GB), l3=args.l3, write_policy=args.write_policy,
-                      l3_timeout_s=60.0)
+                      l3_timeout_s=60.0, max_queued_writes=1 << 26)
 
 
 def _replay(args: argparse.Namespace) -> int:

@@ -260,7 +260,8 @@ class TierManager:
     # -------------------------------------------------------------- writes
     def put_async(self, keys: Sequence[bytes], values: Sequence[Any] | None = None, *,
                   encode: Callable[[], Sequence[Any]] | None = None,
-                  event_keys: Sequence[bytes] | None = None, swa: bool = False) -> bool:
+                  event_keys: Sequence[bytes] | None = None, swa: bool = False,
+                  done: Callable[[], None] | None = None) -> bool:
         """Queue a write; False (counted as dropped) if the queue is full or closed.
 
         Give ``values`` or ``encode``: a callable run on the write worker that
@@ -268,6 +269,8 @@ class TierManager:
         written, counted in ``l3_write_pages_gone``).  ``event_keys[i]``:
         full-KV page key of value i, announced to :attr:`listeners` as
         ``store`` (or ``swa_store`` when ``swa``) once the write succeeded.
+        ``done()`` runs on the write worker after the write was tried (also when
+        it failed or was dropped there), never when this returns False.
         """
         if (values is None) == (encode is None):
             raise ValueError("give exactly one of values and encode")
@@ -289,6 +292,13 @@ class TierManager:
             self.counters["l3_writes_queued"] += n
 
         def job() -> None:
+            try:
+                write()
+            finally:
+                if done is not None:
+                    done()
+
+        def write() -> None:
             ks, ev, vs = keys, ev_keys, vals
             if vs is None:
                 got = list(encode())  # type: ignore[misc]

@@ -153,6 +153,36 @@ class PrefetchHandle:
         return not pending
 
 
+class _PendingWrite:
+    """An L3 write whose values are encoded later from L2 pages (see ``_queue_l3``)."""
+
+    __slots__ = ("kind", "keys", "pages", "values")
+
+    def __init__(self, kind: AttnKind, keys: list[bytes], pages: np.ndarray) -> None:
+        self.kind, self.keys, self.pages = kind, keys, pages
+        self.values: list[Any] = [None] * len(keys)
+
+
+class _EncodeBeforeFree:
+    """L2's pool as :class:`HostTier` sees it: a page with a queued L3 write is
+    encoded before it is freed (so no queued write loses its data)."""
+
+    def __init__(self, owner: "TieredCache", pool: Any) -> None:
+        self._owner = owner
+        self._pool = pool
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+    def free_full(self, pages: np.ndarray) -> None:
+        self._owner._l2_freeing(AttnKind.FULL, pages)
+        self._pool.free_full(pages)
+
+    def free_swa(self, pages: np.ndarray) -> None:
+        self._owner._l2_freeing(AttnKind.SWA, pages)
+        self._pool.free_swa(pages)
+
+
 class _BackupPool:
     """The L1 tree's view of the pool: backs pages up to L2 before freeing them."""
 
@@ -217,6 +247,9 @@ class TieredCache(HybridKVCache):
                         if real and self.pool.buffers.device.type == "cuda" else None)
         self.tier_counters = dict.fromkeys(_COUNTERS, 0)
         self.tree.pool = _BackupPool(self)
+        self._pending_l3: dict[tuple[AttnKind, int], tuple[_PendingWrite, int]] = {}  # L2 page -> queued write
+        self._unwritten: dict[bytes, tuple[_PendingWrite, int]] = {}  # L3 key -> queued write not yet put
+        self.host.pool = _EncodeBeforeFree(self, self.host.pool)
 
     # ================================================================= keys
     def _page_keys(self, tokens: np.ndarray, namespace: str, n_pages: int,
@@ -386,7 +419,16 @@ class TieredCache(HybridKVCache):
         pages of the plan, land them in L2 (under the mutex)."""
         assert self.l3 is not None
         wp = self.spec.window_pages
-        there = np.asarray(self.l3.backend_exists(fkeys + skeys), dtype=bool)
+        allk = fkeys + skeys
+        with self._mutex:  # values of queued writes not yet put (encoded when L2 freed their page)
+            queued = {}
+            for k in allk:
+                e = self._unwritten.get(k)
+                if e is not None and e[0].values[e[1]] is not None:
+                    queued[k] = e[0].values[e[1]]
+        ask = [k for k in allk if k not in queued]
+        got = dict(zip(ask, self.l3.backend_exists(ask)))
+        there = np.fromiter((k in queued or bool(got[k]) for k in allk), dtype=bool, count=len(allk))
         ok_f, ok_s = have_f.copy(), have_s.copy()
         ok_f[cand_f[there[:len(fkeys)]]] = True
         ok_s[cand_s[there[len(fkeys):]]] = True
@@ -400,7 +442,9 @@ class TieredCache(HybridKVCache):
         fi, si = cand_f[sel_f], cand_s[sel_s]
         gk = [k for k, o in zip(fkeys, sel_f) if o]
         gs = [k for k, o in zip(skeys, sel_s) if o]
-        values = self.l3.backend_get(gk + gs)
+        ask = [k for k in gk + gs if k not in queued]
+        read = dict(zip(ask, self.l3.backend_get(ask)))
+        values = [queued[k] if k in queued else read[k] for k in gk + gs]
         try:
             with self._mutex:
                 self._land(keys, fi, si, gk, gs, values, L, lo)
@@ -713,21 +757,26 @@ class TieredCache(HybridKVCache):
         wk = [k for k, s in zip(keys, sel) if s]
         names = keys if kind is AttnKind.FULL else base
         ev = [k for k, s in zip(names, sel) if s] if names is not None else None
-        pages = np.asarray(host_pages)[sel].copy()
+        pending = _PendingWrite(kind, wk, np.asarray(host_pages)[sel].astype(np.int64))
 
         def encode() -> list[Any]:
-            """On the L3 write worker: encode the pages that still hold their keys."""
-            with self._mutex:  # the L2 page may have been evicted and reused since
-                cur = self.host.lookup_full(wk) if kind is AttnKind.FULL else self.host.lookup_swa(wk)
-                still = cur == pages
-                out: list[Any] = [None] * len(wk)
-                if still.any():
-                    vals = iter(self.codec.encode(kind, [k for k, o in zip(wk, still) if o], pages[still]))
-                    out = [next(vals) if o else None for o in still.tolist()]
-                self._l3_known.difference_update(k for k, o in zip(wk, still) if not o)
-            return out
+            """On the L3 write worker: encode what L2 did not free (and encode) meanwhile."""
+            with self._mutex:
+                self._encode_pending([(pending, i) for i in range(len(wk)) if pending.values[i] is None])
+            return pending.values
 
-        if self.l3.put_async(wk, encode=encode, event_keys=ev, swa=kind is AttnKind.SWA):
+        def written() -> None:
+            """On the write worker, after the put: reads go to L3 for these keys again."""
+            with self._mutex:
+                for i, k in enumerate(wk):
+                    if self._unwritten.get(k) == (pending, i):
+                        del self._unwritten[k]
+
+        if self.l3.put_async(wk, encode=encode, event_keys=ev, swa=kind is AttnKind.SWA, done=written):
+            for i, p in enumerate(pending.pages.tolist()):  # under the mutex: before encode() can run
+                self._pending_l3[(kind, p)] = (pending, i)
+            for i, k in enumerate(wk):  # read-your-writes until the put ran (reads do not queue behind writes)
+                self._unwritten[k] = (pending, i)
             self._l3_known.update(wk)
             if not self._l3_mine_overflow:
                 self._l3_mine.update(wk)
@@ -737,6 +786,28 @@ class TieredCache(HybridKVCache):
             if len(self._l3_known) > 4_000_000:
                 self._l3_known.clear()  # bounded; only redundant writes result
             self.tier_counters["bytes_l3_written"] += len(wk) * self.codec.nominal_bytes(kind)
+
+    def _encode_pending(self, items: list[tuple["_PendingWrite", int]]) -> None:
+        """Encode queued L3 values from their L2 pages now (under the mutex).  O(pages)."""
+        groups: dict[int, tuple[_PendingWrite, list[int]]] = {}
+        for pw, i in items:
+            if self._pending_l3.get((pw.kind, int(pw.pages[i]))) == (pw, i):
+                del self._pending_l3[(pw.kind, int(pw.pages[i]))]
+            groups.setdefault(id(pw), (pw, []))[1].append(i)
+        for pw, idx in groups.values():
+            vals = self.codec.encode(pw.kind, [pw.keys[i] for i in idx], pw.pages[idx])
+            for i, v in zip(idx, vals):
+                pw.values[i] = v
+
+    def _l2_freeing(self, kind: AttnKind, pages: np.ndarray) -> None:
+        """L2 is about to free ``pages``: encode their still-queued L3 writes first
+        (on whichever thread frees; usually the write worker encodes them)."""
+        if not self._pending_l3:
+            return
+        hit = [e for e in (self._pending_l3.get((kind, int(p))) for p in np.asarray(pages).tolist())
+               if e is not None]
+        if hit:
+            self._encode_pending(hit)
 
     def _on_l1_free(self, kind: AttnKind, pages: np.ndarray) -> None:
         """The L1 tree frees ``pages``: drop their keys, back them up first under write-back."""

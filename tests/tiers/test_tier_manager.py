@@ -220,3 +220,39 @@ def test_read_breaker_recovers_when_l3_does(warm_l3):
         assert out["hit_tokens"] == 40 and b.stats()["l3_hit_tokens"] >= 40
     finally:
         b.close()
+
+
+def test_queued_l3_writes_survive_l2_eviction_before_the_worker_encodes_them(tmp_path):
+    slow = FaultyBackend(open_backend(f"file://{tmp_path / 'l3'}"))
+    slow.delay["put"] = 0.3  # the write worker lags behind L2's churn
+    b = tiered(slow, l1_pages=40, l2_pages=24)
+    try:
+        ps = prompts(6, seed=15)
+        run(b, ps)  # each prompt evicts the previous one's L2 pages before they were encoded
+        slow.delay.clear()
+        assert b.flush(30)
+        st = b.stats()
+        assert st["l2_evicted_full_pages"] > 0, st
+        assert st["l3_write_pages_gone"] == 0 and st["l3_write_pages_ok"] == st["l3_writes_queued"], st
+        b.tree.evict(full_pages=b.tree.evictable_full_pages(), swa_pages=b.tree.evictable_swa_pages())
+        out = run(b, ps[:2])  # what L2 lost comes back from L3, right
+        assert out["hit_tokens"] == 80 and b.stats()["l3_hit_tokens"] > 0
+    finally:
+        b.close()
+
+
+def test_a_read_sees_a_write_still_queued_behind_a_slow_put(tmp_path):
+    slow = FaultyBackend(open_backend(f"file://{tmp_path / 'l3'}"))
+    slow.delay["put"] = 1.0
+    b = tiered(slow, l1_pages=40, l2_pages=24)
+    try:
+        ps = prompts(4, seed=16)
+        run(b, ps)  # L2 keeps only the last prompt; the earlier pages' L3 writes are still queued
+        b.tree.evict(full_pages=b.tree.evictable_full_pages(), swa_pages=b.tree.evictable_swa_pages())
+        before = slow.calls["put"]
+        out = run(b, ps[:1])  # reads do not queue behind the writes, yet they see them
+        assert out["hit_tokens"] == 40 and b.stats()["l3_hit_tokens"] > 0
+        assert slow.calls["put"] - before <= 1  # served before the queued puts ran
+    finally:
+        slow.delay.clear()
+        b.close()
