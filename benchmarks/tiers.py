@@ -43,7 +43,9 @@ def _replay_configs(reqs: list, spec: Any, l1_gb: float, l2_gb: float, tmp: Path
     configs = {
         "l1": None,
         "l1_l2": TierConfig(l2_bytes=int(l2_gb * GB)),
-        "l1_l2_l3": TierConfig(l2_bytes=int(l2_gb * GB), l3=f"file://{tmp / ('l3-' + tag)}", l3_timeout_s=120.0),
+        # unbounded write queue: a replay assumes L3 keeps up (figures independent of timing)
+        "l1_l2_l3": TierConfig(l2_bytes=int(l2_gb * GB), l3=f"file://{tmp / ('l3-' + tag)}", l3_timeout_s=120.0,
+                               max_queued_writes=1 << 26),
     }
     for name, tiers in configs.items():
         t0 = time.perf_counter()
