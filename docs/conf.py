@@ -33,7 +33,7 @@ exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "README.md"]
 # Every other top-level page is a guide: known ones in this order, then the
 # rest alphabetically.  Build with -E (build.sh does) so a new page is listed.
 MY_PAGES = {"index", "quickstart", "concepts", "budgets", "benchmarks", "correctness", "api"}
-GUIDE_ORDER = ("sglang", "vllm", "tiers", "storage", "transfer", "routing")
+GUIDE_ORDER = ("sglang", "vllm", "tiers", "storage", "transfer", "routing", "policy")
 GUIDES_MARKER = "<!-- guides: conf.py lists the engineers' pages that exist here -->"
 
 
