@@ -106,7 +106,7 @@ def run(delay: float, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         lat[kind].append(time.perf_counter() - t0)
         hits[kind]["hit_tokens"] += req.prefix_len
         for k, v in req.extra.get("tiers", {}).items():
-            hits[kind][k] += v
+            hits[kind][k] = hits[kind].get(k, 0) + v
         cache.abort(req)
     wall = time.perf_counter() - t_run
     st = cache.stats()
