@@ -188,3 +188,18 @@ def test_every_ranking_keeps_the_invariants_under_churn(ranking):
 def test_unknown_ranking_is_rejected():
     with pytest.raises(ValueError, match="ranking"):
         TreeConfig(2, 4, ranking="mru")
+
+
+def test_trim_tells_listeners_which_pages_went():
+    t = WindowSafeTree(TreeConfig(2, 4, swa_checkpoint=8), Pool())
+    events = []
+    t.listeners.append(events.append)
+    key = np.arange(32, dtype=np.int32)
+    swa = np.full(16, -1, dtype=np.int32)
+    keep = np.array([2, 3, 6, 7, 10, 11, 14, 15])
+    swa[keep] = 100 + keep
+    t.insert(key, np.arange(16), swa)
+    t.evict(full_pages=2)
+    ev = events[-1]
+    assert ev.kind == "remove" and (ev.start, ev.end) == (24, 32)
+    assert ev.tokens.tolist() == key.tolist() and ev.swa_valid.tolist() == [False, False, True, True]
