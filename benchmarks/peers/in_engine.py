@@ -67,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name}: {s['kv_bytes'] / 1e9:.2f} GB ({s['kv_bytes'] // em.FULL_BYTES_PER_TOKEN} tokens of full KV "
             f"alone: LRU {s['full_kv_lru_hits']} hit tokens, prefix bound {s['prefix_bound']}, "
             f"input {s['input_tokens']})")
-    rows = em.equal_memory(prompts, sizes, ratios=ratios, quoted_answers=not args.unquoted_answers, progress=log)
+    try:
+        rows = em.equal_memory(prompts, sizes, ratios=ratios, quoted_answers=not args.unquoted_answers,
+                               progress=log)
+    except ValueError as exc:  # a sample so small that its sizes cannot hold the running requests
+        log(f"error: {exc} (the sizes scale with the sample: use a larger --limit)")
+        return 2
     main_rows = [r for r in rows if r.system in ("hybridkv", "unified_default", "unified_best")]
     bad = [r for r in main_rows if r.system == "hybridkv" and r.rejected]
     if args.details:
