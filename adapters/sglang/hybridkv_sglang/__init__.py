@@ -5,6 +5,8 @@
   (registered through the ``sglang.srt.plugins`` entry point, see :mod:`.plugin`).
 * ``--hicache-storage-backend dynamic`` with ``module_path=hybridkv_sglang.storage``,
   ``class_name=HybridKVStorage``: hybridkv's L3 backends as a ``HiCacheStorage``.
+* ``--swa-full-tokens-ratio`` for the hybridkv backend: :func:`~hybridkv_sglang.split.plan_swa_split`
+  (``python -m hybridkv_sglang.split``).
 
 Importing this package does not import SGLang; the submodules do.
 """
