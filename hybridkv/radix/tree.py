@@ -21,6 +21,7 @@ page-aligned window-safe ``L`` not exceeding the token match.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 from dataclasses import dataclass, field
@@ -37,6 +38,26 @@ __all__ = ["TreeConfig", "TreeEvent", "WindowSafeTree", "MatchResult", "LockHand
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 _logger = logging.getLogger("hybridkv.radix")
+
+
+def _events_after(fn: Callable) -> Callable:
+    """Deliver the tree events ``fn`` emits only when it returns (the tree, and the
+    pool its freed pages went back to, are consistent again).  Nested calls join
+    the outermost batch."""
+
+    @functools.wraps(fn)
+    def run(self: "WindowSafeTree", *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if self._event_queue is not None or not self.listeners:
+            return fn(self, *args, **kwargs)
+        self._event_queue = []
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            queued, self._event_queue = self._event_queue, None
+            for event in queued:
+                self._deliver(event)
+
+    return run
 
 
 class PagePool(Protocol):
@@ -200,6 +221,7 @@ class WindowSafeTree:
         self.evicted_swa_pages = 0
         self.listeners: list[Callable[[TreeEvent], None]] = []
         self.listener_errors = 0  # listener exceptions caught (logged; the tree stays consistent)
+        self._event_queue: list[TreeEvent] | None = None  # events held until an update completes
 
     # Pages the tree frees are its own: a pool may offer unchecked frees for them.
     # Looked up per call: an owner may swap ``pool`` after construction (tiers).
@@ -212,8 +234,9 @@ class WindowSafeTree:
     def _emit(self, kind: str, node: TreeNode, lo: int = 0, hi: int | None = None) -> None:
         """Tell listeners about ``node``'s pages ``[lo, hi)`` (only built when someone listens).
 
-        A listener that raises is logged and counted (``listener_errors``), never
-        propagated: callers emit mid-update, and the update must complete."""
+        Inside an update (:func:`_events_after`) the event is held and delivered
+        when the update completes.  A listener that raises is logged and counted
+        (``listener_errors``), never propagated."""
         parts = []
         n: TreeNode | None = node
         while n is not None and n.parent is not None:
@@ -224,6 +247,13 @@ class WindowSafeTree:
         end = node.start + hi * self.page_size
         event = TreeEvent(kind, node.namespace, node.start + lo * self.page_size, end, tokens[:end],
                           node.swa[lo:hi] >= 0)
+        if self._event_queue is not None:
+            self._event_queue.append(event)
+        else:
+            self._deliver(event)
+
+    def _deliver(self, event: TreeEvent) -> None:
+        kind = event.kind
         for listener in list(self.listeners):
             try:
                 listener(event)
@@ -486,6 +516,7 @@ class WindowSafeTree:
         self.root(namespace)  # validates the namespace
         return self._insert(key, full, swa, namespace)
 
+    @_events_after
     def _insert(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray, namespace: str, *,
                 start: TreeNode | None = None) -> InsertResult:
         """:meth:`insert` for internal callers: no validation.
@@ -656,6 +687,7 @@ class WindowSafeTree:
     def evictable_swa_pages(self) -> int:
         return self.swa_pages_cached - self.protected_swa_pages
 
+    @_events_after
     def evict(self, full_pages: int = 0, swa_pages: int = 0, nbytes: int = 0) -> tuple[int, int]:
         """Free at least ``full_pages`` full pages, ``swa_pages`` SWA pages and
         ``nbytes`` bytes (weighted by page bytes), as far as unlocked data allows.

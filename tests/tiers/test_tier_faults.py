@@ -165,3 +165,21 @@ def test_copy_raising_while_storing_to_l2_leaks_nothing():
     assert cache.stats()["tier_errors"] > 0
     state["armed"] = False
     check(ps, cache)
+
+
+def test_tree_listeners_hear_events_once_the_tree_is_consistent():
+    cache = HybridKVCache(SPEC, CacheConfig(budget_bytes=30 * FPB + 10 * SPB, device="cpu", swa_checkpoint=16))
+    seen: list[str] = []
+    broken: list[str] = []
+
+    def inspect(event):
+        seen.append(event.kind)
+        try:
+            cache.tree.check_invariants()  # a listener may look at the tree it hears about
+        except AssertionError as exc:
+            broken.append(f"{event.kind}: {exc}")
+
+    cache.tree.listeners.append(inspect)
+    check(prompts(16, seed=3), cache)
+    assert "remove" in seen and "store" in seen
+    assert not broken, broken[:3]
