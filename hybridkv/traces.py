@@ -162,12 +162,10 @@ def _number(value: object, name: str) -> float:
 def _ids(value: object, name: str = "hash_ids") -> list[int]:
     if not isinstance(value, list):
         raise _BadRecord(f"field {name!r} must be a list of block ids, got {type(value).__name__}")
-    out = []
-    for h in value:
-        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 1 << 62:
-            raise _BadRecord(f"field {name!r} must hold integer block ids in [0, 2^62), got {h!r:.40}")
-        out.append(h)
-    return out
+    if value and (not all(type(h) is int for h in value) or min(value) < 0 or max(value) >= 1 << 62):
+        h = next(h for h in value if type(h) is not int or not 0 <= h < 1 << 62)
+        raise _BadRecord(f"field {name!r} must hold integer block ids in [0, 2^62), got {h!r:.40}")
+    return value
 
 
 def _mooncake(row: object) -> TraceRequest:
