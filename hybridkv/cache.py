@@ -47,6 +47,7 @@ __all__ = ["CacheConfig", "CacheFullError", "HybridKVCache", "Request", "StepBat
 _RETENTION = ("adaptive", "eager", "dense", "none")
 _rids = itertools.count()
 _EMPTY64 = np.zeros(0, dtype=np.int64)
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 class CacheFullError(RuntimeError):
@@ -348,13 +349,19 @@ class HybridKVCache:
             raise CacheFullError(f"cannot allocate {need} pages in both pools "
                                  f"(free bytes {self.pool.free_bytes()}, evictable full pages "
                                  f"{self.tree.evictable_full_pages()}, swa {self.tree.evictable_swa_pages()})")
-        lo, hi = req.n_pages, req.n_pages + need
+        self._place(req, got[0], got[1])
+
+    @staticmethod
+    def _place(req: Request, full: np.ndarray, swa: np.ndarray) -> None:
+        """Append freshly allocated pages to ``req`` (page arrays double when full)."""
+        lo = req.n_pages
+        hi = lo + len(full)
         if hi > req.full_pages.size:
             size = max(hi, 2 * req.full_pages.size)
             req.full_pages = np.concatenate([req.full_pages, np.empty(size - req.full_pages.size, np.int32)])
             req.swa_pages = np.concatenate([req.swa_pages, np.full(size - req.swa_pages.size, NO_PAGE, np.int32)])
-        req.full_pages[lo:hi] = got[0]
-        req.swa_pages[lo:hi] = got[1]
+        req.full_pages[lo:hi] = full
+        req.swa_pages[lo:hi] = swa
         req.n_pages = hi
 
     def commit(self, req: Request, n: int, *, release: bool | None = None) -> None:
@@ -485,10 +492,11 @@ class HybridKVCache:
         errors: dict[int, Exception] = {}
         starts = [0] * B
         nums = [0] * B
-        fs: list = []
-        ss: list = []
+        fs: list = [0] * B
+        ss: list = [0] * B
         multi = False
         grew: list[tuple[int, int, int]] = []
+        pending: list[tuple[int, Request, int, int]] = []  # rows that need pages: (row, req, need, appended)
         for i, req in enumerate(reqs):
             if live.get(id(req)) is not req:
                 ok[i] = False
@@ -517,30 +525,66 @@ class HybridKVCache:
                 errors[i] = ValueError(f"requests[{i}]: num_new={k} must be >= 1 and within its "
                                        f"{req.n_tokens + appended} tokens ({start} computed)")
                 continue
+            starts[i] = start
+            nums[i] = k
             if end > req.n_pages * P:
-                before = req.n_pages
+                pending.append((i, req, -(-end // P) - req.n_pages, appended))
+                continue
+            if end > req.allocated:
+                req.allocated = end
+            if k == 1:
+                pg = start // P
+                off = start - pg * P
+                fs[i] = int(req.full_pages[pg]) * P + off
+                ss[i] = int(req.swa_pages[pg]) * P + off
+            else:
+                multi = True
+                fs[i] = self._full_slots(req, start, end)
+                ss[i] = self._swa_slots(req, start, end)
+        if pending:
+            multi |= self._step_grow(pending, ok, errors, starts, nums, fs, ss, grew)
+        return self._step_batch(reqs, ok, errors, starts, nums, fs, ss, multi, grew)
+
+    def _step_grow(self, pending: list, ok: np.ndarray, errors: dict, starts: list, nums: list, fs: list,
+                   ss: list, grew: list) -> bool:
+        """Pages for the rows of a step that cross a page boundary: one pool call for
+        all of them when memory is free (decode: every row of a batch that started
+        together crosses at once), else row by row with eviction; a row that cannot
+        get its pages is failed and its appended tokens taken back."""
+        P = self.page_size
+        total = sum(need for _, _, need, _ in pending)
+        got = self.pool._alloc(total, total)
+        o = 0
+        multi = False
+        for i, req, need, appended in pending:
+            before = req.n_pages
+            if got is not None:
+                self._place(req, got[0][o:o + need], got[1][o:o + need])
+                o += need
+            else:
                 try:
-                    self._grow(req, -(-end // P) - before)
+                    self._grow(req, need)
                 except CacheFullError as exc:
                     req.n_tokens -= appended
                     ok[i] = False
                     errors[i] = exc
+                    nums[i] = 0
                     continue
-                grew.append((i, before, req.n_pages))
+            grew.append((i, before, req.n_pages))
+            start, k = starts[i], nums[i]
+            end = start + k
             if end > req.allocated:
                 req.allocated = end
-            starts[i] = start
-            nums[i] = k
             if k == 1:
                 pg = start // P
                 off = start - pg * P
-                fs.append(int(req.full_pages[pg]) * P + off)
-                ss.append(int(req.swa_pages[pg]) * P + off)
+                fs[i] = int(req.full_pages[pg]) * P + off
+                ss[i] = int(req.swa_pages[pg]) * P + off
             else:
                 multi = True
-                fs.append(self._full_slots(req, start, end))
-                ss.append(self._swa_slots(req, start, end))
-        return self._step_batch(reqs, ok, errors, starts, nums, fs, ss, multi, grew)
+                fs[i] = self._full_slots(req, start, end)
+                ss[i] = self._swa_slots(req, start, end)
+        return multi
 
     @staticmethod
     def _step_tokens(new_tokens: object, B: int) -> list | None:
@@ -550,11 +594,14 @@ class HybridKVCache:
             arr = new_tokens if isinstance(new_tokens, np.ndarray) else new_tokens.cpu().numpy()  # type: ignore[union-attr]
             if arr.ndim != 1 or len(arr) != B:
                 raise ValueError(f"new_tokens must be 1-D with one entry per request ({B}), got shape {arr.shape}")
-            if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            if arr.dtype.kind not in "iu":
                 raise TypeError(f"new_tokens must hold integers, got dtype {arr.dtype}")
-            if arr.size and arr.max() > np.iinfo(np.int32).max:
+            if not arr.size:
+                return []
+            if arr.max() > _INT32_MAX:
                 raise ValueError("new_tokens holds ids >= 2**31")
-            return [t if t >= 0 else None for t in arr.tolist()]
+            out = arr.tolist()
+            return out if arr.min() >= 0 else [t if t >= 0 else None for t in out]
         if not isinstance(new_tokens, (list, tuple)):
             raise TypeError(f"new_tokens must be an int array or a sequence, got {type(new_tokens).__name__}")
         if len(new_tokens) != B:
@@ -588,10 +635,11 @@ class HybridKVCache:
         start = np.array(starts, dtype=np.int64)
         num = np.array(nums, dtype=np.int64)
         cu = np.zeros(len(reqs) + 1, dtype=np.int64)
-        np.cumsum(num, out=cu[1:])
-        if multi:
-            fs = [np.array([x], np.int64) if type(x) is int else x for x in fs]
-            ss = [np.array([x], np.int64) if type(x) is int else x for x in ss]
+        num.cumsum(out=cu[1:])
+        if multi or errors:  # rows of several tokens, or failed rows holding no slot
+            keep = ok.tolist()
+            fs = [np.array([x], np.int64) if type(x) is int else x for x, o in zip(fs, keep) if o]
+            ss = [np.array([x], np.int64) if type(x) is int else x for x, o in zip(ss, keep) if o]
             full = np.concatenate(fs) if fs else _EMPTY64
             swa = np.concatenate(ss) if ss else _EMPTY64
         else:
@@ -619,7 +667,7 @@ class HybridKVCache:
         if batch.committed:
             raise ValueError("this StepBatch was committed already")
         live = self._live
-        rows = np.flatnonzero(batch.ok).tolist()
+        rows = np.flatnonzero(batch.ok).tolist() if batch.errors else range(len(batch.requests))
         starts = batch.start.tolist()
         nums = batch.num_new.tolist()
         reqs = batch.requests
