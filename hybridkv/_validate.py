@@ -32,11 +32,11 @@ def as_int_array(values: object, name: str, min_value: int = -1) -> np.ndarray:
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.size:
-        lo, hi = arr.min(), arr.max()
+        lo = arr.min()
         if lo < min_value:
             kind = "non-negative ids" if min_value == 0 else f"ids >= {min_value}"
             raise ValueError(f"{name} must hold {kind}, got {int(lo)}")
-        if hi > _INT32_MAX:
+        if arr.dtype != np.int32 and arr.max() > _INT32_MAX:  # int32 cannot exceed it
             raise ValueError(f"{name} holds ids >= 2**31")
     return np.ascontiguousarray(arr, dtype=np.int32)
 

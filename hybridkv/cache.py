@@ -257,7 +257,8 @@ class HybridKVCache:
         self.last_match_us = (time.perf_counter() - t0) * 1e6
         handle = self.tree.lock(m.node)
         n = len(m.full_pages)
-        full = np.empty(max(16, 2 * n), dtype=np.int32)
+        # room for every page of the prompt (+ some decode) so prefill never regrows
+        full = np.empty(max(16, -(-len(tokens) // self.page_size) + 16), dtype=np.int32)
         full[:n] = m.full_pages
         swa = np.full(full.size, NO_PAGE, dtype=np.int32)
         w = handle.swa_pages.size
@@ -417,7 +418,7 @@ class HybridKVCache:
         drop = (seg >= 0) & retain.releasable(lo, cut, req.raw_match_len, req.prefix_len)
         count = int(drop.sum())
         if count:
-            self.pool.free_swa(seg[drop])
+            self.pool.free_swa_trusted(seg[drop])  # the request's own pages
             seg[drop] = NO_PAGE
             self.counters["released_swa_pages"] += count
         return count
