@@ -530,7 +530,14 @@ class HybridKVCache:
             nums[i] = k
             if end > req.n_pages * P:
                 pending.append((i, req, -(-end // P) - req.n_pages, appended))
+        if pending:
+            self._step_grow(pending, ok, errors, nums, grew)
+        for i, req in enumerate(reqs):  # slots of every row that got its pages
+            k = nums[i]
+            if not k:
                 continue
+            start = starts[i]
+            end = start + k
             if end > req.allocated:
                 req.allocated = end
             if k == 1:
@@ -542,21 +549,16 @@ class HybridKVCache:
                 multi = True
                 fs[i] = self._full_slots(req, start, end)
                 ss[i] = self._swa_slots(req, start, end)
-        if pending:
-            multi |= self._step_grow(pending, ok, errors, starts, nums, fs, ss, grew)
         return self._step_batch(reqs, ok, errors, starts, nums, fs, ss, multi, grew)
 
-    def _step_grow(self, pending: list, ok: np.ndarray, errors: dict, starts: list, nums: list, fs: list,
-                   ss: list, grew: list) -> bool:
+    def _step_grow(self, pending: list, ok: np.ndarray, errors: dict, nums: list, grew: list) -> None:
         """Pages for the rows of a step that cross a page boundary: one pool call for
         all of them when memory is free (decode: every row of a batch that started
         together crosses at once), else row by row with eviction; a row that cannot
-        get its pages is failed and its appended tokens taken back."""
-        P = self.page_size
+        get its pages is failed (``nums[i] = 0``) and its appended tokens taken back."""
         total = sum(need for _, _, need, _ in pending)
         got = self.pool._alloc(total, total)
         o = 0
-        multi = False
         for i, req, need, appended in pending:
             before = req.n_pages
             if got is not None:
@@ -572,20 +574,6 @@ class HybridKVCache:
                     nums[i] = 0
                     continue
             grew.append((i, before, req.n_pages))
-            start, k = starts[i], nums[i]
-            end = start + k
-            if end > req.allocated:
-                req.allocated = end
-            if k == 1:
-                pg = start // P
-                off = start - pg * P
-                fs[i] = int(req.full_pages[pg]) * P + off
-                ss[i] = int(req.swa_pages[pg]) * P + off
-            else:
-                multi = True
-                fs[i] = self._full_slots(req, start, end)
-                ss[i] = self._swa_slots(req, start, end)
-        return multi
 
     @staticmethod
     def _step_tokens(new_tokens: object, B: int) -> list | None:
