@@ -16,7 +16,7 @@ is likely to end.  This module decides, for every user of that rule:
   used by ``HybridKVCache._release``;
 * which pages L2/L3 treat as anchored (:meth:`tier_anchored`);
 * the ranking used by eviction (:class:`AdaptiveRanking`: recency vs. proven
-  reuse, balanced online by ghost hits).
+  reuse of a sequence, balanced online by ghost hits as in ARC).
 
 The tree keeps *per-page anchor counts*: each anchor window adds 1 to every
 page it covers (walking into parent nodes when the window spans nodes) and
@@ -108,7 +108,7 @@ class RetentionPolicy:
 
 
 class AdaptiveRanking:
-    """Which cached leaf goes first: ARC-style balance of recency and reuse.
+    """Which cached leaf goes first: ARC's balance of recency and proven reuse.
 
     Cached pages are in one of two segments: ``RECENT`` (inserted, not used
     by a later request yet) and ``REUSED`` (hit at least once after the
@@ -117,30 +117,49 @@ class AdaptiveRanking:
     ``REUSED``.  Evicted leaves leave a *ghost* (a key naming the first page
     that went, and how many pages): a later request whose match stops exactly
     at a ghost would have hit more had that segment been larger, so
-    ``target`` moves toward it (by the ghost's pages, scaled as in ARC by the
-    ratio of the two ghost lists).  One-shot scans stay in ``RECENT`` and are
-    evicted first once reuse proves more valuable; a workload without reuse
-    drives ``target`` to the whole cache, i.e. plain LRU.  No tuned constants:
-    ghost lists hold at most the cache's pages each.
+    ``target`` moves toward it.  One-shot scans stay in ``RECENT`` and are
+    evicted first once reuse proves more valuable; a workload whose reuse is
+    all in new data drives ``target`` to the whole cache, i.e. plain LRU.
 
-    Runtime complexity: O(1) per insert, hit or eviction (amortised).
+    ``mode`` (``CacheConfig.eviction_ranking``):
+
+    * ``"adaptive"`` (default): the rule above with two refinements, both
+      from the rule's own logic rather than tuned constants.  (1) Reuse is
+      predicted per *sequence*: a leaf that extends a ``REUSED`` leaf (the
+      next turn of a conversation that already came back) starts in
+      ``REUSED``; only new sequences and branches start in ``RECENT``.
+      Without this the rule evicts the newest turn of every live
+      conversation first, which kills the window its next turn needs.
+      (2) ``target`` moves by the ghost's pages times ARC's ratio of the two
+      ghost lists (``max(1, |other| / |this|)``, Megiddo & Modha, FAST'03),
+      so the segment whose ghosts are rarer still wins room quickly.
+    * ``"arc"``: the plain rule (every new leaf in ``RECENT``, step = the
+      ghost's pages).
+    * ``"lru"``: the least recently used leaf of both segments.
+
+    Ghost lists hold at most the cache's pages each.  Runtime complexity:
+    O(1) per insert, hit or eviction (amortised).
     """
 
     RECENT = 1
     REUSED = 2
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "adaptive") -> None:
+        self.mode = mode
+        self.inherit = mode == "adaptive"      # extensions of reused sequences start REUSED
+        self.ratio_step = mode == "adaptive"   # ARC's |B2|/|B1| step
         self.target = 0.0
         self.pages = {self.RECENT: 0, self.REUSED: 0}
         self._ghosts = {self.RECENT: OrderedDict(), self.REUSED: OrderedDict()}
         self._ghost_pages = {self.RECENT: 0, self.REUSED: 0}
         self.ghost_hits = {self.RECENT: 0, self.REUSED: 0}
-        self.arc_credit = 0.0  # pages hit that only the segment rule kept
-        self.lru_credit = 0.0  # pages missed that only the segment rule evicted
-        self.eviction_age = 0  # ticks since last use of the leaf LRU would evict now
 
     def capacity(self) -> int:
         return self.pages[self.RECENT] + self.pages[self.REUSED]
+
+    def start_segment(self, extends_reused: bool) -> int:
+        """Segment of a new leaf; ``extends_reused``: it extends a ``REUSED`` leaf."""
+        return self.REUSED if extends_reused and self.inherit else self.RECENT
 
     def evict_from(self, recent_available: bool, reused_available: bool) -> int:
         """Segment to evict from next (the other one if the preferred has no leaf)."""
@@ -149,47 +168,25 @@ class AdaptiveRanking:
             return self.RECENT
         return self.REUSED
 
-    def remember(self, segment: int, key: int, pages: int, deviated: int = -1) -> None:
-        """A leaf of ``segment`` lost ``pages`` pages starting at ghost ``key``.
-        ``deviated`` is the leaf's last use tick when plain LRU would have
-        evicted another leaf instead (else -1)."""
+    def remember(self, segment: int, key: int, pages: int) -> None:
+        """A leaf of ``segment`` lost ``pages`` pages starting at ghost ``key``."""
         ghosts = self._ghosts[segment]
-        old = ghosts.pop(key, (0, -1))
-        ghosts[key] = (old[0] + pages, max(deviated, old[1]))
+        ghosts[key] = ghosts.pop(key, 0) + pages
         self._ghost_pages[segment] += pages
         cap = max(1, self.capacity())
         while self._ghost_pages[segment] > cap and ghosts:
-            _, (n, _) = ghosts.popitem(last=False)
+            _, n = ghosts.popitem(last=False)
             self._ghost_pages[segment] -= n
 
-    def _credit(self, *, arc: int = 0, lru: int = 0) -> None:
-        self.arc_credit += arc
-        self.lru_credit += lru
-        if self.arc_credit + self.lru_credit > max(1, self.capacity()):  # forget old evidence
-            self.arc_credit /= 2
-            self.lru_credit /= 2
-
-    def spared_hit(self, pages: int) -> None:
-        """A leaf that LRU would have evicted (the segment rule spared it) was hit."""
-        self._credit(arc=pages)
-
-    def trust_segments(self) -> bool:
-        """Deviate from plain LRU only while deviating has paid off (counterfactual duel)."""
-        return self.arc_credit >= self.lru_credit
-
     def on_miss(self, key: int, now: int = 0) -> bool:
-        """A request's match stopped at page ``key`` at tick ``now``: adapt if it is a
-        ghost.  True if it was."""
+        """A request's match stopped at page ``key``: adapt if it is a ghost.  True if it was."""
         for seg, other in ((self.RECENT, self.REUSED), (self.REUSED, self.RECENT)):
             n = self._ghosts[seg].pop(key, None)
             if n:
-                n, used = n
+                step = float(n)
+                if self.ratio_step:  # ARC: scale by |other ghosts| / |these ghosts| (counted before the hit)
+                    step *= max(1.0, self._ghost_pages[other] / max(1, self._ghost_pages[seg]))
                 self._ghost_pages[seg] -= n
-                if used >= 0 and now - used < self.eviction_age:
-                    # evicted off the LRU order, and younger than what LRU evicts now:
-                    # plain LRU would still hold it (characteristic-time estimate)
-                    self._credit(lru=n)
-                step = n
                 cap = float(self.capacity())
                 self.target = min(cap, self.target + step) if seg == self.RECENT else max(0.0, self.target - step)
                 self.ghost_hits[seg] += 1

@@ -85,10 +85,10 @@ class TreeConfig:
             checkpoint (shared system prompts end there).
         ranking: which leaf eviction takes (see
             :class:`~hybridkv.radix.policy.AdaptiveRanking`): ``"adaptive"``
-            (LRU, deviating to the RECENT/REUSED segment rule while that pays
-            off, judged on a sample of evictions), ``"arc"`` (always the
-            segment rule: thrash resistant, wins when the budget is far below
-            the working set, loses when it is not) or ``"lru"``.
+            (ARC's RECENT/REUSED segment rule with reuse predicted per
+            sequence: the next turn of a conversation that came back starts
+            REUSED; target steps scaled by ARC's ghost-list ratio),
+            ``"arc"`` (the plain segment rule) or ``"lru"``.
     """
 
     page_size: int
@@ -204,10 +204,9 @@ class WindowSafeTree:
         self._pins = np.zeros(1024, dtype=np.int32)  # SWA page id -> pin count
         self.policy = RetentionPolicy(config.page_size, config.window, config.swa_checkpoint,
                                       config.anchor_branch_points)
-        self.ranking = AdaptiveRanking()
+        self.ranking = AdaptiveRanking(config.ranking)
         self._leaf_heap: list[tuple[int, int, TreeNode]] = []     # leaves of the RECENT segment
         self._reused_heap: list[tuple[int, int, TreeNode]] = []   # leaves of the REUSED segment
-        self._deviated = -1  # last use of the leaf being evicted if plain LRU would take another
         self._dead: list[TreeNode] = []  # leaves left without a held tail window: no hit can end in them
         self._ghost_hits: set[tuple[str, int]] = set()  # (namespace, token pos) where a match hit a ghost
         self._swa_heap: list[tuple[int, int, TreeNode]] = []      # unanchored SWA first
@@ -381,9 +380,6 @@ class WindowSafeTree:
         # Recency: heap entries are refreshed lazily when popped (see _fresh).  A node
         # used again by a later request moves to the REUSED segment.
         node.last_access = now
-        if node.spared:
-            node.spared = False
-            self.ranking.spared_hit(node.n_pages)
         if node.seg == AdaptiveRanking.RECENT:
             node.seg = AdaptiveRanking.REUSED
             self.ranking.pages[AdaptiveRanking.RECENT] -= node.n_pages
@@ -573,8 +569,11 @@ class WindowSafeTree:
             pi += k
         new_pages = n - pi
         if new_pages:
+            # the next turn of a sequence that proved reuse is predicted reused too
+            extends_reused = node is not root and not node.children and node.seg == AdaptiveRanking.REUSED
             leaf = TreeNode(key[pi * size:].copy(), full[pi:].copy(), swa[pi:].copy(), node,
                             pi * size, namespace, now)
+            leaf.seg = self.ranking.start_segment(extends_reused)
             node.children[leaf.key[:size].tobytes()] = leaf
             self.num_nodes += 1
             self.full_pages_cached += new_pages
@@ -743,9 +742,8 @@ class WindowSafeTree:
 
     def _pop_leaf(self) -> TreeNode | None:
         """The next evictable leaf: a dead one first (its pages serve no hit), then
-        the least recently used leaf of the segment the ranking names, as long as
-        deviating from plain LRU has paid off (else the LRU leaf of both)."""
-        self._deviated = -1
+        the least recently used leaf of the segment the ranking names (``"lru"``:
+        the least recently used leaf of both)."""
         dead = self._dead
         while dead:
             node = dead.pop()
@@ -758,19 +756,11 @@ class WindowSafeTree:
             if pick is None:
                 return None
         else:
-            oldest = recent if (recent.last_access, recent.nid) < (reused.last_access, reused.nid) else reused
-            self.ranking.eviction_age = self._tick - oldest.last_access
-            seg = self.ranking.evict_from(True, True)
-            pick = recent if seg == AdaptiveRanking.RECENT else reused
-            # follow the segments while that pays off; a sample of leaves always
-            # does, so the evidence keeps coming when plain LRU is followed
-            mode = self.config.ranking
-            follow = mode == "arc" or (mode == "adaptive" and (self.ranking.trust_segments() or pick.nid % 16 == 0))
-            if pick is not oldest and follow:
-                self._deviated = pick.last_access
-                oldest.spared = True
+            if self.config.ranking == "lru":
+                pick = recent if (recent.last_access, recent.nid) < (reused.last_access, reused.nid) else reused
             else:
-                pick = oldest
+                seg = self.ranking.evict_from(True, True)
+                pick = recent if seg == AdaptiveRanking.RECENT else reused
         heapq.heappop(self._leaf_heap if pick.seg == AdaptiveRanking.RECENT else self._reused_heap)
         return pick
 
@@ -825,7 +815,7 @@ class WindowSafeTree:
         self.ranking.pages[node.seg] -= gone
         pos = node.start + keep * size
         self.ranking.remember(node.seg, self._ghost_key(node.namespace, pos, node.key[keep * size:(keep + 1) * size]),
-                              gone, self._deviated)
+                              gone)
         if self.listeners:
             self._emit("remove", node, keep)
         if keep:  # trimmed: still a leaf, its tail window now ends at the new end

@@ -203,3 +203,77 @@ def test_trim_tells_listeners_which_pages_went():
     ev = events[-1]
     assert ev.kind == "remove" and (ev.start, ev.end) == (24, 32)
     assert ev.tokens.tolist() == key.tolist() and ev.swa_valid.tolist() == [False, False, True, True]
+
+
+def _workload(kind, seed=3):
+    """``scan``: three hot prompts come back every 5th request through a flood of
+    one-shot prompts larger than the cache.  ``recency``: four conversations
+    take turns, each turn extending the previous one (LRU's best case)."""
+    rng = np.random.default_rng(seed)
+    if kind == "scan":
+        hot = [list(rng.integers(0, 1000, 16)) for _ in range(3)]
+        for i in range(300):
+            if i % 5 == 0:
+                yield hot[(i // 5) % 3] + list(rng.integers(0, 1000, 3))
+            else:
+                yield list(rng.integers(1000, 100000, 16))
+    else:
+        convs = [list(rng.integers(0, 1000, 6)) for _ in range(4)]
+        for i in range(300):
+            c = convs[i % 4]
+            c += list(rng.integers(0, 1000, 4))
+            if len(c) > 40:
+                c[:] = list(rng.integers(0, 1000, 6))
+            yield list(c)
+
+
+def _hit_rate(kind, ranking):
+    cache = HybridKVCache(spec(), CacheConfig(full_pages=64, swa_pages=64, swa_checkpoint=0,
+                                              eviction_ranking=ranking))
+    hits = total = 0
+    for prompt in _workload(kind):
+        hits += run(cache, prompt, chunk=4)
+        total += len(prompt)
+    return hits / total
+
+
+def test_default_ranking_resists_scans_and_keeps_recency():
+    """The default is within a small margin of the better fixed rule on a
+    scan-heavy and on a recency-friendly workload, with nothing tuned to either."""
+    scan = {r: _hit_rate("scan", r) for r in ("adaptive", "arc", "lru")}
+    assert scan["lru"] == 0 and scan["adaptive"] >= scan["arc"] - 0.02 and scan["adaptive"] > 0.1, scan
+    rec = {r: _hit_rate("recency", r) for r in ("adaptive", "arc", "lru")}
+    assert rec["adaptive"] >= max(rec["lru"], rec["arc"]) - 0.05 and rec["adaptive"] >= rec["lru"] - 0.02, rec
+
+
+def test_next_turn_of_a_reused_sequence_starts_reused():
+    def segs(ranking):
+        t = WindowSafeTree(TreeConfig(2, 4, ranking=ranking), Pool())
+        ids = iter(range(10_000))
+
+        def ins(key):
+            n = len(key) // 2
+            t.insert(np.asarray(key, dtype=np.int32), np.array([next(ids) for _ in range(n)], dtype=np.int32),
+                     np.array([next(ids) for _ in range(n)], dtype=np.int32))
+            return t.match(np.asarray(key + [0], dtype=np.int32), touch=False).node
+
+        first = ins(list(range(8)))
+        t.match(np.array(list(range(8)) + [0], dtype=np.int32))      # turn 2 hits turn 1: REUSED
+        second = ins(list(range(8)) + list(range(50, 54)))           # turn 2 extends the leaf
+        branch = ins(list(range(4)) + list(range(80, 86)))           # a fork of the shared prefix
+        t.check_invariants()
+        return first.seg, second.seg, branch.seg
+
+    R, U = AdaptiveRanking.RECENT, AdaptiveRanking.REUSED
+    assert segs("adaptive") == (U, U, R)
+    assert segs("arc") == (U, R, R)
+
+
+def test_ghost_step_uses_arcs_ratio_only_under_adaptive():
+    for mode, want in (("adaptive", 12.0), ("arc", 4.0)):
+        r = AdaptiveRanking(mode)
+        r.pages[AdaptiveRanking.RECENT] = 20
+        r.pages[AdaptiveRanking.REUSED] = 20
+        r.remember(AdaptiveRanking.RECENT, 1, 4)
+        r.remember(AdaptiveRanking.REUSED, 2, 12)
+        assert r.on_miss(1) and r.target == want, (mode, r.target)   # 4 pages x max(1, 12 / 4)
