@@ -639,8 +639,11 @@ class WindowSafeTree:
             assert n.lock >= 0
             if n.lock == 0:
                 self.protected_full_pages -= n.n_pages
-            # pins were released on the window nodes: their SWA may be evictable now
-            self._enqueue(n, leaf=n.lock == 0, swa=window > 0)
+            # pins were released on the window nodes: their SWA may be evictable now;
+            # a still-locked inner node above the window has nothing to enqueue
+            leafish = n.lock == 0 and not n.children
+            if leafish or (window > 0 and n.swa_valid):
+                self._enqueue(n, leaf=leafish, swa=window > 0)
             window -= n.n_pages
             n = n.parent
 
