@@ -38,7 +38,7 @@ class TreeNode:
     """
 
     __slots__ = ("key", "full", "swa", "children", "parent", "start", "last_access",
-                 "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "seg", "spared")
+                 "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "seg")
 
     def __init__(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
                  parent: "TreeNode | None", start: int, namespace: str, tick: int) -> None:
@@ -56,7 +56,6 @@ class TreeNode:
         self.anchor = np.zeros(len(full), dtype=np.int32)
         self.ends = 0
         self.seg = 1
-        self.spared = False  # plain LRU would have evicted it; the segment rule kept it
 
     @property
     def n_pages(self) -> int:
