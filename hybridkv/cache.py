@@ -134,7 +134,9 @@ class Request:
                  computed: int = 0, n_pages: int = 0, last_release: int = 0) -> None:
         self.rid = rid
         self.namespace = namespace
-        self._tok = tokens
+        # the request owns a copy of its tokens with room to grow: decode appends in place
+        self._tok = np.empty(len(tokens) + max(16, len(tokens) // 8), dtype=np.int32)
+        self._tok[:len(tokens)] = tokens
         self.n_tokens = len(tokens)
         self.prefix_len = prefix_len
         self.raw_match_len = raw_match_len
@@ -264,11 +266,8 @@ class HybridKVCache:
         w = handle.swa_pages.size
         if w:
             swa[n - w:n] = handle.swa_pages
-        buf = np.empty(len(tokens) + max(16, len(tokens) // 8), dtype=np.int32)
-        buf[:len(tokens)] = tokens  # the request owns its tokens; decode appends in place
-        req = Request(rid if rid is not None else next(_rids), namespace, buf[:len(tokens)], m.length,
+        req = Request(rid if rid is not None else next(_rids), namespace, tokens, m.length,
                       m.raw_length, full, swa, n, handle, computed=m.length, n_pages=n, last_release=m.length)
-        req._tok = buf
         self._live[id(req)] = req
         c = self.counters
         c["requests"] += 1

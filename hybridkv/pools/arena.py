@@ -16,9 +16,9 @@ page holds the kind's layers ``[j * g, (j + 1) * g)``.
 The block size is chosen from the model alone (not the budget), among
 multiples of each kind's layer slot, to waste the least memory on unused
 layer slots for one page of each kind, then to use the fewest blocks per
-page.  MiMo-V2.5-Pro (10 full layers with 4 KV heads, 60 SWA layers with 8):
-blocks of 1,638,400 bytes, a full page is 1 block of 10 layers, a SWA page
-12 blocks of 5 layers, nothing wasted.
+page.  MiMo-V2.5-Pro at page 64 (10 full and 60 SWA layers, 8 KV heads
+each): blocks of 3,276,800 bytes, a full page is 1 block of 10 layers, a SWA
+page 6 blocks of 10 layers, nothing wasted.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class ArenaLayout:
 
     @classmethod
     def for_spec(cls, spec: ModelSpec) -> "ArenaLayout":
-        """Choose the block size for ``spec``.  O(layers^2), cached by callers."""
+        """Choose the block size for ``spec``.  O(layers^2)."""
         p, item = spec.page_size, spec.dtype_bytes
         geo = {}
         for kind in (AttnKind.FULL, AttnKind.SWA):
@@ -94,7 +94,6 @@ class ArenaLayout:
         payload = sum(geo[k][0] * geo[k][3] for k in present)
         candidates = sorted({m * geo[k][3] for k in present for m in range(1, geo[k][0] + 1)
                              if m * geo[k][3] >= slot_max})
-        best: tuple[float, int, int] | None = None
         scored = []
         for b in candidates:
             blocks = sum(math.ceil(geo[k][0] / (b // geo[k][3])) for k in present)

@@ -83,20 +83,23 @@ class KindBuffers:
         """Logical token ``slots`` (what the cache hands out) as slots of layer
         group ``group``'s view, ``block * page_size + offset`` (int64): vLLM's
         ``slot_mapping`` for ``layer_view(i)`` of a layer in that group.  O(n)."""
-        slots = np.asarray(slots, dtype=np.int64)
-        p = self.k.shape[2]
-        return self.table[slots // p, group].astype(np.int64) * p + slots % p
+        blk, off = self._block_offset(slots, group)
+        return blk * self.k.shape[2] + off
 
     def blocks(self, pages: np.ndarray) -> np.ndarray:
         """All blocks of ``pages`` in page-major, group-minor order (what a page
         copy moves): ``[len(pages) * blocks_per_page]`` int64."""
         return self.table[np.asarray(pages, dtype=np.int64)].reshape(-1).astype(np.int64)
 
-    def _physical(self, local_layer: int, slots: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
-        group, slot = self.layout.group_of(local_layer)
+    def _block_offset(self, slots: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(block, offset)`` int64 arrays of logical token ``slots`` in layer group ``group``."""
         slots = np.asarray(slots, dtype=np.int64)
         p = self.k.shape[2]
-        return slot, self.table[slots // p, group].astype(np.int64), slots % p
+        return self.table[slots // p, group].astype(np.int64), slots % p
+
+    def _physical(self, local_layer: int, slots: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+        group, slot = self.layout.group_of(local_layer)
+        return (slot, *self._block_offset(slots, group))
 
     def read(self, local_layer: int, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of logical token ``slots`` of one layer: ``[n, heads, dim]`` copies."""
