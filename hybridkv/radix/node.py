@@ -35,10 +35,17 @@ class TreeNode:
         ends: 1 while a tail or branch-point window ending at this node is
             counted in ``anchor`` (of this node and, if it spans, its ancestors).
         seg: eviction segment (:class:`~hybridkv.radix.policy.AdaptiveRanking`).
+        returns: how many times the sequence ending here came back (a later
+            request's match reached it); its reuse class for the ``"value"``
+            ranking (:class:`~hybridkv.radix.reuse.ReuseModel`).
+        gap: running mean of log2(1 + ticks between the sequence's returns), -1 if none.
+        vcls: the reuse class list the leaf is filed in (-1: not filed).
+        since: start of the leaf's at-risk period (its last use, or that of
+            the evicted child whose sequence it carries on).
     """
 
     __slots__ = ("key", "full", "swa", "children", "parent", "start", "last_access",
-                 "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "seg")
+                 "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "seg", "returns", "gap", "vcls", "since")
 
     def __init__(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
                  parent: "TreeNode | None", start: int, namespace: str, tick: int) -> None:
@@ -56,6 +63,10 @@ class TreeNode:
         self.anchor = np.zeros(len(full), dtype=np.int32)
         self.ends = 0
         self.seg = 1
+        self.returns = 0
+        self.gap = -1.0
+        self.vcls = -1
+        self.since = tick
 
     @property
     def n_pages(self) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import heapq
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
@@ -32,6 +33,7 @@ import numpy as np
 from .._validate import as_int_array, as_token_array
 from .node import NO_PAGE, TreeNode, window_safe_pages
 from .policy import AdaptiveRanking, RetentionPolicy
+from .reuse import ReuseModel, next_gap, reuse_class
 
 __all__ = ["TreeConfig", "TreeEvent", "WindowSafeTree", "MatchResult", "LockHandle", "InsertResult",
            "PagePool", "as_token_array"]
@@ -99,8 +101,8 @@ class TreeConfig:
     ranking: str = "adaptive"
 
     def __post_init__(self) -> None:
-        if self.ranking not in ("adaptive", "arc", "lru"):
-            raise ValueError(f"ranking must be 'adaptive', 'arc' or 'lru', got {self.ranking!r}")
+        if self.ranking not in ("value", "adaptive", "arc", "lru"):
+            raise ValueError(f"ranking must be 'value', 'adaptive', 'arc' or 'lru', got {self.ranking!r}")
         for name in ("page_size", "window", "swa_checkpoint"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -211,6 +213,12 @@ class WindowSafeTree:
         self._ghost_hits: set[tuple[str, int]] = set()  # (namespace, token pos) where a match hit a ghost
         self._swa_heap: list[tuple[int, int, TreeNode]] = []      # unanchored SWA first
         self._anchor_heap: list[tuple[int, int, TreeNode]] = []   # then tails/checkpoints
+        # "value" ranking: leaves filed by reuse class, each list in recency order
+        self.value_ranking = config.ranking == "value"
+        self.reuse = ReuseModel()
+        self._by_class: list[OrderedDict[int, TreeNode]] = [OrderedDict() for _ in range(ReuseModel.CLASSES)]
+        self.inserted_pages = 0
+        self._ghost_returns: dict[tuple[str, int], tuple[int, float]] = {}  # (namespace, pos) -> history of a ghost that came back
         self.num_nodes = 0
         self.full_pages_cached = 0
         self.swa_pages_cached = 0
@@ -361,17 +369,33 @@ class WindowSafeTree:
         if touch:
             pos = raw_pages * self.page_size
             if pos + self.page_size <= len(key):  # did a ghost of an evicted leaf start here?
-                if self.ranking.on_miss(self._ghost_key(namespace, pos, key[pos:pos + self.page_size]), self._tick):
+                ghost = self._ghost_key(namespace, pos, key[pos:pos + self.page_size])
+                if self.ranking.on_miss(ghost, self._tick):
                     if len(self._ghost_hits) > 4096:
                         self._ghost_hits.clear()
                     self._ghost_hits.add((namespace, pos))  # its re-insert is proven reuse (ARC)
+                if self.value_ranking:
+                    came_back = self.reuse.on_miss(ghost, self._tick)
+                    if came_back is not None:  # the re-inserted sequence keeps its history
+                        if len(self._ghost_returns) > 4096:
+                            self._ghost_returns.clear()
+                        self._ghost_returns[(namespace, pos)] = came_back
         if touch and path:
+            last = path[-1][0]
+            came_back = self.value_ranking and last.vcls >= 0
+            if came_back:  # a cached sequence came back: its period ends with a return
+                self.reuse.end(last.vcls, last.since, self._tick, True)
+                self._unfile(last, end=False)
+                last.returns += 1
+                last.gap = next_gap(last.gap, self._tick - last.since)
             now = self._now()
             for n, _ in path:
                 if n.alive:
                     self._touch(n, now)
             if node is not None:
                 self._touch(node, now)
+            if came_back and last.alive and not last.children:
+                self._file(last)
         full = np.concatenate(full_parts) if full_parts else _EMPTY
         swa = np.concatenate(swa_parts) if swa_parts else _EMPTY
         return MatchResult(safe * self.page_size, raw_pages * self.page_size, full, swa, node)
@@ -380,12 +404,33 @@ class WindowSafeTree:
         # Recency: heap entries are refreshed lazily when popped (see _fresh).  A node
         # used again by a later request moves to the REUSED segment.
         node.last_access = now
+        if node.vcls >= 0:
+            self._by_class[node.vcls].move_to_end(node.nid)
         if node.seg == AdaptiveRanking.RECENT:
             node.seg = AdaptiveRanking.REUSED
             self.ranking.pages[AdaptiveRanking.RECENT] -= node.n_pages
             self.ranking.pages[AdaptiveRanking.REUSED] += node.n_pages
             if not node.children and node.lock == 0:
                 heapq.heappush(self._reused_heap, (now, node.nid, node))
+
+    def _file(self, node: TreeNode, cls: int | None = None, since: int | None = None) -> None:
+        """File leaf ``node`` under its reuse class, most recent last.  A new at-risk
+        period starts at its last use, unless ``cls``/``since`` carry on an existing one."""
+        if cls is None:
+            cls, since = reuse_class(node.returns, node.gap), node.last_access
+            self.reuse.start(cls, since)
+        node.since = since  # type: ignore[assignment]
+        self._by_class[cls][node.nid] = node
+        node.vcls = cls
+
+    def _unfile(self, node: TreeNode, end: bool) -> None:
+        """Take ``node`` out of the filed leaves; ``end``: its period ends here (no return)."""
+        if node.vcls < 0:
+            return
+        del self._by_class[node.vcls][node.nid]
+        if end:
+            self.reuse.end(node.vcls, node.since, self._tick, False)
+        node.vcls = -1
 
     @staticmethod
     def _ghost_key(namespace: str, pos: int, page: np.ndarray) -> int:
@@ -582,6 +627,18 @@ class WindowSafeTree:
                 self._ghost_hits.discard((namespace, pi * size))
                 leaf.seg = AdaptiveRanking.REUSED
             self.ranking.pages[leaf.seg] += new_pages
+            if self.value_ranking:
+                # the next turn of a sequence inherits its history; so does one whose ghost was hit
+                if node is not root and len(node.children) == 1:
+                    leaf.returns, leaf.gap = node.returns, node.gap
+                if self._ghost_returns:
+                    history = self._ghost_returns.pop((namespace, pi * size), None)
+                    if history is not None and history[0] > leaf.returns:
+                        leaf.returns, leaf.gap = history
+                self._unfile(node, end=True)
+                self._file(leaf)
+                self.inserted_pages += new_pages
+                self.reuse.on_insert(now, self.inserted_pages, self.full_pages_cached)
             if self.policy.checkpoint_pages:
                 leaf.anchor += self.policy.checkpoint_mask(pi, n)
             self._reanchor(node)
@@ -752,6 +809,8 @@ class WindowSafeTree:
             node = dead.pop()
             if node.alive and not node.children and not node.lock and node.parent is not None:
                 return node
+        if self.value_ranking:
+            return self._pick_by_value()
         recent = self._heap_top(self._leaf_heap, AdaptiveRanking.RECENT)
         reused = self._heap_top(self._reused_heap, AdaptiveRanking.REUSED)
         if recent is None or reused is None:
@@ -766,6 +825,35 @@ class WindowSafeTree:
                 pick = recent if seg == AdaptiveRanking.RECENT else reused
         heapq.heappop(self._leaf_heap if pick.seg == AdaptiveRanking.RECENT else self._reused_heap)
         return pick
+
+    def _pick_by_value(self, per_end: int = 2) -> TreeNode | None:
+        """The leaf least likely to pay back its bytes: lowest (probability of a return
+        within the turnover horizon) x (tokens per byte freed), among the ``per_end``
+        oldest and newest unlocked leaves of each reuse class.  A return hazard
+        that rises and then falls with idle time (a chat's think time) is lowest
+        at one end of a class's recency order, so the ends are the candidates.
+        Ties (nothing learned yet) go to the least recently used.  O(classes)."""
+        model, now = self.reuse, self._tick
+        fb, sb = self.full_page_bytes, self.swa_page_bytes
+        best: TreeNode | None = None
+        best_key: tuple[float, int, int] | None = None
+        for cls, filed in enumerate(self._by_class):
+            if not filed:
+                continue
+            for order in (iter(filed.values()), reversed(filed.values())):
+                taken = 0
+                for node in order:
+                    if node.lock:
+                        continue
+                    n = node.n_pages
+                    value = model.density(cls, now - node.since)
+                    key = (value, node.last_access, node.nid)
+                    if best_key is None or key < best_key:
+                        best, best_key = node, key
+                    taken += 1
+                    if taken >= per_end:
+                        break
+        return best
 
     def _heap_top(self, heap: list, seg: int) -> TreeNode | None:
         """The current top of a lazy leaf heap (stale entries dropped or refreshed)."""
@@ -817,8 +905,8 @@ class WindowSafeTree:
         self.swa_pages_cached -= int(swa.size)
         self.ranking.pages[node.seg] -= gone
         pos = node.start + keep * size
-        self.ranking.remember(node.seg, self._ghost_key(node.namespace, pos, node.key[keep * size:(keep + 1) * size]),
-                              gone)
+        ghost = self._ghost_key(node.namespace, pos, node.key[keep * size:(keep + 1) * size])
+        self.ranking.remember(node.seg, ghost, gone)
         if self.listeners:
             self._emit("remove", node, keep)
         if keep:  # trimmed: still a leaf, its tail window now ends at the new end
@@ -832,6 +920,18 @@ class WindowSafeTree:
             return gone, int(swa.size)
         del parent.children[node.key[:size].tobytes()]
         self.num_nodes -= 1
+        if self.value_ranking:
+            cls, since = node.vcls, node.since
+            self._unfile(node, end=False)
+            if parent.parent is not None and not parent.children:
+                # the parent is the same sequence, shorter: it carries the period on
+                parent.returns, parent.gap = node.returns, node.gap
+                if cls >= 0:
+                    self._file(parent, cls, since)
+                else:
+                    self._file(parent)
+            elif cls >= 0:  # watch for the sequence's return where its pages started
+                self.reuse.remember(ghost, cls, since, self._tick, (node.returns, node.gap))
         node.key = None  # type: ignore[assignment]
         node.parent = None
         if parent.parent is not None:

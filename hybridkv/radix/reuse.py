@@ -1,0 +1,246 @@
+"""ReuseModel: how likely a cached sequence is to be used again soon, learned online.
+
+A conversation's next turn, an agent's next step or a repeated document come
+back after a *gap* whose distribution depends on the workload: in a chat
+trace most turns return hundreds of requests later (users read and type),
+so the hazard of a return first *rises* with the time since the last use and
+falls only later.  Recency ranks the freshest tail as the most valuable and
+the one about to come back as the least; under a tight budget that is the
+wrong way round, and it is why LRU keeps a small fraction of what the
+offline optimum keeps.
+
+The model estimates, per *reuse class* (how many times the sequence already
+came back: 0, 1, 2-3, 4-7, 8+; a sequence that came back before is more
+likely to come back again), the hazard of a return as a function of the
+time since the last use, with the standard piecewise-constant estimator for
+censored data (events / time at risk per age bucket; Kaplan-Meier style):
+
+* an *at-risk period* starts when a leaf is last used (inserted or hit);
+* it ends with a *return* (a later request's match reaches the leaf, or
+  stops exactly where an evicted leaf's ghost starts) at age ``a``: one
+  event in ``a``'s bucket, time at risk up to ``a``;
+* or it is *censored* when its ghost is forgotten (ghosts are bounded):
+  time at risk up to that age, no event.
+
+Ages are in tree ticks (a tick per match or insert), bucketed in half
+octaves.  A class's estimate is shrunk toward the pooled one where it has
+little time at risk.  The score of a leaf is the probability that it
+returns within the cache's *turnover time* (the ticks the cache needs to
+insert as many pages as it holds: how long a kept page has to prove its
+worth), ``1 - exp(-(L(a + H) - L(a)))`` with ``L`` the cumulative hazard.
+Eviction takes the leaf with the lowest score per byte it frees (see
+``WindowSafeTree``); with no returns observed yet every score is 0 and the
+order is plain LRU.
+
+Nothing here is fitted to a trace: the buckets are a fixed geometric grid,
+the classes are powers of two, and the horizon is measured.
+
+Runtime complexity: O(1) per event (an ~80-element numpy update per period
+end); scores are O(1) lookups into tables rebuilt every few dozen events.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import numpy as np
+
+__all__ = ["ReuseModel", "age_bucket", "reuse_class", "next_gap"]
+
+_BUCKETS = 96  # half-octave buckets: ages up to 2**47 ticks
+_BIN = 4       # running periods are counted by start tick in bins of 2**_BIN ticks
+_REFRESH = 128  # period ends between rebuilds of the hazard tables
+_GAP_CLASSES = 8  # factor-4 gap buckets: < 4, < 16, ..., >= 4**7 ticks
+_GROUPS = ((0, 1), (1, 1 + _GAP_CLASSES), (1 + _GAP_CLASSES, 1 + 2 * _GAP_CLASSES))  # by return count
+
+
+def _bucket_edges(n: int) -> np.ndarray:
+    lo = np.zeros(n + 1, dtype=np.float64)
+    for b in range(1, n + 1):
+        k = b // 2
+        lo[b] = float(2 ** k) if b % 2 == 0 else (1.0 if b == 1 else 3.0 * 2 ** (k - 1))
+    return lo
+
+
+_LO = _bucket_edges(_BUCKETS)          # lower edge of each bucket (and the end of the last)
+_WIDTH = _LO[1:] - _LO[:-1]
+_LO_B = _LO[:-1]
+
+
+def age_bucket(age: int) -> int:
+    """Half-octave bucket of ``age`` >= 0: 0, 1, 2, 3, [4, 6), [6, 8), [8, 12), ..."""
+    if age < 2:
+        return max(0, int(age))
+    k = int(age).bit_length() - 1
+    return min(_BUCKETS - 1, 2 * k + ((int(age) >> (k - 1)) & 1))
+
+
+def reuse_class(returns: int, gap: float = -1.0) -> int:
+    """Reuse class of a sequence that came back ``returns`` times, ``gap`` being the
+    running mean of log2(1 + ticks between its returns) (-1: none yet).
+
+    Class 0 is a sequence that never came back; the others pair "came back
+    once" / "twice or more" with the gap in factor-4 buckets (< 4 ticks, < 16,
+    ..., >= 16384): a session's cadence predicts its next return far better
+    than recency (an agent that polls every few requests vs. a user who reads
+    for minutes)."""
+    if returns <= 0 or gap < 0:
+        return 0
+    g = min(_GAP_CLASSES - 1, int(gap) // 2)
+    return 1 + (0 if returns == 1 else _GAP_CLASSES) + g
+
+
+def next_gap(gap: float, age: int) -> float:
+    """The running gap after one more return ``age`` ticks after the last use."""
+    x = math.log2(1.0 + max(0, age))
+    return x if gap < 0 else 0.5 * gap + 0.5 * x
+
+
+class ReuseModel:
+    """Online return-hazard estimate per reuse class (see the module docstring).
+
+    Args:
+        ghosts: how many evicted sequences are remembered (key -> class and
+            start of their at-risk period) so that their return can still be
+            observed; the oldest is forgotten (censored) first.
+    """
+
+    CLASSES = 1 + 2 * _GAP_CLASSES
+
+    def __init__(self, ghosts: int = 8192) -> None:
+        c = self.CLASSES
+        self.events = np.zeros((c, _BUCKETS), dtype=np.float64)
+        self.exposure = np.zeros((c, _BUCKETS), dtype=np.float64)  # of finished periods
+        self.max_ghosts = ghosts
+        self._ghosts: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._running: dict[tuple[int, int], int] = {}  # (class, start tick >> _BIN) -> periods at risk
+        self._pending = 0
+        self._cum: list[list[float]] = [[0.0] * (_BUCKETS + 1) for _ in range(c)]
+        self._haz: list[list[float]] = [[0.0] * _BUCKETS for _ in range(c)]
+        self._index: list[list[float]] = [[0.0] * (_BUCKETS + 1) for _ in range(c)]
+        self.observed = 0
+        self.horizon = 0.0      # cache turnover time in ticks (0: not known yet)
+        self._rate = 0.0        # EMA of pages inserted per tick
+        self._last = (0, 0)     # (tick, pages inserted) at the last horizon update
+
+    # --------------------------------------------------------------- periods
+    def start(self, cls: int, since: int) -> None:
+        """An at-risk period of class ``cls`` started at tick ``since`` (a leaf was used)."""
+        k = (cls, since >> _BIN)
+        self._running[k] = self._running.get(k, 0) + 1
+
+    def end(self, cls: int, since: int, now: int, returned: bool) -> None:
+        """The period started at ``since`` ended at ``now``: by a return, or not (censored)."""
+        k = (cls, since >> _BIN)
+        left = self._running.get(k, 0) - 1
+        if left > 0:
+            self._running[k] = left
+        else:
+            self._running.pop(k, None)
+        age = now - since
+        if age < 0:
+            return
+        self.exposure[cls] += np.clip(age - _LO_B, 0.0, _WIDTH)
+        if returned:
+            self.events[cls, age_bucket(age)] += 1.0
+            self.observed += 1
+        self._pending += 1
+        if self._pending >= _REFRESH:
+            self._refresh(now)
+
+    def remember(self, key: int, cls: int, since: int, now: int, history: tuple[int, float]) -> None:
+        """An evicted leaf of class ``cls`` whose period started at ``since``: its
+        period goes on; watch for its return at ``key``.  ``history`` (returns,
+        gap) is handed back by :meth:`on_miss`."""
+        ghosts = self._ghosts
+        if key in ghosts:
+            old = ghosts.pop(key)
+            self.end(old[0], old[1], now, False)
+        ghosts[key] = (cls, since, history)
+        while len(ghosts) > self.max_ghosts:
+            _, (g_cls, g_since, _h) = ghosts.popitem(last=False)
+            self.end(g_cls, g_since, now, False)  # censored: we stop watching
+
+    def on_miss(self, key: int, now: int) -> tuple[int, float] | None:
+        """A request's match stopped at ``key``: if it is a ghost, record the return and
+        give the returning sequence's history, updated by this return (else ``None``)."""
+        hit = self._ghosts.pop(key, None)
+        if hit is None:
+            return None
+        cls, since, (returns, gap) = hit
+        self.end(cls, since, now, True)
+        return returns + 1, next_gap(gap, now - since)
+
+    def on_insert(self, now: int, pages_inserted: int, cached_pages: int) -> None:
+        """Track the cache's turnover time (cached pages / insertion rate)."""
+        t0, p0 = self._last
+        dt = now - t0
+        if dt < 256:
+            return
+        rate = (pages_inserted - p0) / dt
+        self._rate = rate if self._rate == 0.0 else 0.75 * self._rate + 0.25 * rate
+        self._last = (now, pages_inserted)
+        self.horizon = cached_pages / self._rate if self._rate > 0 else 0.0
+
+    # --------------------------------------------------------------- scores
+    def _refresh(self, now: int) -> None:
+        self._pending = 0
+        ev, ex = self.events, self.exposure.copy()
+        if self._running:  # periods still at risk count up to their current age
+            keys = np.array(list(self._running.keys()), dtype=np.int64)
+            counts = np.fromiter(self._running.values(), dtype=np.float64, count=len(self._running))
+            ages = now - ((keys[:, 1] << _BIN) + (1 << _BIN) // 2)
+            part = np.clip(ages[:, None] - _LO_B[None, :], 0.0, _WIDTH[None, :]) * counts[:, None]
+            np.add.at(ex, keys[:, 0], part)
+        # shrink each class toward its group (same return count, any gap), and the
+        # group toward all classes, by one bucket width of pseudo time at risk
+        pooled = ev.sum(axis=0) / np.maximum(ex.sum(axis=0), 1.0)  # 0 where nothing was at risk
+        haz = np.empty_like(ev)
+        for lo, hi in _GROUPS:
+            g_ev, g_ex = ev[lo:hi].sum(axis=0), ex[lo:hi].sum(axis=0)
+            group = (g_ev + pooled * _WIDTH) / (g_ex + _WIDTH)
+            haz[lo:hi] = (ev[lo:hi] + group * _WIDTH) / (ex[lo:hi] + _WIDTH)
+        cum = np.zeros((self.CLASSES, _BUCKETS + 1))
+        np.cumsum(haz * _WIDTH, axis=1, out=cum[:, 1:])
+        self._haz = haz.tolist()
+        self._cum = cum.tolist()
+        # hit density (LHD-style index): the best rate of returns per tick held that
+        # keeping a leaf from age lo_i for some further time can reach
+        surv = np.exp(-cum)                                            # S at bucket edges
+        hw = haz * _WIDTH
+        with np.errstate(divide="ignore", invalid="ignore"):
+            held = np.where(hw > 1e-12, surv[:, :-1] * -np.expm1(-hw) / haz, surv[:, :-1] * _WIDTH)
+        integ = np.zeros_like(surv)
+        np.cumsum(held, axis=1, out=integ[:, 1:])
+        num = surv[:, :, None] - surv[:, None, :]
+        den = integ[:, None, :] - integ[:, :, None]
+        upper = np.triu(np.ones((_BUCKETS + 1, _BUCKETS + 1), dtype=bool), 1)[None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(upper & (den > 0), num / den, 0.0)
+        self._index = ratio.max(axis=2).tolist()
+
+    def _cumulative(self, cls: int, age: float) -> float:
+        b = age_bucket(int(age))
+        return self._cum[cls][b] + self._haz[cls][b] * (age - _LO[b])
+
+    def density(self, cls: int, age: int) -> float:
+        """Expected returns per tick held for a leaf of class ``cls`` idle ``age`` ticks,
+        at the best holding time (0 before any return was observed)."""
+        if not self.observed:
+            return 0.0
+        b = age_bucket(age)
+        lo, idx = _LO[b], self._index[cls]
+        return idx[b] + (idx[b + 1] - idx[b]) * (age - lo) / (_LO[b + 1] - lo)
+
+    def score(self, cls: int, age: int) -> float:
+        """Probability that a leaf of class ``cls`` idle for ``age`` ticks returns
+        within the turnover horizon (0 before any return was observed)."""
+        if not self.observed or self.horizon <= 0:
+            return 0.0
+        h = min(self.horizon, float(_LO[-1]) / 2)
+        lam = self._cumulative(cls, age + h) - self._cumulative(cls, age)
+        return 1.0 - math.exp(-lam)
+
+    def ghost_count(self) -> int:
+        return len(self._ghosts)
