@@ -50,7 +50,7 @@ __all__ = ["ReuseModel", "age_bucket", "reuse_class", "next_gap"]
 
 _BUCKETS = 96  # half-octave buckets: ages up to 2**47 ticks
 _BIN = 4       # running periods are counted by start tick in bins of 2**_BIN ticks
-_REFRESH = 128  # period ends between rebuilds of the hazard tables
+_REFRESH = 512  # period ends between rebuilds of the hazard tables (~1 ms each)
 _GAP_CLASSES = 8  # factor-4 gap buckets: < 4, < 16, ..., >= 4**7 ticks
 _GROUPS = ((0, 1), (1, 1 + _GAP_CLASSES), (1 + _GAP_CLASSES, 1 + 2 * _GAP_CLASSES))  # by return count
 
@@ -74,6 +74,15 @@ def age_bucket(age: int) -> int:
         return max(0, int(age))
     k = int(age).bit_length() - 1
     return min(_BUCKETS - 1, 2 * k + ((int(age) >> (k - 1)) & 1))
+
+
+def _age_buckets(ages: np.ndarray) -> np.ndarray:
+    """:func:`age_bucket` of an int64 array."""
+    a = np.maximum(ages, 0)
+    k = np.floor(np.log2(np.maximum(a, 1))).astype(np.int64)
+    half = (a >> np.maximum(k - 1, 0)) & 1
+    out = np.where(a < 2, a, 2 * k + half)
+    return np.minimum(out, _BUCKETS - 1)
 
 
 def reuse_class(returns: int, gap: float = -1.0) -> int:
@@ -111,11 +120,13 @@ class ReuseModel:
     def __init__(self, ghosts: int = 8192) -> None:
         c = self.CLASSES
         self.events = np.zeros((c, _BUCKETS), dtype=np.float64)
-        self.exposure = np.zeros((c, _BUCKETS), dtype=np.float64)  # of finished periods
+        self._fin_count = np.zeros((c, _BUCKETS), dtype=np.float64)  # finished periods by end bucket
+        self._fin_part = np.zeros((c, _BUCKETS), dtype=np.float64)   # their time inside that bucket
         self.max_ghosts = ghosts
         self._ghosts: OrderedDict[int, tuple[int, int]] = OrderedDict()
-        self._running: dict[tuple[int, int], int] = {}  # (class, start tick >> _BIN) -> periods at risk
+        self._running: dict[int, int] = {}  # class + CLASSES * (start tick >> _BIN) -> periods at risk
         self._pending = 0
+        self._ends = 0
         self._cum: list[list[float]] = [[0.0] * (_BUCKETS + 1) for _ in range(c)]
         self._haz: list[list[float]] = [[0.0] * _BUCKETS for _ in range(c)]
         self._index: list[list[float]] = [[0.0] * (_BUCKETS + 1) for _ in range(c)]
@@ -127,12 +138,12 @@ class ReuseModel:
     # --------------------------------------------------------------- periods
     def start(self, cls: int, since: int) -> None:
         """An at-risk period of class ``cls`` started at tick ``since`` (a leaf was used)."""
-        k = (cls, since >> _BIN)
+        k = cls + self.CLASSES * (since >> _BIN)
         self._running[k] = self._running.get(k, 0) + 1
 
     def end(self, cls: int, since: int, now: int, returned: bool) -> None:
         """The period started at ``since`` ended at ``now``: by a return, or not (censored)."""
-        k = (cls, since >> _BIN)
+        k = cls + self.CLASSES * (since >> _BIN)
         left = self._running.get(k, 0) - 1
         if left > 0:
             self._running[k] = left
@@ -141,12 +152,15 @@ class ReuseModel:
         age = now - since
         if age < 0:
             return
-        self.exposure[cls] += np.clip(age - _LO_B, 0.0, _WIDTH)
+        b = age_bucket(age)
+        self._fin_count[cls, b] += 1.0          # time at risk: whole buckets below b ...
+        self._fin_part[cls, b] += age - _LO[b]  # ... and this much of bucket b
         if returned:
-            self.events[cls, age_bucket(age)] += 1.0
+            self.events[cls, b] += 1.0
             self.observed += 1
         self._pending += 1
-        if self._pending >= _REFRESH:
+        self._ends += 1
+        if self._pending >= _REFRESH or 8 * self._pending >= self._ends:  # often while young
             self._refresh(now)
 
     def remember(self, key: int, cls: int, since: int, now: int, history: tuple[int, float]) -> None:
@@ -184,15 +198,24 @@ class ReuseModel:
         self.horizon = cached_pages / self._rate if self._rate > 0 else 0.0
 
     # --------------------------------------------------------------- scores
+    def exposure(self, now: int) -> np.ndarray:
+        """Time at risk per (class, age bucket): finished periods plus the ones still
+        running (counted up to their current age).  O(open periods + classes x buckets)."""
+        count, part = self._fin_count.copy(), self._fin_part.copy()
+        if self._running:
+            keys = np.fromiter(self._running, dtype=np.int64, count=len(self._running))
+            cls, start = keys % self.CLASSES, keys // self.CLASSES
+            n = np.fromiter(self._running.values(), dtype=np.float64, count=len(self._running))
+            ages = np.maximum(now - ((start << _BIN) + (1 << _BIN) // 2), 0)
+            b = _age_buckets(ages)
+            np.add.at(count, (cls, b), n)
+            np.add.at(part, (cls, b), n * (ages - _LO[b]))
+        above = count.sum(axis=1, keepdims=True) - np.cumsum(count, axis=1)  # periods past bucket j
+        return above * _WIDTH + part
+
     def _refresh(self, now: int) -> None:
         self._pending = 0
-        ev, ex = self.events, self.exposure.copy()
-        if self._running:  # periods still at risk count up to their current age
-            keys = np.array(list(self._running.keys()), dtype=np.int64)
-            counts = np.fromiter(self._running.values(), dtype=np.float64, count=len(self._running))
-            ages = now - ((keys[:, 1] << _BIN) + (1 << _BIN) // 2)
-            part = np.clip(ages[:, None] - _LO_B[None, :], 0.0, _WIDTH[None, :]) * counts[:, None]
-            np.add.at(ex, keys[:, 0], part)
+        ev, ex = self.events, self.exposure(now)
         # shrink each class toward its group (same return count, any gap), and the
         # group toward all classes, by one bucket width of pseudo time at risk
         pooled = ev.sum(axis=0) / np.maximum(ex.sum(axis=0), 1.0)  # 0 where nothing was at risk
@@ -213,16 +236,26 @@ class ReuseModel:
             held = np.where(hw > 1e-12, surv[:, :-1] * -np.expm1(-hw) / haz, surv[:, :-1] * _WIDTH)
         integ = np.zeros_like(surv)
         np.cumsum(held, axis=1, out=integ[:, 1:])
-        num = surv[:, :, None] - surv[:, None, :]
-        den = integ[:, None, :] - integ[:, :, None]
-        upper = np.triu(np.ones((_BUCKETS + 1, _BUCKETS + 1), dtype=bool), 1)[None]
+        # ages past the last bucket anything was at risk in have no data: index 0 there
+        nb = min(_BUCKETS, int(np.flatnonzero(ex.sum(axis=0) > 0).max(initial=0)) + 2)
+        s_, i_ = surv[:, :nb + 1], integ[:, :nb + 1]
+        num = s_[:, :, None] - s_[:, None, :]
+        den = i_[:, None, :] - i_[:, :, None]
+        upper = np.triu(np.ones((nb + 1, nb + 1), dtype=bool), 1)[None]
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(upper & (den > 0), num / den, 0.0)
-        self._index = ratio.max(axis=2).tolist()
+        index = np.zeros((self.CLASSES, _BUCKETS + 1))
+        index[:, :nb + 1] = ratio.max(axis=2)
+        self._index = index.tolist()
 
     def _cumulative(self, cls: int, age: float) -> float:
         b = age_bucket(int(age))
         return self._cum[cls][b] + self._haz[cls][b] * (age - _LO[b])
+
+    def hazard(self, cls: int, age: int) -> float:
+        """Estimated returns per tick of a class-``cls`` leaf idle ``age`` ticks (as of the
+        last table rebuild)."""
+        return self._haz[cls][age_bucket(age)]
 
     def density(self, cls: int, age: int) -> float:
         """Expected returns per tick held for a leaf of class ``cls`` idle ``age`` ticks,
@@ -241,6 +274,10 @@ class ReuseModel:
         h = min(self.horizon, float(_LO[-1]) / 2)
         lam = self._cumulative(cls, age + h) - self._cumulative(cls, age)
         return 1.0 - math.exp(-lam)
+
+    def open_periods(self) -> int:
+        """At-risk periods not ended yet (filed leaves plus ghosts)."""
+        return sum(self._running.values())
 
     def ghost_count(self) -> int:
         return len(self._ghosts)

@@ -1011,6 +1011,11 @@ class WindowSafeTree:
         for node in nodes:
             assert np.array_equal(node.anchor, expect[node.nid]), (node, node.anchor, expect[node.nid])
         assert pages == self.ranking.pages, (pages, self.ranking.pages)
+        if self.value_ranking:  # every leaf is filed once, under its class; one open period each
+            leaves = {n.nid for n in nodes if not n.children}
+            filed = {nid for cls, f in enumerate(self._by_class) for nid, n in f.items() if n.vcls == cls}
+            assert leaves == filed and sum(map(len, self._by_class)) == len(filed), (leaves ^ filed)
+            assert self.reuse.open_periods() == len(filed) + self.reuse.ghost_count()
 
     def check_invariants(self) -> None:
         """Verify every invariant listed in the module docstring.  O(n)."""
