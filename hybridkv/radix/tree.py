@@ -37,6 +37,7 @@ __all__ = ["TreeConfig", "TreeEvent", "WindowSafeTree", "MatchResult", "LockHand
            "PagePool", "as_token_array"]
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_SCALAR_PINS = 8  # up to this many pages, pins are counted in a Python loop (numpy calls cost more)
 _logger = logging.getLogger("hybridkv.radix")
 
 
@@ -338,19 +339,22 @@ class WindowSafeTree:
         """:meth:`match` on an already validated key."""
         if max_len is not None and (not isinstance(max_len, (int, np.integer)) or max_len < 0):
             raise ValueError(f"max_len must be a non-negative int, got {max_len!r}")
+        size = self.page_size
         limit = len(key) if max_len is None else min(len(key), int(max_len))
-        limit -= limit % self.page_size
+        limit -= limit % size
         _, path = self._walk(key, namespace, limit)
-        raw_pages = sum(k for _, k in path)
-        safe = window_safe_pages([n.swa[:k] for n, k in path], self.config.window_pages)
+        raw_pages = 0
+        for _, k in path:
+            raw_pages += k
+        safe = self._safe_pages(path, raw_pages)
         full_parts, swa_parts = [], []
         node: TreeNode | None = None
         left = safe
         for n, k in path:
             if left == 0:
                 break
-            take = min(k, left)
-            if take < n.n_pages and split:
+            take = k if k < left else left
+            if split and take < len(n.full):
                 self._split(n, take)
                 n = n.parent  # the upper half ends at the hit
                 assert n is not None
@@ -359,22 +363,44 @@ class WindowSafeTree:
             node = n
             left -= take
         if touch:
-            pos = raw_pages * self.page_size
-            if pos + self.page_size <= len(key):  # did a ghost of an evicted leaf start here?
-                if self.ranking.on_miss(self._ghost_key(namespace, pos, key[pos:pos + self.page_size]), self._tick):
+            pos = raw_pages * size
+            if pos + size <= len(key):  # did a ghost of an evicted leaf start here?
+                if self.ranking.on_miss(self._ghost_key(namespace, pos, key[pos:pos + size]), self._tick):
                     if len(self._ghost_hits) > 4096:
                         self._ghost_hits.clear()
                     self._ghost_hits.add((namespace, pos))  # its re-insert is proven reuse (ARC)
-        if touch and path:
-            now = self._now()
-            for n, _ in path:
-                if n.alive:
-                    self._touch(n, now)
-            if node is not None:
-                self._touch(node, now)
-        full = np.concatenate(full_parts) if full_parts else _EMPTY
-        swa = np.concatenate(swa_parts) if swa_parts else _EMPTY
-        return MatchResult(safe * self.page_size, raw_pages * self.page_size, full, swa, node)
+            if path:
+                now = self._now()
+                for n, _ in path:
+                    if n.key is not None:
+                        self._touch(n, now)
+                if node is not None:
+                    self._touch(node, now)
+        # copies: the caller may write into them, the nodes' arrays are the tree's
+        if len(full_parts) == 1:
+            full, swa = full_parts[0].copy(), swa_parts[0].copy()
+        elif full_parts:
+            full, swa = np.concatenate(full_parts), np.concatenate(swa_parts)
+        else:
+            full = swa = _EMPTY
+        return MatchResult(safe * size, raw_pages * size, full, swa, node)
+
+    def _safe_pages(self, path: list[tuple[TreeNode, int]], total: int) -> int:
+        """:func:`window_safe_pages` of the matched path (``total`` pages).  The common
+        case, a held tail window, is checked on Python ints (a window is a few
+        pages); only a broken tail takes the numpy scan."""
+        need = self.config.window_pages
+        if need > total:
+            need = total
+        i = len(path) - 1
+        while need > 0:
+            n, k = path[i]
+            take = k if k < need else need
+            if take and min(n.swa[k - take:k].tolist()) < 0:
+                return window_safe_pages([n.swa[:k] for n, k in path], self.config.window_pages)
+            need -= take
+            i -= 1
+        return total
 
     def _touch(self, node: TreeNode, now: int) -> None:
         # Recency: heap entries are refreshed lazily when popped (see _fresh).  A node
@@ -609,17 +635,19 @@ class WindowSafeTree:
             return LockHandle(None)
         if not node.alive:
             raise ValueError("node was evicted; match again before locking")
-        pages = self._window_pages(node)
-        if (pages < 0).any():
+        ids = self._window_ids(node)
+        if ids and min(ids) < 0:
             raise ValueError("the SWA window ending at node is not held (not window safe)")
-        n: TreeNode | None = node
-        while n is not None and n.parent is not None:
+        n: TreeNode = node
+        protected = 0
+        while n.parent is not None:
             if n.lock == 0:
-                self.protected_full_pages += n.n_pages
+                protected += len(n.full)
             n.lock += 1
             n = n.parent
-        self._pin(pages, +1)
-        return LockHandle(node, pages)
+        self.protected_full_pages += protected
+        self._pin_ids(ids, +1)
+        return LockHandle(node, np.array(ids, dtype=np.int32) if ids else _EMPTY)
 
     def unlock(self, handle: LockHandle) -> None:
         """Undo :meth:`lock`.  O(depth).  Raises ValueError on a second release."""
@@ -631,42 +659,80 @@ class WindowSafeTree:
         node = handle.node
         if node is None:
             return
-        self._pin(handle.swa_pages, -1)
+        pages = handle.swa_pages
+        if pages.size <= _SCALAR_PINS:
+            self._pin_ids(pages.tolist(), -1)
+        else:
+            self._pin(pages, -1)
         window = self.config.window_pages
-        n: TreeNode | None = node
-        while n is not None and n.parent is not None:
+        n: TreeNode = node
+        while n.parent is not None:
             n.lock -= 1
             assert n.lock >= 0
             if n.lock == 0:
-                self.protected_full_pages -= n.n_pages
+                self.protected_full_pages -= len(n.full)
             # pins were released on the window nodes: their SWA may be evictable now;
             # a still-locked inner node above the window has nothing to enqueue
             leafish = n.lock == 0 and not n.children
             if leafish or (window > 0 and n.swa_valid):
                 self._enqueue(n, leaf=leafish, swa=window > 0)
-            window -= n.n_pages
+            window -= len(n.full)
             n = n.parent
+
+    def _window_ids(self, node: TreeNode) -> list[int]:
+        """SWA page ids of the last ``window_pages`` pages ending at ``node``, as
+        Python ints: a window is a few pages, where a list beats numpy calls."""
+        need = self.config.window_pages
+        ids: list[int] = []
+        n: TreeNode | None = node
+        while need > 0 and n is not None and n.parent is not None:
+            swa = n.swa
+            k = len(swa)
+            take = need if need < k else k
+            ids[:0] = swa[k - take:].tolist()
+            need -= take
+            n = n.parent
+        return ids
 
     def _window_pages(self, node: TreeNode) -> np.ndarray:
         """SWA page ids of the last ``window_pages`` pages ending at ``node``."""
-        need = self.config.window_pages
-        parts = []
-        n: TreeNode | None = node
-        while need > 0 and n is not None and n.parent is not None:
-            take = min(need, n.n_pages)
-            parts.append(n.swa[n.n_pages - take:])
-            need -= take
-            n = n.parent
-        return np.concatenate(parts[::-1]) if parts else _EMPTY
+        ids = self._window_ids(node)
+        return np.array(ids, dtype=np.int32) if ids else _EMPTY
+
+    def _window_held(self, node: TreeNode) -> bool:
+        """True if every page of the window ending at ``node`` holds SWA."""
+        ids = self._window_ids(node)
+        return not ids or min(ids) >= 0
+
+    def _pin_ids(self, ids: list[int], delta: int) -> None:
+        """:meth:`_pin` for a window's worth of page ids (Python ints, distinct)."""
+        if not ids:
+            return
+        pins = self._pins
+        if max(ids) >= pins.size:
+            self._grow_pins(max(ids) + 1)
+            pins = self._pins
+        changed = 0  # pages whose count leaves or reaches 0
+        for p in ids:
+            before = int(pins[p])
+            after = before + delta
+            assert after >= 0
+            pins[p] = after
+            if before == 0 or after == 0:
+                changed += 1
+        self.protected_swa_pages += changed if delta > 0 else -changed
+
+    def _grow_pins(self, top: int) -> None:
+        grown = np.zeros(max(top, 2 * self._pins.size), dtype=np.int32)
+        grown[:self._pins.size] = self._pins
+        self._pins = grown
 
     def _pin(self, pages: np.ndarray, delta: int) -> None:
         if pages.size == 0:
             return
         top = int(pages.max()) + 1
         if top > self._pins.size:
-            grown = np.zeros(max(top, 2 * self._pins.size), dtype=np.int32)
-            grown[:self._pins.size] = self._pins
-            self._pins = grown
+            self._grow_pins(top)
         before = self._pins[pages]
         after = before + delta
         assert (after >= 0).all()
@@ -797,7 +863,7 @@ class WindowSafeTree:
         node = self._pop_leaf()
         if node is None:
             return 0, 0
-        if want is not None and (self._window_pages(node) < 0).any():
+        if want is not None and not self._window_held(node):
             want = 1  # dead: keep what still ends at a held window, free the rest
         keep = self._trim_point(node, want)
         size = self.page_size
@@ -837,7 +903,7 @@ class WindowSafeTree:
         if parent.parent is not None:
             self._reanchor(parent)
             self._enqueue(parent)  # may be a leaf now; its tail became a leaf tail
-            if not parent.children and not parent.lock and (self._window_pages(parent) < 0).any():
+            if not parent.children and not parent.lock and not self._window_held(parent):
                 self._dead.append(parent)
         return gone, int(swa.size)
 
