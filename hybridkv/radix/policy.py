@@ -61,7 +61,12 @@ class RetentionPolicy:
             return np.zeros(max(0, hi - lo), dtype=bool)
         if wp >= kp:
             return np.ones(hi - lo, dtype=bool)
-        return (np.arange(lo, hi) % kp) >= kp - wp
+        out = np.zeros(hi - lo, dtype=bool)
+        # the windows [m*kp - wp, m*kp) that overlap [lo, hi): a few per call, so a
+        # loop of slice writes beats a modulo over every page
+        for end in range((lo // kp + 1) * kp, hi + wp, kp):
+            out[max(end - wp, lo) - lo:min(end, hi) - lo] = True
+        return out
 
     # ---------------------------------------------------------------- release
     def release_cut(self, computed: int) -> int:
