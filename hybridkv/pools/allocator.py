@@ -72,15 +72,22 @@ class PageAllocator:
             raise ValueError(f"n must be >= 0, got {n}")
         if n > self.num_free:
             return None
-        take = min(n, self._nfree)
-        out = np.empty(n, dtype=np.int32)
-        if take:
-            out[:take] = self._free[self._nfree - take:self._nfree][::-1]
-            self._nfree -= take
-        fresh = n - take
-        if fresh:
+        return self._take(n)
+
+    def _take(self, n: int) -> np.ndarray:
+        """:meth:`alloc` for internal callers that checked ``n <= num_free``."""
+        nfree = self._nfree
+        if n <= nfree:  # all recycled (the steady state): one copy, newest freed first
+            out = self._free[nfree - n:nfree][::-1].copy()
+            self._nfree = nfree - n
+        else:
+            out = np.empty(n, dtype=np.int32)
+            if nfree:
+                out[:nfree] = self._free[:nfree][::-1]
+                self._nfree = 0
+            fresh = n - nfree
             self._grow_bitmap(self._high + fresh)
-            out[take:] = np.arange(self._high, self._high + fresh, dtype=np.int32)
+            out[nfree:] = np.arange(self._high, self._high + fresh, dtype=np.int32)
             self._high += fresh
         self._allocated[out] = True
         self._used += n
