@@ -402,22 +402,24 @@ class HybridKVCache:
         policy = self.config.retention
         if policy in ("none", "dense"):
             return 0
-        if (policy == "adaptive" and not force
-                and self.pool.free_bytes() > self.config.spare_fraction * self.pool.budget_bytes):
-            return 0
         # The tree's RetentionPolicy decides what survives; only pages added since the
         # last release are scanned (``release_mark``): O(new pages) per release.
         retain = self.tree.policy
         cut = retain.release_cut(req.computed)
-        lo = max(req.release_mark, req.tree_pages)
+        lo = req.release_mark if req.release_mark > req.tree_pages else req.tree_pages
         if cut <= lo:
+            return 0  # nothing new to scan (checked first: it is cheaper than free_bytes)
+        if (policy == "adaptive" and not force
+                and self.pool.free_bytes() > self.config.spare_fraction * self.pool.budget_bytes):
             return 0
         req.release_mark = cut
         seg = req.swa_pages[lo:cut]
-        drop = (seg >= 0) & retain.releasable(lo, cut, req.raw_match_len, req.prefix_len)
-        count = int(drop.sum())
+        drop = retain.releasable(lo, cut, req.raw_match_len, req.prefix_len)
+        drop &= seg >= 0
+        gone = seg[drop]
+        count = gone.size
         if count:
-            self.pool.free_swa_trusted(seg[drop])  # the request's own pages
+            self.pool.free_swa_trusted(gone)  # the request's own pages
             seg[drop] = NO_PAGE
             self.counters["released_swa_pages"] += count
         return count
