@@ -424,8 +424,14 @@ class WindowSafeTree:
         need = self.policy.window_pages
         n: TreeNode | None = node
         while need > 0 and n is not None and n.parent is not None:
-            take = min(need, n.n_pages)
-            n.anchor[n.n_pages - take:] += delta
+            anchor = n.anchor
+            k = len(anchor)
+            take = need if need < k else k
+            if take <= 4:  # a window of a few pages: scalar writes beat a slice ufunc
+                for i in range(k - take, k):
+                    anchor[i] += delta
+            else:
+                anchor[k - take:] += delta
             need -= take
             n = n.parent
 
@@ -449,14 +455,16 @@ class WindowSafeTree:
         entry = (node.last_access, node.nid, node)
         if leaf and not node.children and node.lock == 0:
             heapq.heappush(self._leaf_heap if node.seg == AdaptiveRanking.RECENT else self._reused_heap, entry)
-        if swa and node.swa_valid and self.config.swa_eviction != "none":
+        mode = self.config.swa_eviction
+        if swa and node.swa_valid and mode != "none":
             heapq.heappush(self._swa_heap, entry)
-            if self.config.swa_eviction == "page":
+            if mode == "page":
                 heapq.heappush(self._anchor_heap, entry)
         # lazy heaps collect stale entries; rebuilding at 4x the live nodes keeps
         # memory O(nodes) (the anchor heap was left out and grew without bound)
-        if (max(len(self._swa_heap), len(self._anchor_heap), len(self._leaf_heap) + len(self._reused_heap))
-                > 4 * self.num_nodes + 4096):
+        limit = 4 * self.num_nodes + 4096
+        if (len(self._swa_heap) > limit or len(self._anchor_heap) > limit
+                or len(self._leaf_heap) + len(self._reused_heap) > limit):
             self._rebuild_heaps()
 
     @staticmethod
@@ -559,8 +567,8 @@ class WindowSafeTree:
             node, pi = root, 0
         else:
             node, pi = start, (start.start + len(start.key)) // size
-            up: TreeNode | None = start
-            while up is not None and up.parent is not None:  # recency as a walk from the root
+            up: TreeNode = start
+            while up.parent is not None:  # recency as a walk from the root
                 self._touch(up, now)
                 up = up.parent
         drop_full: list[np.ndarray] = []
@@ -609,7 +617,7 @@ class WindowSafeTree:
                 leaf.seg = AdaptiveRanking.REUSED
             self.ranking.pages[leaf.seg] += new_pages
             if self.policy.checkpoint_pages:
-                leaf.anchor += self.policy.checkpoint_mask(pi, n)
+                leaf.anchor = self.policy.checkpoint_mask(pi, n).astype(np.int32)  # its counts were all 0
             self._reanchor(node)
             self._reanchor(leaf)
             self._enqueue(leaf)
@@ -619,9 +627,9 @@ class WindowSafeTree:
             if self.listeners:
                 self._emit("store", leaf)
         if drop_full:
-            self._free_full(np.concatenate(drop_full))
+            self._free_full(drop_full[0] if len(drop_full) == 1 else np.concatenate(drop_full))
         if drop_swa:
-            self._free_swa(np.concatenate(drop_swa))
+            self._free_swa(drop_swa[0] if len(drop_swa) == 1 else np.concatenate(drop_swa))
         return InsertResult(node if node is not root else None, new_pages, adopted)
 
     # ================================================================= locks
