@@ -262,7 +262,8 @@ class HybridKVCache:
         # room for every page of the prompt (+ some decode) so prefill never regrows
         full = np.empty(max(16, -(-len(tokens) // self.page_size) + 16), dtype=np.int32)
         full[:n] = m.full_pages
-        swa = np.full(full.size, NO_PAGE, dtype=np.int32)
+        swa = np.empty(full.size, dtype=np.int32)
+        swa.fill(NO_PAGE)  # np.full is a Python-level wrapper
         w = handle.swa_pages.size
         if w:
             swa[n - w:n] = handle.swa_pages
