@@ -37,8 +37,10 @@ class PageAllocator:
         self.capacity = int(capacity)
         self._high = 0  # ids [0, _high) have been handed out at least once
         self._allocated = np.zeros(min(self.capacity, _INITIAL), dtype=bool)
-        self._free = np.empty(min(self.capacity, _INITIAL), dtype=np.int32)
-        self._nfree = 0  # recycled ids live in _free[:_nfree]
+        # recycled ids live in _free[:_nfree]; intp, so a slice of it indexes the bitmap
+        # directly (numpy indexes with intp ~4x faster than with int32)
+        self._free = np.empty(min(self.capacity, _INITIAL), dtype=np.intp)
+        self._nfree = 0
         self._used = 0
         self._scratch = np.empty(0, dtype=np.int32)  # for the O(n) repeat check
 
@@ -77,8 +79,10 @@ class PageAllocator:
     def _take(self, n: int) -> np.ndarray:
         """:meth:`alloc` for internal callers that checked ``n <= num_free``."""
         nfree = self._nfree
-        if n <= nfree:  # all recycled (the steady state): one copy, newest freed first
-            out = self._free[nfree - n:nfree][::-1].copy()
+        if n <= nfree:  # all recycled (the steady state), newest freed first
+            ids = self._free[nfree - n:nfree][::-1]
+            self._allocated[ids] = True
+            out = ids.astype(np.int32)
             self._nfree = nfree - n
         else:
             out = np.empty(n, dtype=np.int32)
@@ -89,7 +93,7 @@ class PageAllocator:
             self._grow_bitmap(self._high + fresh)
             out[nfree:] = np.arange(self._high, self._high + fresh, dtype=np.int32)
             self._high += fresh
-        self._allocated[out.astype(np.intp)] = True  # numpy indexes with intp ~4x faster than int32
+            self._allocated[out.astype(np.intp)] = True
         self._used += n
         return out
 
@@ -127,13 +131,14 @@ class PageAllocator:
         int32 ids): no checks.  O(n)."""
         if arr.size == 0:
             return
-        self._allocated[arr.astype(np.intp)] = False  # numpy indexes with intp ~4x faster than int32
         need = self._nfree + arr.size
         if need > self._free.size:
-            grown = np.empty(max(need, 2 * self._free.size), dtype=np.int32)
+            grown = np.empty(max(need, 2 * self._free.size), dtype=np.intp)
             grown[:self._nfree] = self._free[:self._nfree]
             self._free = grown
-        self._free[self._nfree:need] = arr
+        ids = self._free[self._nfree:need]
+        ids[:] = arr
+        self._allocated[ids] = False  # the intp copy indexes the bitmap (see __init__)
         self._nfree = need
         self._used -= arr.size
 
