@@ -254,26 +254,32 @@ class HybridKVCache:
         return self._begin(tokens, namespace, rid)
 
     def _begin(self, tokens: np.ndarray, namespace: str, rid: Any) -> Request:
+        tree = self.tree
         t0 = time.perf_counter()
-        m = self.tree._match(tokens, namespace, len(tokens) - 1, True, True)
+        # the hit's page ids are copied once, straight from the nodes into the request
+        safe, raw_pages, parts, node = tree._match_parts(tokens, namespace, len(tokens) - 1, True, True)
         self.last_match_us = (time.perf_counter() - t0) * 1e6
-        handle = self.tree.lock(m.node)
-        n = len(m.full_pages)
+        handle = tree.lock(node)
         # room for every page of the prompt (+ some decode) so prefill never regrows
         full = np.empty(max(16, -(-len(tokens) // self.page_size) + 16), dtype=np.int32)
-        full[:n] = m.full_pages
+        n = 0
+        for nd, take in parts:
+            full[n:n + take] = nd.full[:take]
+            n += take
         swa = np.empty(full.size, dtype=np.int32)
         swa.fill(NO_PAGE)  # np.full is a Python-level wrapper
         w = handle.swa_pages.size
         if w:
             swa[n - w:n] = handle.swa_pages
-        req = Request(rid if rid is not None else next(_rids), namespace, tokens, m.length,
-                      m.raw_length, full, swa, n, handle, computed=m.length, n_pages=n, last_release=m.length)
+        length = safe * self.page_size
+        raw_length = raw_pages * self.page_size
+        req = Request(rid if rid is not None else next(_rids), namespace, tokens, length,
+                      raw_length, full, swa, n, handle, computed=length, n_pages=n, last_release=length)
         self._live[id(req)] = req
         c = self.counters
         c["requests"] += 1
-        c["hit_tokens"] += m.length
-        c["raw_match_tokens"] += m.raw_length
+        c["hit_tokens"] += length
+        c["raw_match_tokens"] += raw_length
         c["input_tokens"] += len(tokens)
         return req
 

@@ -307,12 +307,20 @@ class WindowSafeTree:
             child = node.children.get(key[pos:pos + size].tobytes())
             if child is None:
                 break
-            k = self._common_pages(child.key, key, pos, limit)
+            ck = child.key
+            m = len(ck)
+            if m > limit - pos:
+                m = limit - pos
+            b = key[pos:pos + m]
+            if b.tobytes().startswith(ck[:m]):  # see _common_pages
+                k = m // size
+            else:
+                k = int(np.argmax(ck[:m] != b)) // size
             if k == 0:
                 break
             path.append((child, k))
             pos += k * size
-            if k < child.n_pages:
+            if k < len(child.full):
                 break
             node = child
         return root, path
@@ -338,6 +346,24 @@ class WindowSafeTree:
     def _match(self, key: np.ndarray, namespace: str, max_len: int | None, split: bool,
                touch: bool) -> MatchResult:
         """:meth:`match` on an already validated key."""
+        safe, raw_pages, parts, node = self._match_parts(key, namespace, max_len, split, touch)
+        # copies: the caller may write into them, the nodes' arrays are the tree's
+        if len(parts) == 1:
+            n, take = parts[0]
+            full, swa = n.full[:take].copy(), n.swa[:take].copy()
+        elif parts:
+            full = np.concatenate([n.full[:take] for n, take in parts])
+            swa = np.concatenate([n.swa[:take] for n, take in parts])
+        else:
+            full = swa = _EMPTY
+        size = self.page_size
+        return MatchResult(safe * size, raw_pages * size, full, swa, node)
+
+    def _match_parts(self, key: np.ndarray, namespace: str, max_len: int | None, split: bool,
+                     touch: bool) -> tuple[int, int, list[tuple[TreeNode, int]], TreeNode | None]:
+        """:meth:`_match` without building the page arrays: ``(safe_pages, raw_pages,
+        [(node, pages taken)], node)``; the hit's pages are ``node.full[:taken]`` of
+        each part in order (a caller copying them into its own buffer skips a copy)."""
         if max_len is not None and (not isinstance(max_len, (int, np.integer)) or max_len < 0):
             raise ValueError(f"max_len must be a non-negative int, got {max_len!r}")
         size = self.page_size
@@ -348,7 +374,7 @@ class WindowSafeTree:
         for _, k in path:
             raw_pages += k
         safe = self._safe_pages(path, raw_pages)
-        full_parts, swa_parts = [], []
+        parts: list[tuple[TreeNode, int]] = []
         node: TreeNode | None = None
         left = safe
         for n, k in path:
@@ -359,8 +385,7 @@ class WindowSafeTree:
                 self._split(n, take)
                 n = n.parent  # the upper half ends at the hit
                 assert n is not None
-            full_parts.append(n.full[:take])
-            swa_parts.append(n.swa[:take])
+            parts.append((n, take))
             node = n
             left -= take
         if touch:
@@ -377,14 +402,7 @@ class WindowSafeTree:
                         self._touch(n, now)
                 if node is not None:
                     self._touch(node, now)
-        # copies: the caller may write into them, the nodes' arrays are the tree's
-        if len(full_parts) == 1:
-            full, swa = full_parts[0].copy(), swa_parts[0].copy()
-        elif full_parts:
-            full, swa = np.concatenate(full_parts), np.concatenate(swa_parts)
-        else:
-            full = swa = _EMPTY
-        return MatchResult(safe * size, raw_pages * size, full, swa, node)
+        return safe, raw_pages, parts, node
 
     def _safe_pages(self, path: list[tuple[TreeNode, int]], total: int) -> int:
         """:func:`window_safe_pages` of the matched path (``total`` pages).  The common
