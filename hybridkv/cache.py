@@ -420,15 +420,22 @@ class HybridKVCache:
                 and self.pool.free_bytes() > self.config.spare_fraction * self.pool.budget_bytes):
             return 0
         req.release_mark = cut
-        seg = req.swa_pages[lo:cut]
-        drop = retain.releasable(lo, cut, req.raw_match_len, req.prefix_len)
-        drop &= seg >= 0
-        gone = seg[drop]
+        # Pages from the release mark on were never released, so all hold SWA (checked
+        # by check_invariants): free the runs the policy releases, no per-page mask.
+        swa = req.swa_pages
+        runs = retain.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len)
+        if not runs:
+            return 0
+        if len(runs) == 1:
+            a, b = runs[0]
+            gone = swa[a:b]  # a view: the pool copies the ids before they are overwritten below
+        else:
+            gone = np.concatenate([swa[a:b] for a, b in runs])
         count = gone.size
-        if count:
-            self.pool.free_swa_trusted(gone)  # the request's own pages
-            seg[drop] = NO_PAGE
-            self.counters["released_swa_pages"] += count
+        self.pool.free_swa_trusted(gone)  # the request's own pages
+        for a, b in runs:
+            swa[a:b] = NO_PAGE
+        self.counters["released_swa_pages"] += count
         return count
 
     # ================================================================ finish
@@ -777,6 +784,8 @@ class HybridKVCache:
             owned_full.append(req.full_pages[req.tree_pages:req.n_pages])
             s = req.swa_pages[req.tree_pages:req.n_pages]
             owned_swa.append(s[s >= 0])
+            # _release relies on this: pages past the release mark were never released
+            assert (req.swa_pages[max(req.release_mark, req.tree_pages):req.n_pages] >= 0).all(), req
             assert req.tree_pages <= req.n_pages
             assert req.computed <= req.allocated <= min(req.n_tokens, req.n_pages * self.page_size)
         full = np.concatenate(owned_full) if owned_full else np.zeros(0, np.int32)

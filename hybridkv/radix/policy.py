@@ -98,16 +98,31 @@ class RetentionPolicy:
         full KV there but lost the SWA: the request's copy repairs it at
         insert).  O(hi - lo).
         """
-        out = np.empty(max(0, hi - lo), dtype=bool)
-        out.fill(True)  # np.ones is a Python-level wrapper: 3x slower on short arrays
-        for a, b in self.checkpoint_windows(lo, hi):
-            out[a - lo:b - lo] = False
+        out = np.zeros(max(0, hi - lo), dtype=bool)
+        for a, b in self.releasable_runs(lo, hi, raw_match, hit):
+            out[a - lo:b - lo] = True
+        return out
+
+    def releasable_runs(self, lo: int, hi: int, raw_match: int, hit: int) -> list[tuple[int, int]]:
+        """:meth:`releasable` as the runs ``[a, b)`` of absolute pages it marks, in order
+        (what is left of ``[lo, hi)`` after the kept windows).  O(1 + (hi - lo) / K)."""
+        keep = self.checkpoint_windows(lo, hi)
         if raw_match > hit:
             end = raw_match // self.page_size
             a, b = max(lo, end - self.window_pages), min(hi, end)
             if a < b:
-                out[a - lo:b - lo] = False
-        return out
+                keep.append((a, b))
+                keep.sort()
+        runs = []
+        pos = lo
+        for a, b in keep:  # sorted by start; the divergence window may overlap a checkpoint
+            if a > pos:
+                runs.append((pos, a))
+            if b > pos:
+                pos = b
+        if pos < hi:
+            runs.append((pos, hi))
+        return runs
 
     # ------------------------------------------------------------------ tiers
     def tier_anchored(self, idx: np.ndarray, end: int) -> np.ndarray:
