@@ -466,7 +466,8 @@ class HybridKVCache:
         rest_swa = req.swa_pages[aligned:req.n_pages]
         if rest_full.size:
             self.pool.free_full_trusted(rest_full)
-        rest_swa = rest_swa[rest_swa >= 0]
+        if aligned < req.release_mark:  # pages from the release mark on all hold SWA (see _release)
+            rest_swa = rest_swa[rest_swa >= 0]
         if rest_swa.size:
             self.pool.free_swa_trusted(rest_swa)
         self.tree.unlock(req.handle)

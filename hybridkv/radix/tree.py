@@ -408,7 +408,7 @@ class WindowSafeTree:
         """:func:`window_safe_pages` of the matched path (``total`` pages).  The common
         case, a held tail window, is checked on Python ints (a window is a few
         pages); only a broken tail takes the numpy scan."""
-        need = self.config.window_pages
+        need = self.policy.window_pages
         if need > total:
             need = total
         i = len(path) - 1
@@ -416,7 +416,7 @@ class WindowSafeTree:
             n, k = path[i]
             take = k if k < need else need
             if take and min(n.swa[k - take:k].tolist()) < 0:
-                return window_safe_pages([n.swa[:k] for n, k in path], self.config.window_pages)
+                return window_safe_pages([n.swa[:k] for n, k in path], self.policy.window_pages)
             need -= take
             i -= 1
         return total
@@ -427,8 +427,8 @@ class WindowSafeTree:
         node.last_access = now
         if node.seg == AdaptiveRanking.RECENT:
             node.seg = AdaptiveRanking.REUSED
-            self.ranking.pages[AdaptiveRanking.RECENT] -= node.n_pages
-            self.ranking.pages[AdaptiveRanking.REUSED] += node.n_pages
+            self.ranking.pages[AdaptiveRanking.RECENT] -= len(node.full)
+            self.ranking.pages[AdaptiveRanking.REUSED] += len(node.full)
             if not node.children and node.lock == 0:
                 heapq.heappush(self._reused_heap, (now, node.nid, node))
 
@@ -461,7 +461,7 @@ class WindowSafeTree:
 
     def _reanchor(self, node: TreeNode) -> None:
         """Bring ``node``'s end anchor in line with its children (after they changed).  O(window)."""
-        if node.parent is None or not node.alive:
+        if node.parent is None or node.key is None:
             return
         want = self._wants_end_anchor(node)
         if want != node.ends:
@@ -598,7 +598,7 @@ class WindowSafeTree:
             if child is None:
                 break
             k = self._common_pages(child.key, key, pi * size, len(key))
-            if k < child.n_pages:
+            if k < len(child.full):
                 self._split(child, k)
                 child = child.parent
             ours_f, ours_s = full[pi:pi + k], swa[pi:pi + k]
@@ -691,7 +691,7 @@ class WindowSafeTree:
             self._pin_ids(pages.tolist(), -1)
         else:
             self._pin(pages, -1)
-        window = self.config.window_pages
+        window = self.policy.window_pages
         n: TreeNode = node
         while n.parent is not None:
             n.lock -= 1
@@ -709,7 +709,7 @@ class WindowSafeTree:
     def _window_ids(self, node: TreeNode) -> list[int]:
         """SWA page ids of the last ``window_pages`` pages ending at ``node``, as
         Python ints: a window is a few pages, where a list beats numpy calls."""
-        need = self.config.window_pages
+        need = self.policy.window_pages
         ids: list[int] = []
         n: TreeNode | None = node
         while need > 0 and n is not None and n.parent is not None:
@@ -843,7 +843,7 @@ class WindowSafeTree:
         dead = self._dead
         while dead:
             node = dead.pop()
-            if node.alive and not node.children and not node.lock and node.parent is not None:
+            if node.key is not None and not node.children and not node.lock and node.parent is not None:
                 return node
         recent = self._heap_top(self._leaf_heap, AdaptiveRanking.RECENT)
         reused = self._heap_top(self._reused_heap, AdaptiveRanking.REUSED)
@@ -864,7 +864,7 @@ class WindowSafeTree:
         """The current top of a lazy leaf heap (stale entries dropped or refreshed)."""
         while heap:
             t, _, node = heap[0]
-            if not node.alive or node.children or node.lock or node.parent is None or node.seg != seg:
+            if node.key is None or node.children or node.lock or node.parent is None or node.seg != seg:
                 heapq.heappop(heap)
             elif t != node.last_access:
                 heapq.heapreplace(heap, (node.last_access, node.nid, node))
@@ -876,7 +876,7 @@ class WindowSafeTree:
         """Pages of leaf ``node`` to keep: the longest prefix that frees >= ``want``
         pages and still ends at a held SWA window (a hit can end there); 0 = none."""
         wp = self.policy.window_pages
-        n = node.n_pages
+        n = len(node.full)
         if want is None or want >= n or n <= wp:
             return 0
         valid = (node.swa >= 0).astype(np.int32)
@@ -905,7 +905,7 @@ class WindowSafeTree:
         freed_f.append(gone_full)
         if swa.size:
             freed_s.append(swa)
-        gone = node.n_pages - keep
+        gone = len(node.full) - keep
         self.full_pages_cached -= gone
         self.swa_pages_cached -= int(swa.size)
         self.ranking.pages[node.seg] -= gone
@@ -941,7 +941,7 @@ class WindowSafeTree:
         heap = self._anchor_heap if anchored else self._swa_heap
         while heap:
             t, _, node = heapq.heappop(heap)
-            if not node.alive or not node.swa_valid or not self._fresh(heap, t, node):
+            if node.key is None or not node.swa_valid or not self._fresh(heap, t, node):
                 continue
             drop = node.swa >= 0
             # only a locked node can hold pinned pages (a tree invariant): skip the lookup otherwise
