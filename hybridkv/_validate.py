@@ -29,15 +29,19 @@ def as_int_array(values: object, name: str, min_value: int = -1) -> np.ndarray:
         raise TypeError(f"{name} must be a 1-D integer array, got {type(values).__name__}")
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.size:
+        # np.issubdtype is slow: ask it only about dtypes that are not plain ints
+        if arr.dtype.kind not in "iu" and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
         lo = arr.min()
         if lo < min_value:
             kind = "non-negative ids" if min_value == 0 else f"ids >= {min_value}"
             raise ValueError(f"{name} must hold {kind}, got {int(lo)}")
-        if arr.dtype != np.int32 and arr.max() > _INT32_MAX:  # int32 cannot exceed it
-            raise ValueError(f"{name} holds ids >= 2**31")
+        if arr.dtype != np.int32:
+            if arr.max() > _INT32_MAX:  # int32 cannot exceed it
+                raise ValueError(f"{name} holds ids >= 2**31")
+        elif arr.flags.c_contiguous:
+            return arr  # already what the caller needs (ascontiguousarray would return it too)
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 

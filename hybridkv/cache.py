@@ -254,25 +254,32 @@ class HybridKVCache:
         return self._begin(tokens, namespace, rid)
 
     def _begin(self, tokens: np.ndarray, namespace: str, rid: Any) -> Request:
+        tree = self.tree
         t0 = time.perf_counter()
-        m = self.tree._match(tokens, namespace, len(tokens) - 1, True, True)
+        # the hit's page ids are copied once, straight from the nodes into the request
+        safe, raw_pages, parts, node = tree._match_parts(tokens, namespace, len(tokens) - 1, True, True)
         self.last_match_us = (time.perf_counter() - t0) * 1e6
-        handle = self.tree.lock(m.node)
-        n = len(m.full_pages)
+        handle = tree.lock(node)
         # room for every page of the prompt (+ some decode) so prefill never regrows
         full = np.empty(max(16, -(-len(tokens) // self.page_size) + 16), dtype=np.int32)
-        full[:n] = m.full_pages
-        swa = np.full(full.size, NO_PAGE, dtype=np.int32)
+        n = 0
+        for nd, take in parts:
+            full[n:n + take] = nd.full[:take]
+            n += take
+        swa = np.empty(full.size, dtype=np.int32)
+        swa.fill(NO_PAGE)  # np.full is a Python-level wrapper
         w = handle.swa_pages.size
         if w:
             swa[n - w:n] = handle.swa_pages
-        req = Request(rid if rid is not None else next(_rids), namespace, tokens, m.length,
-                      m.raw_length, full, swa, n, handle, computed=m.length, n_pages=n, last_release=m.length)
+        length = safe * self.page_size
+        raw_length = raw_pages * self.page_size
+        req = Request(rid if rid is not None else next(_rids), namespace, tokens, length,
+                      raw_length, full, swa, n, handle, computed=length, n_pages=n, last_release=length)
         self._live[id(req)] = req
         c = self.counters
         c["requests"] += 1
-        c["hit_tokens"] += m.length
-        c["raw_match_tokens"] += m.raw_length
+        c["hit_tokens"] += length
+        c["raw_match_tokens"] += raw_length
         c["input_tokens"] += len(tokens)
         return req
 
@@ -402,24 +409,33 @@ class HybridKVCache:
         policy = self.config.retention
         if policy in ("none", "dense"):
             return 0
-        if (policy == "adaptive" and not force
-                and self.pool.free_bytes() > self.config.spare_fraction * self.pool.budget_bytes):
-            return 0
         # The tree's RetentionPolicy decides what survives; only pages added since the
         # last release are scanned (``release_mark``): O(new pages) per release.
         retain = self.tree.policy
         cut = retain.release_cut(req.computed)
-        lo = max(req.release_mark, req.tree_pages)
+        lo = req.release_mark if req.release_mark > req.tree_pages else req.tree_pages
         if cut <= lo:
+            return 0  # nothing new to scan (checked first: it is cheaper than free_bytes)
+        if (policy == "adaptive" and not force
+                and self.pool.free_bytes() > self.config.spare_fraction * self.pool.budget_bytes):
             return 0
         req.release_mark = cut
-        seg = req.swa_pages[lo:cut]
-        drop = (seg >= 0) & retain.releasable(lo, cut, req.raw_match_len, req.prefix_len)
-        count = int(drop.sum())
-        if count:
-            self.pool.free_swa_trusted(seg[drop])  # the request's own pages
-            seg[drop] = NO_PAGE
-            self.counters["released_swa_pages"] += count
+        # Pages from the release mark on were never released, so all hold SWA (checked
+        # by check_invariants): free the runs the policy releases, no per-page mask.
+        swa = req.swa_pages
+        runs = retain.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len)
+        if not runs:
+            return 0
+        if len(runs) == 1:
+            a, b = runs[0]
+            gone = swa[a:b]  # a view: the pool copies the ids before they are overwritten below
+        else:
+            gone = np.concatenate([swa[a:b] for a, b in runs])
+        count = gone.size
+        self.pool.free_swa_trusted(gone)  # the request's own pages
+        for a, b in runs:
+            swa[a:b] = NO_PAGE
+        self.counters["released_swa_pages"] += count
         return count
 
     # ================================================================ finish
@@ -450,7 +466,8 @@ class HybridKVCache:
         rest_swa = req.swa_pages[aligned:req.n_pages]
         if rest_full.size:
             self.pool.free_full_trusted(rest_full)
-        rest_swa = rest_swa[rest_swa >= 0]
+        if aligned < req.release_mark:  # pages from the release mark on all hold SWA (see _release)
+            rest_swa = rest_swa[rest_swa >= 0]
         if rest_swa.size:
             self.pool.free_swa_trusted(rest_swa)
         self.tree.unlock(req.handle)
@@ -768,6 +785,8 @@ class HybridKVCache:
             owned_full.append(req.full_pages[req.tree_pages:req.n_pages])
             s = req.swa_pages[req.tree_pages:req.n_pages]
             owned_swa.append(s[s >= 0])
+            # _release relies on this: pages past the release mark were never released
+            assert (req.swa_pages[max(req.release_mark, req.tree_pages):req.n_pages] >= 0).all(), req
             assert req.tree_pages <= req.n_pages
             assert req.computed <= req.allocated <= min(req.n_tokens, req.n_pages * self.page_size)
         full = np.concatenate(owned_full) if owned_full else np.zeros(0, np.int32)

@@ -166,11 +166,15 @@ class DualPool:
 
     def _alloc(self, n_full: int, n_swa: int) -> tuple[np.ndarray, np.ndarray] | None:
         """:meth:`alloc` for internal callers (ints already checked).  O(n)."""
-        if not self.can_alloc(n_full, n_swa):
+        fa, sa = self.full, self.swa
+        used_f, used_s = fa._used, sa._used
+        fb, sb = self.full_page_bytes, self.swa_page_bytes
+        # can_alloc, inlined: this runs for every chunk of every request
+        if (n_full > fa.capacity - used_f or n_swa > sa.capacity - used_s
+                or (n_full + used_f) * fb + (n_swa + used_s) * sb > self.budget_bytes):
             return None
-        full = self.full.alloc(n_full)
-        swa = self.swa.alloc(n_swa)
-        assert full is not None and swa is not None
+        full = fa._take(n_full)
+        swa = sa._take(n_swa)
         if self._arena is not None:
             self._arena.assign(AttnKind.FULL, full)
             self._arena.assign(AttnKind.SWA, swa)

@@ -56,12 +56,22 @@ class RetentionPolicy:
     # ------------------------------------------------------------ checkpoints
     def checkpoint_mask(self, lo: int, hi: int) -> np.ndarray:
         """bool per absolute page ``[lo, hi)``: inside the window before a multiple of K.  O(hi - lo)."""
+        out = np.zeros(max(0, hi - lo), dtype=bool)
+        for a, b in self.checkpoint_windows(lo, hi):
+            out[a - lo:b - lo] = True
+        return out
+
+    def checkpoint_windows(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The runs ``[a, b)`` of absolute pages in ``[lo, hi)`` that lie in a checkpoint
+        window (the ``window_pages`` pages before a multiple of K), in order.
+        O(1 + (hi - lo) / K): callers write these few runs instead of a mask per page."""
         kp, wp = self.checkpoint_pages, self.window_pages
         if not kp or hi <= lo:
-            return np.zeros(max(0, hi - lo), dtype=bool)
+            return []
         if wp >= kp:
-            return np.ones(hi - lo, dtype=bool)
-        return (np.arange(lo, hi) % kp) >= kp - wp
+            return [(lo, hi)]
+        # windows [end - wp, end) for the multiples end of kp with lo < end < hi + wp
+        return [(max(end - wp, lo), min(end, hi)) for end in range((lo // kp + 1) * kp, hi + wp, kp)]
 
     # ---------------------------------------------------------------- release
     def release_cut(self, computed: int) -> int:
@@ -88,13 +98,31 @@ class RetentionPolicy:
         full KV there but lost the SWA: the request's copy repairs it at
         insert).  O(hi - lo).
         """
-        out = ~self.checkpoint_mask(lo, hi)
+        out = np.zeros(max(0, hi - lo), dtype=bool)
+        for a, b in self.releasable_runs(lo, hi, raw_match, hit):
+            out[a - lo:b - lo] = True
+        return out
+
+    def releasable_runs(self, lo: int, hi: int, raw_match: int, hit: int) -> list[tuple[int, int]]:
+        """:meth:`releasable` as the runs ``[a, b)`` of absolute pages it marks, in order
+        (what is left of ``[lo, hi)`` after the kept windows).  O(1 + (hi - lo) / K)."""
+        keep = self.checkpoint_windows(lo, hi)
         if raw_match > hit:
             end = raw_match // self.page_size
             a, b = max(lo, end - self.window_pages), min(hi, end)
             if a < b:
-                out[a - lo:b - lo] = False
-        return out
+                keep.append((a, b))
+                keep.sort()
+        runs = []
+        pos = lo
+        for a, b in keep:  # sorted by start; the divergence window may overlap a checkpoint
+            if a > pos:
+                runs.append((pos, a))
+            if b > pos:
+                pos = b
+        if pos < hi:
+            runs.append((pos, hi))
+        return runs
 
     # ------------------------------------------------------------------ tiers
     def tier_anchored(self, idx: np.ndarray, end: int) -> np.ndarray:

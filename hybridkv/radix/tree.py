@@ -39,6 +39,7 @@ __all__ = ["TreeConfig", "TreeEvent", "WindowSafeTree", "MatchResult", "LockHand
            "PagePool", "as_token_array"]
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_SCALAR_PINS = 8  # up to this many pages, pins are counted in a Python loop (numpy calls cost more)
 _logger = logging.getLogger("hybridkv.radix")
 
 
@@ -296,11 +297,12 @@ class WindowSafeTree:
     def _common_pages(self, node_key: np.ndarray, key: np.ndarray, pos: int, limit: int) -> int:
         """Number of whole pages on which ``node_key`` equals ``key[pos:]`` (<= limit)."""
         m = min(len(node_key), limit - pos)
-        a = node_key[:m]
         b = key[pos:pos + m]
-        if a.tobytes() == b.tobytes():  # memcmp: ~5x faster than array_equal
+        # memcmp of one copy against the node's buffer (startswith takes any contiguous
+        # buffer; both are m tokens): one copy instead of two tobytes, far cheaper than array_equal
+        if b.tobytes().startswith(node_key[:m]):
             return m // self.page_size
-        return int(np.argmax(a != b)) // self.page_size
+        return int(np.argmax(node_key[:m] != b)) // self.page_size
 
     def _walk(self, key: np.ndarray, namespace: str, limit: int) -> tuple[TreeNode, list[tuple[TreeNode, int]]]:
         """Follow ``key[:limit]``; returns root and [(node, matched_pages)].  O(depth + L/P)."""
@@ -313,12 +315,20 @@ class WindowSafeTree:
             child = node.children.get(key[pos:pos + size].tobytes())
             if child is None:
                 break
-            k = self._common_pages(child.key, key, pos, limit)
+            ck = child.key
+            m = len(ck)
+            if m > limit - pos:
+                m = limit - pos
+            b = key[pos:pos + m]
+            if b.tobytes().startswith(ck[:m]):  # see _common_pages
+                k = m // size
+            else:
+                k = int(np.argmax(ck[:m] != b)) // size
             if k == 0:
                 break
             path.append((child, k))
             pos += k * size
-            if k < child.n_pages:
+            if k < len(child.full):
                 break
             node = child
         return root, path
@@ -344,32 +354,52 @@ class WindowSafeTree:
     def _match(self, key: np.ndarray, namespace: str, max_len: int | None, split: bool,
                touch: bool) -> MatchResult:
         """:meth:`match` on an already validated key."""
+        safe, raw_pages, parts, node = self._match_parts(key, namespace, max_len, split, touch)
+        # copies: the caller may write into them, the nodes' arrays are the tree's
+        if len(parts) == 1:
+            n, take = parts[0]
+            full, swa = n.full[:take].copy(), n.swa[:take].copy()
+        elif parts:
+            full = np.concatenate([n.full[:take] for n, take in parts])
+            swa = np.concatenate([n.swa[:take] for n, take in parts])
+        else:
+            full = swa = _EMPTY
+        size = self.page_size
+        return MatchResult(safe * size, raw_pages * size, full, swa, node)
+
+    def _match_parts(self, key: np.ndarray, namespace: str, max_len: int | None, split: bool,
+                     touch: bool) -> tuple[int, int, list[tuple[TreeNode, int]], TreeNode | None]:
+        """:meth:`_match` without building the page arrays: ``(safe_pages, raw_pages,
+        [(node, pages taken)], node)``; the hit's pages are ``node.full[:taken]`` of
+        each part in order (a caller copying them into its own buffer skips a copy)."""
         if max_len is not None and (not isinstance(max_len, (int, np.integer)) or max_len < 0):
             raise ValueError(f"max_len must be a non-negative int, got {max_len!r}")
+        size = self.page_size
         limit = len(key) if max_len is None else min(len(key), int(max_len))
-        limit -= limit % self.page_size
+        limit -= limit % size
         _, path = self._walk(key, namespace, limit)
-        raw_pages = sum(k for _, k in path)
-        safe = window_safe_pages([n.swa[:k] for n, k in path], self.config.window_pages)
-        full_parts, swa_parts = [], []
+        raw_pages = 0
+        for _, k in path:
+            raw_pages += k
+        safe = self._safe_pages(path, raw_pages)
+        parts: list[tuple[TreeNode, int]] = []
         node: TreeNode | None = None
         left = safe
         for n, k in path:
             if left == 0:
                 break
-            take = min(k, left)
-            if take < n.n_pages and split:
+            take = k if k < left else left
+            if split and take < len(n.full):
                 self._split(n, take)
                 n = n.parent  # the upper half ends at the hit
                 assert n is not None
-            full_parts.append(n.full[:take])
-            swa_parts.append(n.swa[:take])
+            parts.append((n, take))
             node = n
             left -= take
         if touch:
-            pos = raw_pages * self.page_size
-            if pos + self.page_size <= len(key):  # did a ghost of an evicted leaf start here?
-                ghost = self._ghost_key(namespace, pos, key[pos:pos + self.page_size])
+            pos = raw_pages * size
+            if pos + size <= len(key):  # did a ghost of an evicted leaf start here?
+                ghost = self._ghost_key(namespace, pos, key[pos:pos + size])
                 if self.ranking.on_miss(ghost, self._tick):
                     if len(self._ghost_hits) > 4096:
                         self._ghost_hits.clear()
@@ -380,25 +410,40 @@ class WindowSafeTree:
                         if len(self._ghost_returns) > 4096:
                             self._ghost_returns.clear()
                         self._ghost_returns[(namespace, pos)] = came_back
-        if touch and path:
-            last = path[-1][0]
-            came_back = self.value_ranking and last.vcls >= 0
-            if came_back:  # a cached sequence came back: its period ends with a return
-                self.reuse.end(last.vcls, last.since, self._tick, True)
-                self._unfile(last, end=False)
-                last.returns += 1
-                last.gap = next_gap(last.gap, self._tick - last.since)
-            now = self._now()
-            for n, _ in path:
-                if n.alive:
-                    self._touch(n, now)
-            if node is not None:
-                self._touch(node, now)
-            if came_back and last.alive and not last.children:
-                self._file(last)
-        full = np.concatenate(full_parts) if full_parts else _EMPTY
-        swa = np.concatenate(swa_parts) if swa_parts else _EMPTY
-        return MatchResult(safe * self.page_size, raw_pages * self.page_size, full, swa, node)
+            if path:
+                last = path[-1][0]
+                returned = self.value_ranking and last.vcls >= 0
+                if returned:  # a cached sequence came back: its period ends with a return
+                    self.reuse.end(last.vcls, last.since, self._tick, True)
+                    self._unfile(last, end=False)
+                    last.returns += 1
+                    last.gap = next_gap(last.gap, self._tick - last.since)
+                now = self._now()
+                for n, _ in path:
+                    if n.key is not None:
+                        self._touch(n, now)
+                if node is not None:
+                    self._touch(node, now)
+                if returned and last.key is not None and not last.children:
+                    self._file(last)
+        return safe, raw_pages, parts, node
+
+    def _safe_pages(self, path: list[tuple[TreeNode, int]], total: int) -> int:
+        """:func:`window_safe_pages` of the matched path (``total`` pages).  The common
+        case, a held tail window, is checked on Python ints (a window is a few
+        pages); only a broken tail takes the numpy scan."""
+        need = self.policy.window_pages
+        if need > total:
+            need = total
+        i = len(path) - 1
+        while need > 0:
+            n, k = path[i]
+            take = k if k < need else need
+            if take and min(n.swa[k - take:k].tolist()) < 0:
+                return window_safe_pages([n.swa[:k] for n, k in path], self.policy.window_pages)
+            need -= take
+            i -= 1
+        return total
 
     def _touch(self, node: TreeNode, now: int) -> None:
         # Recency: heap entries are refreshed lazily when popped (see _fresh).  A node
@@ -408,8 +453,8 @@ class WindowSafeTree:
             self._by_class[node.vcls].move_to_end(node.nid)
         if node.seg == AdaptiveRanking.RECENT:
             node.seg = AdaptiveRanking.REUSED
-            self.ranking.pages[AdaptiveRanking.RECENT] -= node.n_pages
-            self.ranking.pages[AdaptiveRanking.REUSED] += node.n_pages
+            self.ranking.pages[AdaptiveRanking.RECENT] -= len(node.full)
+            self.ranking.pages[AdaptiveRanking.REUSED] += len(node.full)
             if not node.children and node.lock == 0:
                 heapq.heappush(self._reused_heap, (now, node.nid, node))
 
@@ -443,8 +488,14 @@ class WindowSafeTree:
         need = self.policy.window_pages
         n: TreeNode | None = node
         while need > 0 and n is not None and n.parent is not None:
-            take = min(need, n.n_pages)
-            n.anchor[n.n_pages - take:] += delta
+            anchor = n.anchor
+            k = len(anchor)
+            take = need if need < k else k
+            if take <= 4:  # a window of a few pages: scalar writes beat a slice ufunc
+                for i in range(k - take, k):
+                    anchor[i] += delta
+            else:
+                anchor[k - take:] += delta
             need -= take
             n = n.parent
 
@@ -455,7 +506,7 @@ class WindowSafeTree:
 
     def _reanchor(self, node: TreeNode) -> None:
         """Bring ``node``'s end anchor in line with its children (after they changed).  O(window)."""
-        if node.parent is None or not node.alive:
+        if node.parent is None or node.key is None:
             return
         want = self._wants_end_anchor(node)
         if want != node.ends:
@@ -468,14 +519,16 @@ class WindowSafeTree:
         entry = (node.last_access, node.nid, node)
         if leaf and not node.children and node.lock == 0:
             heapq.heappush(self._leaf_heap if node.seg == AdaptiveRanking.RECENT else self._reused_heap, entry)
-        if swa and node.swa_valid and self.config.swa_eviction != "none":
+        mode = self.config.swa_eviction
+        if swa and node.swa_valid and mode != "none":
             heapq.heappush(self._swa_heap, entry)
-            if self.config.swa_eviction == "page":
+            if mode == "page":
                 heapq.heappush(self._anchor_heap, entry)
         # lazy heaps collect stale entries; rebuilding at 4x the live nodes keeps
         # memory O(nodes) (the anchor heap was left out and grew without bound)
-        if (max(len(self._swa_heap), len(self._anchor_heap), len(self._leaf_heap) + len(self._reused_heap))
-                > 4 * self.num_nodes + 4096):
+        limit = 4 * self.num_nodes + 4096
+        if (len(self._swa_heap) > limit or len(self._anchor_heap) > limit
+                or len(self._leaf_heap) + len(self._reused_heap) > limit):
             self._rebuild_heaps()
 
     @staticmethod
@@ -578,8 +631,8 @@ class WindowSafeTree:
             node, pi = root, 0
         else:
             node, pi = start, (start.start + len(start.key)) // size
-            up: TreeNode | None = start
-            while up is not None and up.parent is not None:  # recency as a walk from the root
+            up: TreeNode = start
+            while up.parent is not None:  # recency as a walk from the root
                 self._touch(up, now)
                 up = up.parent
         drop_full: list[np.ndarray] = []
@@ -590,7 +643,7 @@ class WindowSafeTree:
             if child is None:
                 break
             k = self._common_pages(child.key, key, pi * size, len(key))
-            if k < child.n_pages:
+            if k < len(child.full):
                 self._split(child, k)
                 child = child.parent
             ours_f, ours_s = full[pi:pi + k], swa[pi:pi + k]
@@ -598,10 +651,10 @@ class WindowSafeTree:
             have = child.swa >= 0
             mine = ours_s >= 0
             adopt = ~have & mine
-            if adopt.any():
+            got = int(np.count_nonzero(adopt))  # count_nonzero: a C call, .any()/.sum() go through Python
+            if got:
                 child.swa = child.swa.copy()
                 child.swa[adopt] = ours_s[adopt]
-                got = int(adopt.sum())
                 child.swa_valid += got
                 self.swa_pages_cached += got
                 adopted += got
@@ -639,8 +692,8 @@ class WindowSafeTree:
                 self._file(leaf)
                 self.inserted_pages += new_pages
                 self.reuse.on_insert(now, self.inserted_pages, self.full_pages_cached)
-            if self.policy.checkpoint_pages:
-                leaf.anchor += self.policy.checkpoint_mask(pi, n)
+            for a, b in self.policy.checkpoint_windows(pi, n):  # the new leaf's counts are all 0
+                leaf.anchor[a - pi:b - pi] = 1
             self._reanchor(node)
             self._reanchor(leaf)
             self._enqueue(leaf)
@@ -650,9 +703,9 @@ class WindowSafeTree:
             if self.listeners:
                 self._emit("store", leaf)
         if drop_full:
-            self._free_full(np.concatenate(drop_full))
+            self._free_full(drop_full[0] if len(drop_full) == 1 else np.concatenate(drop_full))
         if drop_swa:
-            self._free_swa(np.concatenate(drop_swa))
+            self._free_swa(drop_swa[0] if len(drop_swa) == 1 else np.concatenate(drop_swa))
         return InsertResult(node if node is not root else None, new_pages, adopted)
 
     # ================================================================= locks
@@ -666,17 +719,19 @@ class WindowSafeTree:
             return LockHandle(None)
         if not node.alive:
             raise ValueError("node was evicted; match again before locking")
-        pages = self._window_pages(node)
-        if (pages < 0).any():
+        ids = self._window_ids(node)
+        if ids and min(ids) < 0:
             raise ValueError("the SWA window ending at node is not held (not window safe)")
-        n: TreeNode | None = node
-        while n is not None and n.parent is not None:
+        n: TreeNode = node
+        protected = 0
+        while n.parent is not None:
             if n.lock == 0:
-                self.protected_full_pages += n.n_pages
+                protected += len(n.full)
             n.lock += 1
             n = n.parent
-        self._pin(pages, +1)
-        return LockHandle(node, pages)
+        self.protected_full_pages += protected
+        self._pin_ids(ids, +1)
+        return LockHandle(node, np.array(ids, dtype=np.int32) if ids else _EMPTY)
 
     def unlock(self, handle: LockHandle) -> None:
         """Undo :meth:`lock`.  O(depth).  Raises ValueError on a second release."""
@@ -688,42 +743,80 @@ class WindowSafeTree:
         node = handle.node
         if node is None:
             return
-        self._pin(handle.swa_pages, -1)
-        window = self.config.window_pages
-        n: TreeNode | None = node
-        while n is not None and n.parent is not None:
+        pages = handle.swa_pages
+        if pages.size <= _SCALAR_PINS:
+            self._pin_ids(pages.tolist(), -1)
+        else:
+            self._pin(pages, -1)
+        window = self.policy.window_pages
+        n: TreeNode = node
+        while n.parent is not None:
             n.lock -= 1
             assert n.lock >= 0
             if n.lock == 0:
-                self.protected_full_pages -= n.n_pages
+                self.protected_full_pages -= len(n.full)
             # pins were released on the window nodes: their SWA may be evictable now;
             # a still-locked inner node above the window has nothing to enqueue
             leafish = n.lock == 0 and not n.children
             if leafish or (window > 0 and n.swa_valid):
                 self._enqueue(n, leaf=leafish, swa=window > 0)
-            window -= n.n_pages
+            window -= len(n.full)
             n = n.parent
+
+    def _window_ids(self, node: TreeNode) -> list[int]:
+        """SWA page ids of the last ``window_pages`` pages ending at ``node``, as
+        Python ints: a window is a few pages, where a list beats numpy calls."""
+        need = self.policy.window_pages
+        ids: list[int] = []
+        n: TreeNode | None = node
+        while need > 0 and n is not None and n.parent is not None:
+            swa = n.swa
+            k = len(swa)
+            take = need if need < k else k
+            ids[:0] = swa[k - take:].tolist()
+            need -= take
+            n = n.parent
+        return ids
 
     def _window_pages(self, node: TreeNode) -> np.ndarray:
         """SWA page ids of the last ``window_pages`` pages ending at ``node``."""
-        need = self.config.window_pages
-        parts = []
-        n: TreeNode | None = node
-        while need > 0 and n is not None and n.parent is not None:
-            take = min(need, n.n_pages)
-            parts.append(n.swa[n.n_pages - take:])
-            need -= take
-            n = n.parent
-        return np.concatenate(parts[::-1]) if parts else _EMPTY
+        ids = self._window_ids(node)
+        return np.array(ids, dtype=np.int32) if ids else _EMPTY
+
+    def _window_held(self, node: TreeNode) -> bool:
+        """True if every page of the window ending at ``node`` holds SWA."""
+        ids = self._window_ids(node)
+        return not ids or min(ids) >= 0
+
+    def _pin_ids(self, ids: list[int], delta: int) -> None:
+        """:meth:`_pin` for a window's worth of page ids (Python ints, distinct)."""
+        if not ids:
+            return
+        pins = self._pins
+        if max(ids) >= pins.size:
+            self._grow_pins(max(ids) + 1)
+            pins = self._pins
+        changed = 0  # pages whose count leaves or reaches 0
+        for p in ids:
+            before = int(pins[p])
+            after = before + delta
+            assert after >= 0
+            pins[p] = after
+            if before == 0 or after == 0:
+                changed += 1
+        self.protected_swa_pages += changed if delta > 0 else -changed
+
+    def _grow_pins(self, top: int) -> None:
+        grown = np.zeros(max(top, 2 * self._pins.size), dtype=np.int32)
+        grown[:self._pins.size] = self._pins
+        self._pins = grown
 
     def _pin(self, pages: np.ndarray, delta: int) -> None:
         if pages.size == 0:
             return
         top = int(pages.max()) + 1
         if top > self._pins.size:
-            grown = np.zeros(max(top, 2 * self._pins.size), dtype=np.int32)
-            grown[:self._pins.size] = self._pins
-            self._pins = grown
+            self._grow_pins(top)
         before = self._pins[pages]
         after = before + delta
         assert (after >= 0).all()
@@ -736,7 +829,7 @@ class WindowSafeTree:
     def _pinned(self, pages: np.ndarray) -> np.ndarray:
         out = np.zeros(pages.shape, dtype=bool)
         ok = (pages >= 0) & (pages < self._pins.size)
-        out[ok] = self._pins[pages[ok]] > 0
+        out[ok] = self._pins[pages[ok].astype(np.intp)] > 0  # intp indices: ~4x faster than int32
         return out
 
     # ============================================================== eviction
@@ -807,7 +900,7 @@ class WindowSafeTree:
         dead = self._dead
         while dead:
             node = dead.pop()
-            if node.alive and not node.children and not node.lock and node.parent is not None:
+            if node.key is not None and not node.children and not node.lock and node.parent is not None:
                 return node
         if self.value_ranking:
             return self._pick_by_value()
@@ -859,7 +952,7 @@ class WindowSafeTree:
         """The current top of a lazy leaf heap (stale entries dropped or refreshed)."""
         while heap:
             t, _, node = heap[0]
-            if not node.alive or node.children or node.lock or node.parent is None or node.seg != seg:
+            if node.key is None or node.children or node.lock or node.parent is None or node.seg != seg:
                 heapq.heappop(heap)
             elif t != node.last_access:
                 heapq.heapreplace(heap, (node.last_access, node.nid, node))
@@ -871,7 +964,7 @@ class WindowSafeTree:
         """Pages of leaf ``node`` to keep: the longest prefix that frees >= ``want``
         pages and still ends at a held SWA window (a hit can end there); 0 = none."""
         wp = self.policy.window_pages
-        n = node.n_pages
+        n = len(node.full)
         if want is None or want >= n or n <= wp:
             return 0
         valid = (node.swa >= 0).astype(np.int32)
@@ -885,7 +978,7 @@ class WindowSafeTree:
         node = self._pop_leaf()
         if node is None:
             return 0, 0
-        if want is not None and (self._window_pages(node) < 0).any():
+        if want is not None and not self._window_held(node):
             want = 1  # dead: keep what still ends at a held window, free the rest
         keep = self._trim_point(node, want)
         size = self.page_size
@@ -900,7 +993,7 @@ class WindowSafeTree:
         freed_f.append(gone_full)
         if swa.size:
             freed_s.append(swa)
-        gone = node.n_pages - keep
+        gone = len(node.full) - keep
         self.full_pages_cached -= gone
         self.swa_pages_cached -= int(swa.size)
         self.ranking.pages[node.seg] -= gone
@@ -937,7 +1030,7 @@ class WindowSafeTree:
         if parent.parent is not None:
             self._reanchor(parent)
             self._enqueue(parent)  # may be a leaf now; its tail became a leaf tail
-            if not parent.children and not parent.lock and (self._window_pages(parent) < 0).any():
+            if not parent.children and not parent.lock and not self._window_held(parent):
                 self._dead.append(parent)
         return gone, int(swa.size)
 
@@ -948,19 +1041,20 @@ class WindowSafeTree:
         heap = self._anchor_heap if anchored else self._swa_heap
         while heap:
             t, _, node = heapq.heappop(heap)
-            if not node.alive or not node.swa_valid or not self._fresh(heap, t, node):
+            if node.key is None or not node.swa_valid or not self._fresh(heap, t, node):
                 continue
-            valid = node.swa >= 0
-            pinned = self._pinned(node.swa)
+            drop = node.swa >= 0
+            # only a locked node can hold pinned pages (a tree invariant): skip the lookup otherwise
+            pinned = self._pinned(node.swa) if node.lock else None
             if mode == "node":
-                if pinned.any():
+                if pinned is not None and np.count_nonzero(pinned):
                     continue
-                drop = valid
             else:
-                drop = valid & ~pinned
+                if pinned is not None:
+                    drop &= ~pinned
                 if not anchored:
                     drop &= node.anchor == 0
-            count = int(drop.sum())
+            count = int(np.count_nonzero(drop))
             if count == 0:
                 continue
             freed_s.append(node.swa[drop])
