@@ -85,8 +85,9 @@ class CacheConfig:
             releases (baselines that hold SWA for every cached token).
         decode_release_interval: release out-of-window SWA every N decode tokens.
         swa_eviction / anchor_branch_points: see :class:`TreeConfig`.
-        eviction_ranking: which leaf eviction takes, ``"adaptive"``, ``"arc"``
-            or ``"lru"`` (:class:`TreeConfig` ``ranking``; docs/policy.md).
+        eviction_ranking: which leaf eviction takes, ``"value"`` (default:
+            lowest learned hit density), ``"adaptive"``, ``"arc"`` or ``"lru"``
+            (:class:`TreeConfig` ``ranking``; docs/policy.md).
     """
 
     budget_bytes: int | None = None
@@ -99,7 +100,7 @@ class CacheConfig:
     decode_release_interval: int = 64
     swa_eviction: str = "page"
     anchor_branch_points: bool = True
-    eviction_ranking: str = "adaptive"
+    eviction_ranking: str = "value"
 
     def __post_init__(self) -> None:
         if self.retention not in _RETENTION:

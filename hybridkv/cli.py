@@ -78,8 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--budgets", type=_budgets, default=None,
                    help="budgets to sweep in GB (10^9 bytes), comma-separated, e.g. 59,150,594")
     r.add_argument("--check-every", type=int, default=0, help="check invariants every N requests")
-    r.add_argument("--eviction-ranking", default="adaptive", choices=("value", "adaptive", "arc", "lru"),
-                   help="hybridkv's leaf ranking (default adaptive; see docs/policy.md)")
+    r.add_argument("--eviction-ranking", default="value", choices=("value", "adaptive", "arc", "lru"),
+                   help="hybridkv's leaf ranking (default value; see docs/policy.md)")
     r.add_argument("--no-references", action="store_true",
                    help="skip the LRU-full and optimal (Belady) page-level references")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -36,7 +36,7 @@ TOMBSTONE_SWA_RATIO = 0.8
 
 
 def system_config(system: str, spec: ModelSpec, budget_bytes: int, *, swa_checkpoint: int = 16384,
-                  device: str | None = "meta", eviction_ranking: str = "adaptive") -> CacheConfig:
+                  device: str | None = "meta", eviction_ranking: str = "value") -> CacheConfig:
     """The :class:`CacheConfig` of ``system`` at ``budget_bytes``."""
     if system == "hybridkv":
         return CacheConfig(budget_bytes=budget_bytes, device=device, swa_checkpoint=swa_checkpoint,
@@ -117,7 +117,7 @@ def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int,
            systems: Iterable[str] = SYSTEMS, swa_checkpoint: int = 16384, chunk: int = 8192,
            extension_rule: bool = True, progress: Callable[[int, int], None] | None = None,
            check_every: int = 0, tiers: Any = None, references: bool = True,
-           eviction_ranking: str = "adaptive") -> dict[str, Any]:
+           eviction_ranking: str = "value") -> dict[str, Any]:
     """Replay ``requests`` through each system in lockstep; returns a JSON-able dict.
 
     ``references`` adds ``references.lru_full`` and ``references.optimal_at_budget``
@@ -206,7 +206,7 @@ def reference_summary(log: PageLog, spec: ModelSpec, budget_bytes: int, input_to
 
 
 def _make_cache(system: str, spec: ModelSpec, budget_bytes: int, swa_checkpoint: int,
-                tiers: Any, eviction_ranking: str = "adaptive") -> HybridKVCache:
+                tiers: Any, eviction_ranking: str = "value") -> HybridKVCache:
     config = system_config(system, spec, budget_bytes, swa_checkpoint=swa_checkpoint,
                            eviction_ranking=eviction_ranking)
     if tiers is None or system != "hybridkv":

@@ -4,39 +4,42 @@ A conversation's next turn, an agent's next step or a repeated document come
 back after a *gap* whose distribution depends on the workload: in a chat
 trace most turns return hundreds of requests later (users read and type),
 so the hazard of a return first *rises* with the time since the last use and
-falls only later.  Recency ranks the freshest tail as the most valuable and
-the one about to come back as the least; under a tight budget that is the
-wrong way round, and it is why LRU keeps a small fraction of what the
-offline optimum keeps.
+falls only later; an agent polls every few requests.  Recency ranks the
+freshest tail as the most valuable and the one about to come back as the
+least; under a tight budget that is the wrong way round, and it is why LRU
+keeps a small fraction of what the offline optimum keeps.
 
-The model estimates, per *reuse class* (how many times the sequence already
-came back: 0, 1, 2-3, 4-7, 8+; a sequence that came back before is more
-likely to come back again), the hazard of a return as a function of the
-time since the last use, with the standard piecewise-constant estimator for
-censored data (events / time at risk per age bucket; Kaplan-Meier style):
+The model estimates, per *reuse class*, the hazard of a return as a function
+of the time since the last use, with the standard piecewise-constant
+estimator for censored data (events / time at risk per age bucket):
 
+* classes (:func:`reuse_class`): a sequence that never came back; one that
+  came back once; one that came back twice or more -- each of the last two
+  split by its *cadence* (running mean of its log gaps, factor-4 buckets);
 * an *at-risk period* starts when a leaf is last used (inserted or hit);
 * it ends with a *return* (a later request's match reaches the leaf, or
   stops exactly where an evicted leaf's ghost starts) at age ``a``: one
   event in ``a``'s bucket, time at risk up to ``a``;
-* or it is *censored* when its ghost is forgotten (ghosts are bounded):
-  time at risk up to that age, no event.
+* or it is *censored* when the leaf stops being a leaf, or its ghost is
+  forgotten (ghosts are bounded): time at risk up to then, no event;
+* periods still running count up to their current age.
 
 Ages are in tree ticks (a tick per match or insert), bucketed in half
-octaves.  A class's estimate is shrunk toward the pooled one where it has
-little time at risk.  The score of a leaf is the probability that it
-returns within the cache's *turnover time* (the ticks the cache needs to
-insert as many pages as it holds: how long a kept page has to prove its
-worth), ``1 - exp(-(L(a + H) - L(a)))`` with ``L`` the cumulative hazard.
-Eviction takes the leaf with the lowest score per byte it frees (see
-``WindowSafeTree``); with no returns observed yet every score is 0 and the
-order is plain LRU.
+octaves.  A class's estimate is shrunk toward its group (same return count)
+and the group toward all classes where they have little time at risk.  From
+the hazard the model derives each class's *hit density* per age bucket
+(Beckmann et al., LHD, NSDI'18): the most returns per tick held that keeping
+a leaf of that age for some further time can reach,
+``max_t (S(a) - S(a + t)) / integral_a^(a+t) S``, ``S`` the survival.
+Eviction takes the leaf with the lowest density (``WindowSafeTree``); with
+no returns observed yet every density is 0 and the order is plain LRU.
 
 Nothing here is fitted to a trace: the buckets are a fixed geometric grid,
-the classes are powers of two, and the horizon is measured.
+the classes are powers of two and of four.
 
-Runtime complexity: O(1) per event (an ~80-element numpy update per period
-end); scores are O(1) lookups into tables rebuilt every few dozen events.
+Runtime complexity: O(1) per event; the tables are rebuilt every 512 period
+ends (more often while young) in O(open periods + classes x buckets^2)
+numpy work, about 1 ms.
 """
 
 from __future__ import annotations
@@ -66,6 +69,10 @@ def _bucket_edges(n: int) -> np.ndarray:
 _LO = _bucket_edges(_BUCKETS)          # lower edge of each bucket (and the end of the last)
 _WIDTH = _LO[1:] - _LO[:-1]
 _LO_B = _LO[:-1]
+BUCKETS = _BUCKETS
+_EDGES = _LO.tolist()                    # lower edge of bucket b (and the end of the last)
+_INV_WIDTH = (1.0 / _WIDTH).tolist()
+EDGES, INV_WIDTH = _EDGES, _INV_WIDTH    # for callers that inline density()
 
 
 def age_bucket(age: int) -> int:
@@ -112,16 +119,19 @@ class ReuseModel:
     Args:
         ghosts: how many evicted sequences are remembered (key -> class and
             start of their at-risk period) so that their return can still be
-            observed; the oldest is forgotten (censored) first.
+            observed; the oldest is forgotten (censored) first.  The tree
+            keeps it at four times its nodes plus 1024, so memory stays in
+            proportion to what is cached.
     """
 
     CLASSES = 1 + 2 * _GAP_CLASSES
 
     def __init__(self, ghosts: int = 8192) -> None:
         c = self.CLASSES
-        self.events = np.zeros((c, _BUCKETS), dtype=np.float64)
-        self._fin_count = np.zeros((c, _BUCKETS), dtype=np.float64)  # finished periods by end bucket
-        self._fin_part = np.zeros((c, _BUCKETS), dtype=np.float64)   # their time inside that bucket
+        # plain lists (a scalar update is ~5x cheaper than on a numpy array); arrays at rebuild
+        self._events = [[0.0] * _BUCKETS for _ in range(c)]
+        self._fin_count = [[0.0] * _BUCKETS for _ in range(c)]  # finished periods by end bucket
+        self._fin_part = [[0.0] * _BUCKETS for _ in range(c)]   # their time inside that bucket
         self.max_ghosts = ghosts
         self._ghosts: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._running: dict[int, int] = {}  # class + CLASSES * (start tick >> _BIN) -> periods at risk
@@ -131,9 +141,6 @@ class ReuseModel:
         self._haz: list[list[float]] = [[0.0] * _BUCKETS for _ in range(c)]
         self._index: list[list[float]] = [[0.0] * (_BUCKETS + 1) for _ in range(c)]
         self.observed = 0
-        self.horizon = 0.0      # cache turnover time in ticks (0: not known yet)
-        self._rate = 0.0        # EMA of pages inserted per tick
-        self._last = (0, 0)     # (tick, pages inserted) at the last horizon update
 
     # --------------------------------------------------------------- periods
     def start(self, cls: int, since: int) -> None:
@@ -153,10 +160,10 @@ class ReuseModel:
         if age < 0:
             return
         b = age_bucket(age)
-        self._fin_count[cls, b] += 1.0          # time at risk: whole buckets below b ...
-        self._fin_part[cls, b] += age - _LO[b]  # ... and this much of bucket b
+        self._fin_count[cls][b] += 1.0            # time at risk: whole buckets below b ...
+        self._fin_part[cls][b] += age - _EDGES[b]  # ... and this much of bucket b
         if returned:
-            self.events[cls, b] += 1.0
+            self._events[cls][b] += 1.0
             self.observed += 1
         self._pending += 1
         self._ends += 1
@@ -186,22 +193,16 @@ class ReuseModel:
         self.end(cls, since, now, True)
         return returns + 1, next_gap(gap, now - since)
 
-    def on_insert(self, now: int, pages_inserted: int, cached_pages: int) -> None:
-        """Track the cache's turnover time (cached pages / insertion rate)."""
-        t0, p0 = self._last
-        dt = now - t0
-        if dt < 256:
-            return
-        rate = (pages_inserted - p0) / dt
-        self._rate = rate if self._rate == 0.0 else 0.75 * self._rate + 0.25 * rate
-        self._last = (now, pages_inserted)
-        self.horizon = cached_pages / self._rate if self._rate > 0 else 0.0
+    # --------------------------------------------------------------- tables
+    @property
+    def events(self) -> np.ndarray:
+        """Returns observed per (class, age bucket)."""
+        return np.array(self._events)
 
-    # --------------------------------------------------------------- scores
     def exposure(self, now: int) -> np.ndarray:
         """Time at risk per (class, age bucket): finished periods plus the ones still
         running (counted up to their current age).  O(open periods + classes x buckets)."""
-        count, part = self._fin_count.copy(), self._fin_part.copy()
+        count, part = np.array(self._fin_count), np.array(self._fin_part)
         if self._running:
             keys = np.fromiter(self._running, dtype=np.int64, count=len(self._running))
             cls, start = keys % self.CLASSES, keys // self.CLASSES
@@ -259,21 +260,16 @@ class ReuseModel:
 
     def density(self, cls: int, age: int) -> float:
         """Expected returns per tick held for a leaf of class ``cls`` idle ``age`` ticks,
-        at the best holding time (0 before any return was observed)."""
-        if not self.observed:
-            return 0.0
+        at the best holding time, per half-octave age bucket (0 before any return
+        was observed: then every leaf ties and eviction falls back to LRU)."""
         b = age_bucket(age)
-        lo, idx = _LO[b], self._index[cls]
-        return idx[b] + (idx[b + 1] - idx[b]) * (age - lo) / (_LO[b + 1] - lo)
+        idx = self._index[cls]
+        return idx[b] + (idx[b + 1] - idx[b]) * (age - _EDGES[b]) * _INV_WIDTH[b]
 
-    def score(self, cls: int, age: int) -> float:
-        """Probability that a leaf of class ``cls`` idle for ``age`` ticks returns
-        within the turnover horizon (0 before any return was observed)."""
-        if not self.observed or self.horizon <= 0:
-            return 0.0
-        h = min(self.horizon, float(_LO[-1]) / 2)
-        lam = self._cumulative(cls, age + h) - self._cumulative(cls, age)
-        return 1.0 - math.exp(-lam)
+    def tables(self) -> list[list[float]]:
+        """Per class, the density at each bucket's lower edge (``EDGES``); linear in between
+        (slope ``INV_WIDTH``)."""
+        return self._index
 
     def open_periods(self) -> int:
         """At-risk periods not ended yet (filed leaves plus ghosts)."""

@@ -33,6 +33,7 @@ import numpy as np
 from .._validate import as_int_array, as_token_array
 from .node import NO_PAGE, TreeNode, window_safe_pages
 from .policy import AdaptiveRanking, RetentionPolicy
+from .reuse import BUCKETS as _AGE_BUCKETS, EDGES as _AGE_EDGES, INV_WIDTH as _AGE_INV_WIDTH
 from .reuse import ReuseModel, next_gap, reuse_class
 
 __all__ = ["TreeConfig", "TreeEvent", "WindowSafeTree", "MatchResult", "LockHandle", "InsertResult",
@@ -86,11 +87,12 @@ class TreeConfig:
             dies with full KV).
         anchor_branch_points: treat the window before a branch point as a
             checkpoint (shared system prompts end there).
-        ranking: which leaf eviction takes (see
-            :class:`~hybridkv.radix.policy.AdaptiveRanking`): ``"adaptive"``
+        ranking: which leaf eviction takes: ``"value"`` (default: the
+            lowest hit density, returns per tick held, learned online per
+            reuse class and idle time by
+            :class:`~hybridkv.radix.reuse.ReuseModel`), ``"adaptive"``
             (ARC's RECENT/REUSED segment rule with reuse predicted per
-            sequence: the next turn of a conversation that came back starts
-            REUSED; target steps scaled by ARC's ghost-list ratio),
+            sequence, :class:`~hybridkv.radix.policy.AdaptiveRanking`),
             ``"arc"`` (the plain segment rule) or ``"lru"``.
     """
 
@@ -99,7 +101,7 @@ class TreeConfig:
     swa_checkpoint: int = 0
     swa_eviction: str = "page"
     anchor_branch_points: bool = True
-    ranking: str = "adaptive"
+    ranking: str = "value"
 
     def __post_init__(self) -> None:
         if self.ranking not in ("value", "adaptive", "arc", "lru"):
@@ -218,7 +220,7 @@ class WindowSafeTree:
         self.value_ranking = config.ranking == "value"
         self.reuse = ReuseModel()
         self._by_class: list[OrderedDict[int, TreeNode]] = [OrderedDict() for _ in range(ReuseModel.CLASSES)]
-        self.inserted_pages = 0
+        self._victims: list | None = None  # "value" ranking: candidates ranked in this evict() call
         self._ghost_returns: dict[tuple[str, int], tuple[int, float]] = {}  # (namespace, pos) -> history of a ghost that came back
         self.num_nodes = 0
         self.full_pages_cached = 0
@@ -690,8 +692,6 @@ class WindowSafeTree:
                         leaf.returns, leaf.gap = history
                 self._unfile(node, end=True)
                 self._file(leaf)
-                self.inserted_pages += new_pages
-                self.reuse.on_insert(now, self.inserted_pages, self.full_pages_cached)
             for a, b in self.policy.checkpoint_windows(pi, n):  # the new leaf's counts are all 0
                 leaf.anchor[a - pi:b - pi] = 1
             self._reanchor(node)
@@ -856,6 +856,13 @@ class WindowSafeTree:
         for name, value in (("full_pages", full_pages), ("swa_pages", swa_pages), ("nbytes", nbytes)):
             if not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        self._victims = None
+        try:
+            return self._evict(full_pages, swa_pages, nbytes)
+        finally:
+            self._victims = None
+
+    def _evict(self, full_pages: int, swa_pages: int, nbytes: int) -> tuple[int, int]:
         freed_f: list[np.ndarray] = []
         freed_s: list[np.ndarray] = []
         nf = ns = 0
@@ -919,34 +926,57 @@ class WindowSafeTree:
         heapq.heappop(self._leaf_heap if pick.seg == AdaptiveRanking.RECENT else self._reused_heap)
         return pick
 
-    def _pick_by_value(self, per_end: int = 2) -> TreeNode | None:
-        """The leaf least likely to pay back its bytes: lowest (probability of a return
-        within the turnover horizon) x (tokens per byte freed), among the ``per_end``
-        oldest and newest unlocked leaves of each reuse class.  A return hazard
-        that rises and then falls with idle time (a chat's think time) is lowest
-        at one end of a class's recency order, so the ends are the candidates.
-        Ties (nothing learned yet) go to the least recently used.  O(classes)."""
-        model, now = self.reuse, self._tick
-        fb, sb = self.full_page_bytes, self.swa_page_bytes
-        best: TreeNode | None = None
-        best_key: tuple[float, int, int] | None = None
+    def _pick_by_value(self, per_end: int = 4, max_skip: int = 64) -> TreeNode | None:
+        """The leaf least likely to pay back the memory it holds: the lowest hit
+        density (:meth:`ReuseModel.density <hybridkv.radix.reuse.ReuseModel.density>`:
+        returns per tick held, learned per reuse class and idle time) among the
+        ``per_end`` oldest and newest unlocked leaves of each class.  A return
+        hazard that rises and then falls with idle time (a chat's think time) is
+        lowest at one end of a class's recency order, so the ends are the
+        candidates.  Ties (nothing learned yet, same density) go to the least
+        recently used.  Within one :meth:`evict` call time stands still, so the
+        ranked candidates are kept and served in order until they run out.
+        O(classes x per_end) per ranking."""
+        ranked = self._victims
+        if ranked:
+            while ranked:
+                node = ranked[-1][3]
+                if node.key is not None and not node.children and not node.lock and node.vcls >= 0:
+                    return node
+                ranked.pop()
+        tables, now, top = self.reuse.tables(), self._tick, _AGE_BUCKETS
+        edges, inv_width = _AGE_EDGES, _AGE_INV_WIDTH
+        ranked = []
         for cls, filed in enumerate(self._by_class):
             if not filed:
                 continue
-            for order in (iter(filed.values()), reversed(filed.values())):
-                taken = 0
-                for node in order:
+            index = tables[cls]
+            for oldest_first in (True, False):
+                taken = skipped = 0
+                for node in (iter(filed.values()) if oldest_first else reversed(filed.values())):
                     if node.lock:
+                        skipped += 1
+                        if skipped > max_skip:
+                            break
                         continue
-                    n = node.n_pages
-                    value = model.density(cls, now - node.since)
-                    key = (value, node.last_access, node.nid)
-                    if best_key is None or key < best_key:
-                        best, best_key = node, key
+                    age = now - node.since
+                    if age < 2:
+                        b = age if age > 0 else 0
+                    else:  # reuse.age_bucket, inlined: this loop is the eviction hot path
+                        k = age.bit_length() - 1
+                        b = 2 * k + ((age >> (k - 1)) & 1)
+                        if b >= top:
+                            b = top - 1
+                    d = index[b] + (index[b + 1] - index[b]) * (age - edges[b]) * inv_width[b]
+                    ranked.append((d, node.last_access, node.nid, node))
                     taken += 1
                     if taken >= per_end:
                         break
-        return best
+        if not ranked:
+            return None
+        ranked.sort(reverse=True)  # best victim last; a leaf at both ends of a class is listed twice
+        self._victims = ranked
+        return ranked[-1][3]
 
     def _heap_top(self, heap: list, seg: int) -> TreeNode | None:
         """The current top of a lazy leaf heap (stale entries dropped or refreshed)."""
@@ -1024,6 +1054,8 @@ class WindowSafeTree:
                 else:
                     self._file(parent)
             elif cls >= 0:  # watch for the sequence's return where its pages started
+                # ghosts in proportion to what is cached (a few turnovers' worth of leaves)
+                self.reuse.max_ghosts = 4 * self.num_nodes + 1024
                 self.reuse.remember(ghost, cls, since, self._tick, (node.returns, node.gap))
         node.key = None  # type: ignore[assignment]
         node.parent = None

@@ -144,7 +144,7 @@ def test_adaptive_ranking_moves_target_toward_ghost_hits():
 
 def test_a_leaf_left_without_its_window_is_evicted_before_live_data():
     pool = Pool()
-    t = WindowSafeTree(TreeConfig(2, 4), pool)
+    t = WindowSafeTree(TreeConfig(2, 4, ranking="adaptive"), pool)  # its segment order
     ids = iter(range(10_000))
 
     def ins(key, swa_pages):
@@ -168,7 +168,7 @@ def test_a_leaf_left_without_its_window_is_evicted_before_live_data():
     assert t.match(np.array(c + [1], dtype=np.int32)).length == 16
 
 
-@pytest.mark.parametrize("ranking", ["adaptive", "arc", "lru"])
+@pytest.mark.parametrize("ranking", ["value", "adaptive", "arc", "lru"])
 def test_every_ranking_keeps_the_invariants_under_churn(ranking):
     rng = np.random.default_rng(7)
     cache = HybridKVCache(spec(), CacheConfig(full_pages=40, swa_pages=16, swa_checkpoint=8,

@@ -21,6 +21,12 @@ def test_soak_heap_and_indexes_stop_growing():
     for name, frac in g.items():
         if name == "heap_bytes" or frac < 0.15:
             continue
+        if name in ("tree.reuse._ghosts", "tree.reuse._running"):
+            # the reuse model's ghosts fill up to their cap, 4x the cached nodes + 1024;
+            # open periods are one per leaf or ghost
+            nodes = max(r["tree_nodes"] for r in records)
+            assert last[name] <= 5 * nodes + 1024, (name, last[name], nodes)
+            continue
         # allocator arrays grow by doubling up to the pool's capacity, never past it
         assert name.startswith("pool.") and last[name] <= 2 * 59 * 10**9 // spec.bytes_per_page("full"), \
             (name, frac, last[name])
