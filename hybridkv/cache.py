@@ -461,7 +461,7 @@ class HybridKVCache:
             if start is not None and (not start.alive or start.start + len(start.key) != req.tree_pages * P):
                 start = None  # cannot happen while locked; the root walk is always right
             res = self.tree._insert(req._tok[:aligned * P], req.full_pages[:aligned], req.swa_pages[:aligned],
-                                    req.namespace, start=start)
+                                    req.namespace, start=start, owned=True)  # the request ends here
             new_pages = res.new_pages
         rest_full = req.full_pages[aligned:req.n_pages]
         rest_swa = req.swa_pages[aligned:req.n_pages]

@@ -44,6 +44,16 @@ _SCALAR_PINS = 8  # up to this many pages, pins are counted in a Python loop (nu
 _logger = logging.getLogger("hybridkv.radix")
 
 
+def _keep(part: np.ndarray, owned: bool) -> np.ndarray:
+    """``part`` for a node to keep: a copy, unless the caller gave its arrays away and
+    the view pins at most twice its own bytes (node arrays are never written in
+    place: they are replaced by modified copies)."""
+    base = part.base
+    if owned and (base is None or base.nbytes <= 2 * part.nbytes):
+        return part
+    return part.copy()
+
+
 def _events_after(fn: Callable) -> Callable:
     """Deliver the tree events ``fn`` emits only when it returns (the tree, and the
     pool its freed pages went back to, are consistent again).  Nested calls join
@@ -457,7 +467,7 @@ class WindowSafeTree:
             node.seg = AdaptiveRanking.REUSED
             self.ranking.pages[AdaptiveRanking.RECENT] -= len(node.full)
             self.ranking.pages[AdaptiveRanking.REUSED] += len(node.full)
-            if not node.children and node.lock == 0:
+            if not node.children and node.lock == 0 and not self.value_ranking:
                 heapq.heappush(self._reused_heap, (now, node.nid, node))
 
     def _file(self, node: TreeNode, cls: int | None = None, since: int | None = None) -> None:
@@ -519,7 +529,7 @@ class WindowSafeTree:
         """Make sure ``node`` has heap entries after a state change that can make
         it evictable (new leaf, unlocked, lost a child, gained SWA)."""
         entry = (node.last_access, node.nid, node)
-        if leaf and not node.children and node.lock == 0:
+        if leaf and not node.children and node.lock == 0 and not self.value_ranking:  # value: filed instead
             heapq.heappush(self._leaf_heap if node.seg == AdaptiveRanking.RECENT else self._reused_heap, entry)
         mode = self.config.swa_eviction
         if swa and node.swa_valid and mode != "none":
@@ -546,7 +556,7 @@ class WindowSafeTree:
         leaves, reused, swa = [], [], []
         for node in self.iter_nodes():
             entry = (node.last_access, node.nid, node)
-            if not node.children and node.lock == 0:
+            if not node.children and node.lock == 0 and not self.value_ranking:  # value: filed instead
                 (leaves if node.seg == AdaptiveRanking.RECENT else reused).append(entry)
             if node.swa_valid:
                 swa.append(entry)
@@ -614,7 +624,7 @@ class WindowSafeTree:
 
     @_events_after
     def _insert(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray, namespace: str, *,
-                start: TreeNode | None = None) -> InsertResult:
+                start: TreeNode | None = None, owned: bool = False) -> InsertResult:
         """:meth:`insert` for internal callers: no validation.
 
         ``start``, when given, is an alive node of ``namespace`` whose path spells
@@ -622,8 +632,9 @@ class WindowSafeTree:
         locked at :meth:`lock`); the walk begins there instead of at the root.
         The pages before it are the caller's pages the tree already owns: they
         are neither compared nor freed.  ``None`` (or a root) walks from the
-        root.  Runtime complexity: O(depth + pages after start) plus numpy
-        work.
+        root.  ``owned``: the caller hands the arrays over (a finishing
+        request): a new leaf may keep views of them instead of copies.
+        Runtime complexity: O(depth + pages after start) plus numpy work.
         """
         size = self.page_size
         n = len(key) // size
@@ -671,8 +682,8 @@ class WindowSafeTree:
         if new_pages:
             # the next turn of a sequence that proved reuse is predicted reused too
             extends_reused = node is not root and not node.children and node.seg == AdaptiveRanking.REUSED
-            leaf = TreeNode(key[pi * size:].copy(), full[pi:].copy(), swa[pi:].copy(), node,
-                            pi * size, namespace, now)
+            leaf = TreeNode(_keep(key[pi * size:], owned), _keep(full[pi:], owned), _keep(swa[pi:], owned),
+                            node, pi * size, namespace, now)
             leaf.seg = self.ranking.start_segment(extends_reused)
             node.children[leaf.key[:size].tobytes()] = leaf
             self.num_nodes += 1
