@@ -159,7 +159,13 @@ class ReuseModel:
         age = now - since
         if age < 0:
             return
-        b = age_bucket(age)
+        if age < 2:
+            b = age
+        else:  # age_bucket, inlined (one call per request)
+            k = age.bit_length() - 1
+            b = 2 * k + ((age >> (k - 1)) & 1)
+            if b >= _BUCKETS:
+                b = _BUCKETS - 1
         self._fin_count[cls][b] += 1.0            # time at risk: whole buckets below b ...
         self._fin_part[cls][b] += age - _EDGES[b]  # ... and this much of bucket b
         if returned:

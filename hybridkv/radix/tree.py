@@ -412,11 +412,12 @@ class WindowSafeTree:
             pos = raw_pages * size
             if pos + size <= len(key):  # did a ghost of an evicted leaf start here?
                 ghost = self._ghost_key(namespace, pos, key[pos:pos + size])
-                if self.ranking.on_miss(ghost, self._tick):
-                    if len(self._ghost_hits) > 4096:
-                        self._ghost_hits.clear()
-                    self._ghost_hits.add((namespace, pos))  # its re-insert is proven reuse (ARC)
-                if self.value_ranking:
+                if not self.value_ranking:
+                    if self.ranking.on_miss(ghost, self._tick):
+                        if len(self._ghost_hits) > 4096:
+                            self._ghost_hits.clear()
+                        self._ghost_hits.add((namespace, pos))  # its re-insert is proven reuse (ARC)
+                else:
                     came_back = self.reuse.on_miss(ghost, self._tick)
                     if came_back is not None:  # the re-inserted sequence keeps its history
                         if len(self._ghost_returns) > 4096:
@@ -701,8 +702,15 @@ class WindowSafeTree:
                     history = self._ghost_returns.pop((namespace, pi * size), None)
                     if history is not None and history[0] > leaf.returns:
                         leaf.returns, leaf.gap = history
-                self._unfile(node, end=True)
-                self._file(leaf)
+                cls = node.vcls
+                if cls >= 0 and cls == reuse_class(leaf.returns, leaf.gap):
+                    # the sequence's period (restarted by this request's match) moves on to its new tail
+                    since = node.since
+                    self._unfile(node, end=False)
+                    self._file(leaf, cls, since)
+                else:
+                    self._unfile(node, end=True)
+                    self._file(leaf)
             for a, b in self.policy.checkpoint_windows(pi, n):  # the new leaf's counts are all 0
                 leaf.anchor[a - pi:b - pi] = 1
             self._reanchor(node)
@@ -1040,7 +1048,8 @@ class WindowSafeTree:
         self.ranking.pages[node.seg] -= gone
         pos = node.start + keep * size
         ghost = self._ghost_key(node.namespace, pos, node.key[keep * size:(keep + 1) * size])
-        self.ranking.remember(node.seg, ghost, gone)
+        if not self.value_ranking:  # ARC's ghost lists steer only the segment rule
+            self.ranking.remember(node.seg, ghost, gone)
         if self.listeners:
             self._emit("remove", node, keep)
         if keep:  # trimmed: still a leaf, its tail window now ends at the new end
