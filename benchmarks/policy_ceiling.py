@@ -1,0 +1,160 @@
+"""How far can an online eviction policy get on a trace?  A sequence-level model.
+
+``hybridkv replay`` compares the cache with LRU over full KV and with the
+offline optimum (Belady) at page level.  This script asks a narrower question
+behind issue 13's targets: given the features an online policy can see
+(how often a sequence came back, and how long it has been idle), what is the
+best it could do if the return-time distribution of every (class, idle time)
+were known *exactly*, i.e. fitted offline on the very trace being replayed?
+
+Model (SWA free, no windows, whole sequences): every request is a sequence
+whose parent is the latest earlier request whose prompt it extends (same
+namespace, all of the parent's complete blocks shared).  A request hits its parent's shared prefix if the parent is
+cached; then the parent's entry is replaced by the request's (its prompt
+extends it).  Capacity is the budget in full-KV tokens.  Policies evict:
+
+* ``lru``: the least recently used sequence;
+* ``belady``: the one whose next use is farthest (offline optimum here);
+* ``fitted``: the lowest probability of a return within the cache's
+  turnover time, from hazards per (reuse class, idle-time bucket) fitted on
+  the whole trace (classes and buckets as in ``hybridkv.radix.reuse``).
+
+The hit rates are token hit rates of this simplified model (no shared
+system-prompt nodes, no partial hits), so they sit below the replay's; the
+ratios between policies are the point.
+
+    python benchmarks/policy_ceiling.py [trace] [--budgets 59,594] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hybridkv import ModelSpec  # noqa: E402
+from hybridkv.radix.reuse import age_bucket, reuse_class  # noqa: E402
+from hybridkv.traces import default_shared_traces, load_trace  # noqa: E402
+
+
+def chains(reqs):
+    """(parent index or -1, shared prefix tokens) per request: the parent is the latest
+    earlier request whose prompt this one extends (a branch off a shared prefix,
+    e.g. a system prompt, is not followed in this model)."""
+    tries: dict[str, dict] = {}
+    parent, shared = [], []
+    for i, r in enumerate(reqs):
+        node, best, depth = tries.setdefault(r.namespace, {}), -1, 0
+        for k, b in enumerate(r.blocks):
+            if b not in node:
+                break
+            node, depth = node[b], k + 1
+            best = node.get(-1, best)
+        node = tries[r.namespace]
+        for b in r.blocks:
+            node = node.setdefault(b, {})
+            node[-1] = i
+        # a continuation: it shares all of the parent's complete blocks (the last may have grown)
+        ok = best >= 0 and depth >= max(1, len(reqs[best].blocks) - 1)
+        parent.append(best if ok else -1)
+        shared.append(min(depth * r.block_size, r.input_length - 1) if ok else 0)
+    return np.array(parent), np.array(shared)
+
+
+def simulate(lengths, parent, shared, cap, victim):
+    cache: dict[int, int] = {}
+    used = hits = 0
+    for i, size in enumerate(lengths):
+        p = parent[i]
+        if p >= 0 and p in cache:
+            hits += shared[i]
+            used -= cache.pop(p)
+        if size > cap:
+            continue
+        while used + size > cap:
+            used -= cache.pop(victim(cache, i))
+        cache[i] = int(size)
+        used += int(size)
+    return hits / lengths.sum()
+
+
+def fitted_policy(parent, lengths, cap):
+    n = len(parent)
+    nxt = np.full(n, -1)
+    for i in range(n):
+        if parent[i] >= 0 and nxt[parent[i]] < 0:
+            nxt[parent[i]] = i
+    returns = np.zeros(n, dtype=int)
+    gap = np.full(n, -1.0)
+    for i in range(n):
+        p = parent[i]
+        if p >= 0:
+            returns[i] = returns[p] + 1
+            x = math.log2(1 + i - p)
+            gap[i] = x if gap[p] < 0 else 0.5 * gap[p] + 0.5 * x
+    cls = np.array([reuse_class(r, g) for r, g in zip(returns, gap)])
+    nb = 64
+    ev = np.zeros((cls.max() + 1, nb))
+    ex = np.zeros_like(ev)
+    lo = np.array([0, 1] + [2 ** (b // 2) if b % 2 == 0 else 3 * 2 ** (b // 2 - 1) for b in range(2, nb + 1)],
+                  dtype=float)
+    width = lo[1:] - lo[:-1]
+    for i in range(n):
+        age = (nxt[i] - i) if nxt[i] >= 0 else (n - i)
+        ex[cls[i]] += np.clip(age - lo[:-1], 0, width)
+        if nxt[i] >= 0:
+            ev[cls[i], age_bucket(age)] += 1
+    haz = ev / np.maximum(ex, 1.0)
+    cum = np.zeros((len(haz), nb + 1))
+    np.cumsum(haz * width, axis=1, out=cum[:, 1:])
+    horizon = cap / max(1.0, float(lengths.mean()) * 0.6)  # requests to insert the cache's tokens
+
+    def lam(c, a):
+        b = min(age_bucket(a), nb - 1)
+        return cum[c, b] + haz[c, b] * (a - lo[b])
+
+    def victim(cache, now):
+        return min(cache, key=lambda k: (1 - math.exp(-(lam(cls[k], now - k + horizon) - lam(cls[k], now - k))), k))
+    return victim, nxt
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", nargs="?", default=None)
+    ap.add_argument("--budgets", default="59,594", help="GB (10^9 bytes), comma-separated")
+    ap.add_argument("--preset", default="mimo-v2.5-pro")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    path = args.trace or str(default_shared_traces() / "mooncake_conversation_trace.jsonl")
+    reqs = load_trace(path)
+    spec = ModelSpec.preset(args.preset, page_size=64)
+    per_token = spec.bytes_per_page("full") / spec.page_size
+    lengths = np.array([r.input_length for r in reqs])
+    parent, shared = chains(reqs)
+    out = {"trace": path, "requests": len(reqs), "bound": float(shared.sum() / lengths.sum()), "budgets": {}}
+    for gb in (float(x) for x in args.budgets.split(",")):
+        cap = gb * 1e9 / per_token
+        victim, nxt = fitted_policy(parent, lengths, cap)
+        far = np.where(nxt >= 0, nxt, len(reqs) + 1)
+        res = {
+            "lru": simulate(lengths, parent, shared, cap, lambda c, now: next(iter(c))),
+            "belady": simulate(lengths, parent, shared, cap, lambda c, now: max(c, key=lambda k: far[k])),
+            "fitted": simulate(lengths, parent, shared, cap, victim),
+        }
+        out["budgets"][f"{gb:g}"] = res
+        if not args.json:
+            print(f"{gb:g} GB ({cap / 1e6:.2f}M tokens): LRU {res['lru']:.2%}  fitted class x age {res['fitted']:.2%}  "
+                  f"Belady {res['belady']:.2%}  (bound {out['bound']:.2%})")
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
