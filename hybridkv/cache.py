@@ -326,7 +326,8 @@ class HybridKVCache:
 
     def _check_reserve(self, req: Request, n: object) -> None:
         self._check_live(req)
-        n = _count(n, "n")
+        if type(n) is not int or n < 1:  # plain positive ints (every call of a replay) skip _count
+            n = _count(n, "n")
         if req.computed + n > req.n_tokens:
             raise ValueError(f"n={n} goes past the request's {req.n_tokens} tokens "
                              f"({req.computed} computed; append_tokens first)")
@@ -380,7 +381,8 @@ class HybridKVCache:
         this is a chunk (``n > 1``) or ``decode_release_interval`` tokens passed.
         """
         self._check_live(req)
-        n = _count(n, "n")
+        if type(n) is not int or n < 1:
+            n = _count(n, "n")
         if req.computed + n > req.allocated:
             raise ValueError(f"commit of n={n} passes the allocated slots: {req.computed} computed, "
                              f"slots handed out up to {req.allocated}")
@@ -745,6 +747,8 @@ class HybridKVCache:
                              f"[0, {req.n_pages * self.page_size})")
 
     def _check_live(self, req: Request) -> None:
+        if self._live.get(id(req)) is req and not req.finished:  # the common case first
+            return
         if not isinstance(req, Request):
             raise TypeError(f"req must be a Request, got {type(req).__name__}")
         if req.finished or self._live.get(id(req)) is not req:

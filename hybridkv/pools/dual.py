@@ -138,7 +138,9 @@ class DualPool:
         return self.full.num_used * self.full_page_bytes + self.swa.num_used * self.swa_page_bytes
 
     def free_bytes(self) -> int:
-        return self.budget_bytes - self.used_bytes()
+        # used_bytes() inlined (the cache asks at every chunk): no property calls
+        return (self.budget_bytes - self.full._used * self.full_page_bytes
+                - self.swa._used * self.swa_page_bytes)
 
     def shortfall(self, n_full: int, n_swa: int) -> tuple[int, int, int]:
         """What must be freed before ``alloc(n_full, n_swa)`` can succeed.

@@ -106,6 +106,10 @@ class RetentionPolicy:
     def releasable_runs(self, lo: int, hi: int, raw_match: int, hit: int) -> list[tuple[int, int]]:
         """:meth:`releasable` as the runs ``[a, b)`` of absolute pages it marks, in order
         (what is left of ``[lo, hi)`` after the kept windows).  O(1 + (hi - lo) / K)."""
+        kp, wp = self.checkpoint_pages, self.window_pages
+        if raw_match <= hit and (not kp or (wp < kp and hi <= (lo // kp + 1) * kp - wp)):
+            # common case: no checkpoint window reaches into [lo, hi), no divergence window
+            return [(lo, hi)] if lo < hi else []
         keep = self.checkpoint_windows(lo, hi)
         if raw_match > hit:
             end = raw_match // self.page_size

@@ -435,7 +435,7 @@ class WindowSafeTree:
                 for n, _ in path:
                     if n.key is not None:
                         self._touch(n, now)
-                if node is not None:
+                if node is not None and node is not last:  # touching ``last`` again changes nothing
                     self._touch(node, now)
                 if returned and last.key is not None and not last.children:
                     self._file(last)
@@ -639,7 +639,7 @@ class WindowSafeTree:
         """
         size = self.page_size
         n = len(key) // size
-        root = self.root(namespace)
+        root = self._roots.get(namespace) or self.root(namespace)
         now = self._now()
         if start is None or start.parent is None:
             node, pi = root, 0
@@ -714,7 +714,8 @@ class WindowSafeTree:
             for a, b in self.policy.checkpoint_windows(pi, n):  # the new leaf's counts are all 0
                 leaf.anchor[a - pi:b - pi] = 1
             self._reanchor(node)
-            self._reanchor(leaf)
+            self._anchor_window(leaf, 1)  # _reanchor(leaf), inlined: a fresh leaf's tail is an anchor
+            leaf.ends = 1
             self._enqueue(leaf)
             if node is not root:
                 self._enqueue(node, leaf=False)  # its tail is no longer a leaf tail
@@ -786,6 +787,9 @@ class WindowSafeTree:
         """SWA page ids of the last ``window_pages`` pages ending at ``node``, as
         Python ints: a window is a few pages, where a list beats numpy calls."""
         need = self.policy.window_pages
+        swa = node.swa
+        if 0 < need <= len(swa) and node.parent is not None:  # the window lies in ``node``
+            return swa[len(swa) - need:].tolist()
         ids: list[int] = []
         n: TreeNode | None = node
         while need > 0 and n is not None and n.parent is not None:
@@ -817,7 +821,7 @@ class WindowSafeTree:
             pins = self._pins
         changed = 0  # pages whose count leaves or reaches 0
         for p in ids:
-            before = int(pins[p])
+            before = pins.item(p)
             after = before + delta
             assert after >= 0
             pins[p] = after
