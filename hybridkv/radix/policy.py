@@ -15,8 +15,10 @@ is likely to end.  This module decides, for every user of that rule:
 * which of a live request's own SWA pages it may free (:meth:`releasable`),
   used by ``HybridKVCache._release``;
 * which pages L2/L3 treat as anchored (:meth:`tier_anchored`);
-* the ranking used by eviction (:class:`AdaptiveRanking`: recency vs. proven
-  reuse of a sequence, balanced online by ghost hits as in ARC).
+* the segment rankings used by eviction (:class:`AdaptiveRanking`: recency
+  vs. proven reuse of a sequence, balanced online by ghost hits as in ARC);
+  the default ``"value"`` ranking learns return hazards instead
+  (:mod:`hybridkv.radix.reuse`).
 
 The tree keeps *per-page anchor counts*: each anchor window adds 1 to every
 page it covers (walking into parent nodes when the window spans nodes) and
@@ -155,7 +157,7 @@ class AdaptiveRanking:
 
     ``mode`` (``CacheConfig.eviction_ranking``):
 
-    * ``"adaptive"`` (default): the rule above with two refinements, both
+    * ``"adaptive"`` (the default before ``"value"``): the rule above with two refinements, both
       from the rule's own logic rather than tuned constants.  (1) Reuse is
       predicted per *sequence*: a leaf that extends a ``REUSED`` leaf (the
       next turn of a conversation that already came back) starts in
