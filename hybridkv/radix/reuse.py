@@ -68,11 +68,10 @@ def _bucket_edges(n: int) -> np.ndarray:
 
 _LO = _bucket_edges(_BUCKETS)          # lower edge of each bucket (and the end of the last)
 _WIDTH = _LO[1:] - _LO[:-1]
-_LO_B = _LO[:-1]
+# the same as plain lists, for scalar code (and for callers that inline density())
 BUCKETS = _BUCKETS
-_EDGES = _LO.tolist()                    # lower edge of bucket b (and the end of the last)
-_INV_WIDTH = (1.0 / _WIDTH).tolist()
-EDGES, INV_WIDTH = _EDGES, _INV_WIDTH    # for callers that inline density()
+EDGES = _LO.tolist()
+INV_WIDTH = (1.0 / _WIDTH).tolist()
 
 
 def age_bucket(age: int) -> int:
@@ -133,11 +132,10 @@ class ReuseModel:
         self._fin_count = [[0.0] * _BUCKETS for _ in range(c)]  # finished periods by end bucket
         self._fin_part = [[0.0] * _BUCKETS for _ in range(c)]   # their time inside that bucket
         self.max_ghosts = ghosts
-        self._ghosts: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._ghosts: OrderedDict[int, tuple[int, int, tuple]] = OrderedDict()  # key -> (class, since, history)
         self._running: dict[int, int] = {}  # class + CLASSES * (start tick >> _BIN) -> periods at risk
         self._pending = 0
         self._ends = 0
-        self._cum: list[list[float]] = [[0.0] * (_BUCKETS + 1) for _ in range(c)]
         self._haz: list[list[float]] = [[0.0] * _BUCKETS for _ in range(c)]
         self._index: list[list[float]] = [[0.0] * (_BUCKETS + 1) for _ in range(c)]
         self.observed = 0
@@ -167,7 +165,7 @@ class ReuseModel:
             if b >= _BUCKETS:
                 b = _BUCKETS - 1
         self._fin_count[cls][b] += 1.0            # time at risk: whole buckets below b ...
-        self._fin_part[cls][b] += age - _EDGES[b]  # ... and this much of bucket b
+        self._fin_part[cls][b] += age - EDGES[b]  # ... and this much of bucket b
         if returned:
             self._events[cls][b] += 1.0
             self.observed += 1
@@ -234,7 +232,6 @@ class ReuseModel:
         cum = np.zeros((self.CLASSES, _BUCKETS + 1))
         np.cumsum(haz * _WIDTH, axis=1, out=cum[:, 1:])
         self._haz = haz.tolist()
-        self._cum = cum.tolist()
         # hit density (LHD-style index): the best rate of returns per tick held that
         # keeping a leaf from age lo_i for some further time can reach
         surv = np.exp(-cum)                                            # S at bucket edges
@@ -255,10 +252,6 @@ class ReuseModel:
         index[:, :nb + 1] = ratio.max(axis=2)
         self._index = index.tolist()
 
-    def _cumulative(self, cls: int, age: float) -> float:
-        b = age_bucket(int(age))
-        return self._cum[cls][b] + self._haz[cls][b] * (age - _LO[b])
-
     def hazard(self, cls: int, age: int) -> float:
         """Estimated returns per tick of a class-``cls`` leaf idle ``age`` ticks (as of the
         last table rebuild)."""
@@ -270,7 +263,7 @@ class ReuseModel:
         was observed: then every leaf ties and eviction falls back to LRU)."""
         b = age_bucket(age)
         idx = self._index[cls]
-        return idx[b] + (idx[b + 1] - idx[b]) * (age - _EDGES[b]) * _INV_WIDTH[b]
+        return idx[b] + (idx[b + 1] - idx[b]) * (age - EDGES[b]) * INV_WIDTH[b]
 
     def tables(self) -> list[list[float]]:
         """Per class, the density at each bucket's lower edge (``EDGES``); linear in between
