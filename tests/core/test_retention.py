@@ -4,38 +4,11 @@ the RetentionPolicy owned every keep/evict decision."""
 import numpy as np
 import pytest
 
-from hybridkv import CacheConfig, HybridKVCache, KVShape, ModelSpec
+from hybridkv import CacheConfig, HybridKVCache
 from hybridkv.radix import TreeConfig, WindowSafeTree
 from hybridkv.radix.policy import AdaptiveRanking, RetentionPolicy
 
-
-def spec(page=2, window=4):
-    return ModelSpec("t", ["full", "swa"], window, KVShape(1, 2, 2), KVShape(1, 2, 2), dtype="float32",
-                     page_size=page)
-
-
-def run(cache, tokens, ns="default", chunk=None):
-    tokens = np.asarray(tokens, dtype=np.int32)
-    req = cache.begin(tokens, ns)
-    hit = req.prefix_len
-    while req.computed < len(tokens):
-        n = min(chunk or len(tokens), len(tokens) - req.computed)
-        cache.allocate(req, n)
-        cache.commit(req, n)
-    cache.finish(req)
-    cache.check_invariants()
-    return hit
-
-
-class Pool:
-    def __init__(self):
-        self.full, self.swa = [], []
-
-    def free_full(self, pages):
-        self.full += pages.tolist()
-
-    def free_swa(self, pages):
-        self.swa += pages.tolist()
+from helpers import RecordingPool as Pool, run, spec
 
 
 def test_exact_repeat_of_page_aligned_prompt_hits_under_eager():

@@ -8,7 +8,7 @@ import pytest
 from hybridkv import CacheConfig, HybridKVCache
 from hybridkv.radix.reuse import ReuseModel, age_bucket, next_gap, reuse_class
 
-from test_retention import run, spec
+from helpers import run, spec
 
 
 def _feed(model, cls, ages, censor, start=0):

@@ -3,39 +3,10 @@
 import numpy as np
 import pytest
 
-from hybridkv import CacheConfig, HybridKVCache, KVShape, ModelSpec
+from hybridkv import CacheConfig, HybridKVCache, ModelSpec
 from hybridkv.radix import TreeConfig, WindowSafeTree, window_safe_pages
 
-
-class RecordingPool:
-    """A pool double that records frees and rejects double frees."""
-
-    def __init__(self):
-        self.full, self.swa = [], []
-
-    def free_full(self, pages):
-        assert not set(pages.tolist()) & set(self.full), "double free (full)"
-        self.full += pages.tolist()
-
-    def free_swa(self, pages):
-        assert not set(pages.tolist()) & set(self.swa), "double free (swa)"
-        self.swa += pages.tolist()
-
-
-def spec(page=2, window=4, **kw):
-    return ModelSpec("t", ["full", "swa"], window, KVShape(1, 2, 2), KVShape(1, 2, 2), dtype="float32",
-                     page_size=page, **kw)
-
-
-def run(cache, tokens, ns="default", chunk=None):
-    req = cache.begin(tokens, ns)
-    hit = req.prefix_len
-    while req.computed < len(tokens):
-        n = min(chunk or len(tokens), len(tokens) - req.computed)
-        cache.allocate(req, n)
-        cache.commit(req, n)
-    cache.finish(req)
-    return hit
+from helpers import RecordingPool, run, spec
 
 
 def test_window_safe_pages_cases():

@@ -4,16 +4,7 @@ import numpy as np
 
 from hybridkv.radix import TreeConfig, WindowSafeTree
 
-
-class RecordingPool:
-    def __init__(self):
-        self.full, self.swa = [], []
-
-    def free_full(self, pages):
-        self.full += pages.tolist()
-
-    def free_swa(self, pages):
-        self.swa += pages.tolist()
+from helpers import RecordingPool
 
 
 def _shape(tree):
