@@ -15,9 +15,9 @@ extends it).  Capacity is the budget in full-KV tokens.  Policies evict:
 
 * ``lru``: the least recently used sequence;
 * ``belady``: the one whose next use is farthest (offline optimum here);
-* ``fitted``: the lowest probability of a return within the cache's
-  turnover time, from hazards per (reuse class, idle-time bucket) fitted on
-  the whole trace (classes and buckets as in ``hybridkv.radix.reuse``).
+* ``fitted``: the ``"value"`` ranking's rule (lowest hit density per reuse
+  class and idle time, :class:`hybridkv.radix.reuse.ReuseModel`) with the
+  model fed every return period of the whole trace before the replay.
 
 The hit rates are token hit rates of this simplified model (no shared
 system-prompt nodes, no partial hits), so they sit below the replay's; the
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -39,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridkv import ModelSpec  # noqa: E402
-from hybridkv.radix.reuse import age_bucket, reuse_class  # noqa: E402
+from hybridkv.radix.reuse import ReuseModel, next_gap, reuse_class  # noqa: E402
 from hybridkv.traces import default_shared_traces, load_trace  # noqa: E402
 
 
@@ -84,7 +83,9 @@ def simulate(lengths, parent, shared, cap, victim):
     return hits / lengths.sum()
 
 
-def fitted_policy(parent, lengths, cap):
+def fitted_policy(parent):
+    """The ``"value"`` ranking's rule with a :class:`ReuseModel` fed every period of
+    the trace up front (ticks = request index): hit densities fitted offline."""
     n = len(parent)
     nxt = np.full(n, -1)
     for i in range(n):
@@ -96,31 +97,16 @@ def fitted_policy(parent, lengths, cap):
         p = parent[i]
         if p >= 0:
             returns[i] = returns[p] + 1
-            x = math.log2(1 + i - p)
-            gap[i] = x if gap[p] < 0 else 0.5 * gap[p] + 0.5 * x
-    cls = np.array([reuse_class(r, g) for r, g in zip(returns, gap)])
-    nb = 64
-    ev = np.zeros((cls.max() + 1, nb))
-    ex = np.zeros_like(ev)
-    lo = np.array([0, 1] + [2 ** (b // 2) if b % 2 == 0 else 3 * 2 ** (b // 2 - 1) for b in range(2, nb + 1)],
-                  dtype=float)
-    width = lo[1:] - lo[:-1]
+            gap[i] = next_gap(gap[p], i - p)
+    cls = [reuse_class(r, g) for r, g in zip(returns, gap)]
+    model = ReuseModel()
     for i in range(n):
-        age = (nxt[i] - i) if nxt[i] >= 0 else (n - i)
-        ex[cls[i]] += np.clip(age - lo[:-1], 0, width)
-        if nxt[i] >= 0:
-            ev[cls[i], age_bucket(age)] += 1
-    haz = ev / np.maximum(ex, 1.0)
-    cum = np.zeros((len(haz), nb + 1))
-    np.cumsum(haz * width, axis=1, out=cum[:, 1:])
-    horizon = cap / max(1.0, float(lengths.mean()) * 0.6)  # requests to insert the cache's tokens
-
-    def lam(c, a):
-        b = min(age_bucket(a), nb - 1)
-        return cum[c, b] + haz[c, b] * (a - lo[b])
+        model.start(cls[i], i)
+        model.end(cls[i], i, int(nxt[i]) if nxt[i] >= 0 else n, bool(nxt[i] >= 0))
+    model._refresh(n)
 
     def victim(cache, now):
-        return min(cache, key=lambda k: (1 - math.exp(-(lam(cls[k], now - k + horizon) - lam(cls[k], now - k))), k))
+        return min(cache, key=lambda k: (model.density(cls[k], now - k), k))
     return victim, nxt
 
 
@@ -140,7 +126,7 @@ def main(argv=None) -> int:
     out = {"trace": path, "requests": len(reqs), "bound": float(shared.sum() / lengths.sum()), "budgets": {}}
     for gb in (float(x) for x in args.budgets.split(",")):
         cap = gb * 1e9 / per_token
-        victim, nxt = fitted_policy(parent, lengths, cap)
+        victim, nxt = fitted_policy(parent)
         far = np.where(nxt >= 0, nxt, len(reqs) + 1)
         res = {
             "lru": simulate(lengths, parent, shared, cap, lambda c, now: next(iter(c))),
