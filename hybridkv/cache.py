@@ -269,9 +269,9 @@ class HybridKVCache:
             n += take
         swa = np.empty(full.size, dtype=np.int32)
         swa.fill(NO_PAGE)  # np.full is a Python-level wrapper
-        w = handle.swa_pages.size
-        if w:
-            swa[n - w:n] = handle.swa_pages
+        ids = handle.ids  # the pinned window, as Python ints (None: nothing locked)
+        if ids:
+            swa[n - len(ids):n] = ids
         length = safe * self.page_size
         raw_length = raw_pages * self.page_size
         req = Request(rid if rid is not None else next(_rids), namespace, tokens, length,

@@ -25,7 +25,7 @@ import functools
 import heapq
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
 import numpy as np
@@ -158,13 +158,32 @@ class MatchResult:
     node: TreeNode | None
 
 
-@dataclass
 class LockHandle:
-    """What :meth:`WindowSafeTree.lock` pinned; give it back to :meth:`unlock`."""
+    """What :meth:`WindowSafeTree.lock` pinned; give it back to :meth:`unlock`.
 
-    node: TreeNode | None
-    swa_pages: np.ndarray = field(default_factory=lambda: _EMPTY)
-    released: bool = False
+    ``node``: the locked node (None: nothing locked).  ``swa_pages``: the
+    pinned SWA page ids (int32).  ``ids``: the same as Python ints when the
+    tree pinned a window (a few pages; the request path reads them without
+    building an array).  ``released``: :meth:`unlock` was called.
+    """
+
+    __slots__ = ("node", "_pages", "ids", "released")
+
+    def __init__(self, node: TreeNode | None, swa_pages: np.ndarray | None = None,
+                 ids: list[int] | None = None) -> None:
+        self.node = node
+        self._pages = swa_pages
+        self.ids = ids
+        self.released = False
+
+    @property
+    def swa_pages(self) -> np.ndarray:
+        if self._pages is None:
+            self._pages = np.array(self.ids, dtype=np.int32) if self.ids else _EMPTY
+        return self._pages
+
+    def __repr__(self) -> str:
+        return f"LockHandle(node={self.node!r}, swa_pages={self.swa_pages!r}, released={self.released})"
 
 
 @dataclass
@@ -751,7 +770,7 @@ class WindowSafeTree:
             n = n.parent
         self.protected_full_pages += protected
         self._pin_ids(ids, +1)
-        return LockHandle(node, np.array(ids, dtype=np.int32) if ids else _EMPTY)
+        return LockHandle(node, None, ids)
 
     def unlock(self, handle: LockHandle) -> None:
         """Undo :meth:`lock`.  O(depth).  Raises ValueError on a second release."""
@@ -763,11 +782,15 @@ class WindowSafeTree:
         node = handle.node
         if node is None:
             return
-        pages = handle.swa_pages
-        if pages.size <= _SCALAR_PINS:
-            self._pin_ids(pages.tolist(), -1)
+        ids = handle.ids
+        if ids is not None:
+            self._pin_ids(ids, -1)
         else:
-            self._pin(pages, -1)
+            pages = handle.swa_pages
+            if pages.size <= _SCALAR_PINS:
+                self._pin_ids(pages.tolist(), -1)
+            else:
+                self._pin(pages, -1)
         window = self.policy.window_pages
         n: TreeNode = node
         while n.parent is not None:
