@@ -251,6 +251,9 @@ class WindowSafeTree:
         self._by_class: list[OrderedDict[int, TreeNode]] = [OrderedDict() for _ in range(ReuseModel.CLASSES)]
         self._victims: list | None = None  # "value" ranking: candidates ranked in this evict() call
         self._ghost_returns: dict[tuple[str, int], tuple[int, float]] = {}  # (namespace, pos) -> history of a ghost that came back
+        # (namespace, pos) -> history of a sequence a request left at pos (diverged): the node
+        # that ends at pos after the request's insert is the part that came back
+        self._branch_returns: dict[tuple[str, int], tuple[int, float]] = {}
         self.num_nodes = 0
         self.full_pages_cached = 0
         self.swa_pages_cached = 0
@@ -413,6 +416,10 @@ class WindowSafeTree:
         for _, k in path:
             raw_pages += k
         safe = self._safe_pages(path, raw_pages)
+        # the request leaves the cached sequence inside its last node (not at its end,
+        # and not because the request ends there): it diverges, e.g. a new question on
+        # a cached document or a regenerated reply
+        diverged = bool(path) and path[-1][1] < len(path[-1][0].full) and raw_pages * size < limit
         parts: list[tuple[TreeNode, int]] = []
         node: TreeNode | None = None
         left = safe
@@ -444,7 +451,15 @@ class WindowSafeTree:
                         self._ghost_returns[(namespace, pos)] = came_back
             if path:
                 last = path[-1][0]
-                returned = self.value_ranking and last.vcls >= 0
+                # a request that diverges inside the leaf did not bring its tail back: the
+                # tail's at-risk period goes on (crediting it made ranking worse than LRU
+                # on a trace of documents asked several questions)
+                returned = self.value_ranking and last.vcls >= 0 and not diverged
+                if diverged and self.value_ranking:  # the prefix up to pos came back
+                    if len(self._branch_returns) > 4096:
+                        self._branch_returns.clear()
+                    self._branch_returns[(namespace, pos)] = (
+                        last.returns + 1, next_gap(last.gap, self._tick - last.last_access))
                 if returned:  # a cached sequence came back: its period ends with a return
                     self.reuse.end(last.vcls, last.since, self._tick, True)
                     self._unfile(last, end=False)
@@ -717,6 +732,10 @@ class WindowSafeTree:
                 # the next turn of a sequence inherits its history; so does one whose ghost was hit
                 if node is not root and len(node.children) == 1:
                     leaf.returns, leaf.gap = node.returns, node.gap
+                if self._branch_returns and node is not root:
+                    history = self._branch_returns.pop((namespace, pi * size), None)
+                    if history is not None and history[0] > node.returns:
+                        node.returns, node.gap = history  # the branch point came back
                 if self._ghost_returns:
                     history = self._ghost_returns.pop((namespace, pi * size), None)
                     if history is not None and history[0] > leaf.returns:
@@ -1094,12 +1113,18 @@ class WindowSafeTree:
             cls, since = node.vcls, node.since
             self._unfile(node, end=False)
             if parent.parent is not None and not parent.children:
-                # the parent is the same sequence, shorter: it carries the period on
-                parent.returns, parent.gap = node.returns, node.gap
-                if cls >= 0:
-                    self._file(parent, cls, since)
-                else:
+                if parent.returns > node.returns:
+                    # requests branched off the parent: it came back on its own account
+                    if cls >= 0:
+                        self.reuse.end(cls, since, self._tick, False)
                     self._file(parent)
+                else:
+                    # the parent is the same sequence, shorter: it carries the period on
+                    parent.returns, parent.gap = node.returns, node.gap
+                    if cls >= 0:
+                        self._file(parent, cls, since)
+                    else:
+                        self._file(parent)
             elif cls >= 0:  # watch for the sequence's return where its pages started
                 # ghosts in proportion to what is cached (a few turnovers' worth of leaves)
                 self.reuse.max_ghosts = 4 * self.num_nodes + 1024

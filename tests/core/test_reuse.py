@@ -135,3 +135,57 @@ def test_reuse_state_stays_bounded_and_consistent_under_churn():
     tree = cache.tree
     assert tree.reuse.ghost_count() <= 4 * tree.num_nodes + 1024 and tree.reuse.observed > 0
     assert len(tree._ghost_returns) <= 4097
+
+
+def _leaf(cache, tokens):
+    """The tree node whose key ends ``tokens`` (a cached sequence's tail)."""
+    tree = cache.tree
+    for node in tree.iter_nodes():
+        end = node.start + len(node.key)
+        if end == len(tokens) and np.array_equal(node.key, np.asarray(tokens[node.start:end], np.int32)):
+            return node
+    raise AssertionError("not cached")
+
+
+def test_a_return_is_counted_only_when_the_request_reaches_the_cached_end():
+    """A continuation or an exact repeat brings the cached sequence back; a request
+    that diverges inside its last node (another question on a cached document)
+    does not: the tail's period goes on, its history unchanged."""
+    cache = HybridKVCache(spec(), CacheConfig(full_pages=64, swa_pages=64, swa_checkpoint=0,
+                                              eviction_ranking="value"))
+    doc = list(range(100, 124))                      # 12 pages
+    run(cache, doc)
+    tail = _leaf(cache, doc)
+    assert tail.returns == 0 and tail.vcls >= 0
+    since, observed = tail.since, cache.tree.reuse.observed
+    # diverges after 8 of the 12 pages
+    run(cache, doc[:16] + [7, 7, 7, 7, 7, 7, 7, 7, 7])
+    assert tail.alive and not tail.children and tail.returns == 0
+    assert tail.since == since and cache.tree.reuse.observed == observed
+    # an exact repeat reaches the end of what can hit (the last token is never a hit)
+    run(cache, doc)
+    assert tail.returns == 1 and tail.since > since and cache.tree.reuse.observed == observed + 1
+    # a continuation too: the new tail inherits the history
+    run(cache, doc + [9, 9, 9, 9, 9])
+    assert _leaf(cache, doc + [9, 9, 9, 9]).returns == 2
+
+
+def test_the_node_a_request_branches_off_is_credited_and_keeps_it_as_a_leaf():
+    """Two questions on one cached document: the document (the node the second
+    request branches off) came back, its first question's tail did not.  Once its
+    children are evicted, the document is a leaf of a returning class."""
+    cache = HybridKVCache(spec(), CacheConfig(full_pages=64, swa_pages=64, swa_checkpoint=0,
+                                              eviction_ranking="value"))
+    doc = list(range(100, 116))                          # 8 pages
+    first, second = doc + [1] * 8, doc + [2] * 8
+    run(cache, first)
+    run(cache, second)                                   # diverges after the document
+    tree = cache.tree
+    branch = _leaf(cache, doc)
+    assert len(branch.children) == 2 and branch.returns == 1 and branch.gap >= 0
+    assert _leaf(cache, first[:-1] if len(first) % 2 else first).returns == 0
+    # evict both questions: the document becomes a leaf filed under its own history
+    tree.evict(full_pages=8)
+    assert branch.alive and not branch.children
+    assert branch.vcls == reuse_class(1, branch.gap) != 0
+    tree.check_invariants()
