@@ -451,10 +451,12 @@ class WindowSafeTree:
                         self._ghost_returns[(namespace, pos)] = came_back
             if path:
                 last = path[-1][0]
-                # a request that diverges inside the leaf did not bring its tail back: the
-                # tail's at-risk period goes on (crediting it made ranking worse than LRU
-                # on a trace of documents asked several questions)
-                returned = self.value_ranking and last.vcls >= 0 and not diverged
+                # a request that diverges inside the leaf brought the sequence back up to
+                # ``pos``: the return counts for the leaf's class (its period ends), but the
+                # history goes to the node that will end at ``pos`` (the branch point), not
+                # to the tail past it (crediting the tail made the ranking worse than LRU on
+                # a trace of documents asked several questions)
+                returned = self.value_ranking and last.vcls >= 0
                 if diverged and self.value_ranking:  # the prefix up to pos came back
                     if len(self._branch_returns) > 4096:
                         self._branch_returns.clear()
@@ -463,8 +465,9 @@ class WindowSafeTree:
                 if returned:  # a cached sequence came back: its period ends with a return
                     self.reuse.end(last.vcls, last.since, self._tick, True)
                     self._unfile(last, end=False)
-                    last.returns += 1
-                    last.gap = next_gap(last.gap, self._tick - last.since)
+                    if not diverged:
+                        last.returns += 1
+                        last.gap = next_gap(last.gap, self._tick - last.since)
                 now = self._now()
                 for n, _ in path:
                     if n.key is not None:
