@@ -340,7 +340,10 @@ class HybridKVCache:
         if end > req.allocated:
             req.allocated = end
 
-    def _grow(self, req: Request, need: int) -> None:
+    def _grow(self, req: Request, need: int, waiting: set | None = None) -> None:
+        """Give ``req`` ``need`` more pages of each kind, evicting if needed; raises
+        :class:`CacheFullError` with ``req`` unchanged.  ``waiting``: ids of other
+        requests (rows of a step not served yet) whose spare SWA is not released."""
         got = self.pool._alloc(need, need)
         if got is None:
             short = self.pool.shortfall(need, need)
@@ -349,16 +352,36 @@ class HybridKVCache:
         if got is None and self.config.retention == "adaptive":
             # SWA that live requests kept while memory was spare is the cheapest to give back
             for live in self._live.values():
-                self._release(live, force=True)
+                if live is not req and (waiting is None or id(live) not in waiting):
+                    self._release(live, force=True)
+            # the request's own spare SWA goes too, but only once the allocation is sure to
+            # succeed with it (a request that gets CacheFullError is left exactly as it
+            # was): evict what is short beyond it, then release it if that is enough
+            own = self._own_releasable(req)
+            sb = self.pool.swa_page_bytes
             short = self.pool.shortfall(need, need)
-            self.tree.evict(short[0], short[1], short[2])
+            self.tree.evict(short[0], max(0, short[1] - own), max(0, short[2] - own * sb))
             got = self.pool._alloc(need, need)
+            if got is None and own:
+                short = self.pool.shortfall(need, need)
+                if short[0] == 0 and short[1] <= own and short[2] <= own * sb:
+                    self._release(req, force=True)
+                    got = self.pool._alloc(need, need)
         if got is None:
             self.counters["rejected"] += 1
             raise CacheFullError(f"cannot allocate {need} pages in both pools "
                                  f"(free bytes {self.pool.free_bytes()}, evictable full pages "
                                  f"{self.tree.evictable_full_pages()}, swa {self.tree.evictable_swa_pages()})")
         self._place(req, got[0], got[1])
+
+    def _own_releasable(self, req: Request) -> int:
+        """SWA pages ``_release(req, force=True)`` would free now.  O(1 + runs)."""
+        retain = self.tree.policy
+        cut = retain.release_cut(req.computed)
+        lo = req.release_mark if req.release_mark > req.tree_pages else req.tree_pages
+        if cut <= lo:
+            return 0
+        return sum(b - a for a, b in retain.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len))
 
     @staticmethod
     def _place(req: Request, full: np.ndarray, swa: np.ndarray) -> None:
@@ -550,7 +573,7 @@ class HybridKVCache:
             if end > req.n_pages * P:
                 pending.append((i, req, -(-end // P) - req.n_pages, appended))
         if pending:
-            self._step_grow(pending, ok, errors, nums, grew)
+            self._step_grow(pending, ok, errors, nums, grew, reqs)
         for i, req in enumerate(reqs):  # slots of every row that got its pages
             k = nums[i]
             if not k:
@@ -570,7 +593,8 @@ class HybridKVCache:
                 ss[i] = self._swa_slots(req, start, end)
         return self._step_batch(reqs, ok, errors, starts, nums, fs, ss, multi, grew)
 
-    def _step_grow(self, pending: list, ok: np.ndarray, errors: dict, nums: list, grew: list) -> None:
+    def _step_grow(self, pending: list, ok: np.ndarray, errors: dict, nums: list, grew: list,
+                   reqs: list) -> None:
         """Pages for the rows of a step that cross a page boundary: one pool call for
         all of them when memory is free (decode: every row of a batch that started
         together crosses at once), else row by row with eviction; a row that cannot
@@ -578,6 +602,10 @@ class HybridKVCache:
         total = sum(need for _, _, need, _ in pending)
         got = self.pool._alloc(total, total)
         o = 0
+        # rows that failed already, and rows still waiting for pages (they may yet fail),
+        # are left as they were: no other row's growth releases their spare SWA
+        waiting = {id(req) for _, req, _, _ in pending}
+        waiting.update(id(reqs[i]) for i in np.flatnonzero(~ok).tolist())
         for i, req, need, appended in pending:
             before = req.n_pages
             if got is not None:
@@ -585,13 +613,14 @@ class HybridKVCache:
                 o += need
             else:
                 try:
-                    self._grow(req, need)
+                    self._grow(req, need, waiting)
                 except CacheFullError as exc:
                     req.n_tokens -= appended
                     ok[i] = False
                     errors[i] = exc
                     nums[i] = 0
                     continue
+            waiting.discard(id(req))
             grew.append((i, before, req.n_pages))
 
     @staticmethod

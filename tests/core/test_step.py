@@ -248,3 +248,53 @@ def test_reference_model_through_the_batched_step():
             cache.finish(r)
         cache.check_invariants()
     assert isinstance(batch, StepBatch)
+
+
+def test_failed_allocation_leaves_the_request_as_it_was_under_adaptive_retention():
+    """Under ``adaptive`` retention a request keeps its out-of-window SWA while memory
+    is spare.  An allocation that fails must not release it first (the request is
+    unchanged); one that succeeds only by releasing it does release it."""
+    sp = spec(page=2, window=4)
+    budget = 16 * (sp.bytes_per_page("full") + sp.bytes_per_page("swa"))
+    cache = HybridKVCache(sp, CacheConfig(budget_bytes=budget, retention="adaptive", spare_fraction=0.0,
+                                          swa_checkpoint=0, device="cpu"))
+    req = cache.begin(np.arange(1, 61, dtype=np.int32))
+    cache.allocate(req, 24)
+    cache.commit(req, 24)                      # 12 pages; memory was spare: their SWA is kept
+    held = int(np.count_nonzero(req.swa_pages[:req.n_pages] >= 0))
+    assert held == 12
+    before = (req.swa_pages.copy(), req.full_pages.copy(), req.release_mark, req.n_pages, req.allocated)
+    with pytest.raises(CacheFullError):
+        cache.allocate(req, 30)                # 15 more pages: not even with its own SWA freed
+    assert np.array_equal(req.swa_pages, before[0]) and np.array_equal(req.full_pages, before[1])
+    assert (req.release_mark, req.n_pages, req.allocated) == before[2:]
+    cache.check_invariants()
+    cache.allocate(req, 10)                    # 5 more pages: fits once its spare SWA goes
+    assert int(np.count_nonzero(req.swa_pages[:12] >= 0)) < held
+    cache.commit(req, 10)
+    cache.finish(req)
+    cache.check_invariants()
+
+
+def test_failed_step_rows_stay_as_they_were_while_other_rows_take_spare_swa():
+    """A row that fails (bad ``num_new``, or no memory) is left exactly as it was,
+    even when another row of the same step needs the spare SWA of live requests."""
+    sp = spec(page=2, window=4)
+    budget = 16 * (sp.bytes_per_page("full") + sp.bytes_per_page("swa"))
+    cache = HybridKVCache(sp, CacheConfig(budget_bytes=budget, retention="adaptive", spare_fraction=0.0,
+                                          swa_checkpoint=0, device="cpu"))
+    a = cache.begin(np.arange(1, 21, dtype=np.int32))
+    b = cache.begin(np.arange(100, 140, dtype=np.int32))
+    for req, n in ((a, 12), (b, 16)):
+        cache.allocate(req, n)
+        cache.commit(req, n)                   # memory spare: both keep all their SWA
+    assert int(np.count_nonzero(a.swa_pages[:a.n_pages] >= 0)) == 6
+    snap = (a.swa_pages.copy(), a.full_pages.copy(), a.n_pages, a.computed, a.n_tokens)
+    # row 0 asks past its tokens (ValueError); row 1 needs 3 pages: there once spare SWA goes
+    batch = cache.step([a, b], num_new=np.array([50, 6]))
+    assert not batch.ok[0] and isinstance(batch.errors[0], ValueError) and batch.ok[1]
+    assert np.array_equal(a.swa_pages, snap[0]) and np.array_equal(a.full_pages, snap[1])
+    assert (a.n_pages, a.computed, a.n_tokens) == snap[2:]
+    assert int(np.count_nonzero(b.swa_pages[:8] >= 0)) < 8   # row 1 gave its own spare SWA
+    cache.commit_step(batch)
+    cache.check_invariants()
