@@ -376,12 +376,11 @@ class HybridKVCache:
 
     def _own_releasable(self, req: Request) -> int:
         """SWA pages ``_release(req, force=True)`` would free now.  O(1 + runs)."""
-        retain = self.tree.policy
-        cut = retain.release_cut(req.computed)
-        lo = req.release_mark if req.release_mark > req.tree_pages else req.tree_pages
+        lo, cut = self._release_range(req)
         if cut <= lo:
             return 0
-        return sum(b - a for a, b in retain.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len))
+        runs = self.tree.policy.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len)
+        return sum(b - a for a, b in runs)
 
     @staticmethod
     def _place(req: Request, full: np.ndarray, swa: np.ndarray) -> None:
@@ -431,15 +430,18 @@ class HybridKVCache:
         req.last_release = req.computed
         return self._release(req, force=False)
 
+    def _release_range(self, req: Request) -> tuple[int, int]:
+        """``(lo, cut)``: the pages ``[lo, cut)`` a release scans.  The tree's
+        RetentionPolicy gives the cut; only pages added since the last release are
+        scanned (``release_mark``): O(new pages) per release."""
+        cut = self.tree.policy.release_cut(req.computed)
+        return (req.release_mark if req.release_mark > req.tree_pages else req.tree_pages), cut
+
     def _release(self, req: Request, force: bool) -> int:
         policy = self.config.retention
         if policy in ("none", "dense"):
             return 0
-        # The tree's RetentionPolicy decides what survives; only pages added since the
-        # last release are scanned (``release_mark``): O(new pages) per release.
-        retain = self.tree.policy
-        cut = retain.release_cut(req.computed)
-        lo = req.release_mark if req.release_mark > req.tree_pages else req.tree_pages
+        lo, cut = self._release_range(req)
         if cut <= lo:
             return 0  # nothing new to scan (checked first: it is cheaper than free_bytes)
         if (policy == "adaptive" and not force
@@ -449,7 +451,7 @@ class HybridKVCache:
         # Pages from the release mark on were never released, so all hold SWA (checked
         # by check_invariants): free the runs the policy releases, no per-page mask.
         swa = req.swa_pages
-        runs = retain.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len)
+        runs = self.tree.policy.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len)
         if not runs:
             return 0
         if len(runs) == 1:

@@ -257,6 +257,12 @@ class _ContentRules(RuleBasedStateMachine):
             self._expect("hit via slots", req.namespace, req.tokens, layer, pos, k.numpy(), v.numpy())
 
     # ------------------------------------------------------------ prompts
+    def _request(self, ns: str, source: int, length: int, tail: int) -> tuple[str, np.ndarray]:
+        """``(namespace, prompt)``: a later turn of an earlier conversation keeps its namespace."""
+        if source >= 3 and self.history:
+            ns = self.history[source % len(self.history)][0]
+        return ns, self._prompt(source, length, tail)
+
     def _prompt(self, source: int, length: int, tail: int) -> np.ndarray:
         P = self.spec.page_size
         if source < 3 or not self.history:
@@ -281,9 +287,7 @@ class _ContentRules(RuleBasedStateMachine):
     @rule(ns=st.sampled_from(NAMESPACES), source=st.integers(0, 6), length=st.integers(0, 64),
           tail=st.integers(1, 6))
     def begin(self, ns, source, length, tail):
-        if source >= 3 and self.history:
-            ns = self.history[source % len(self.history)][0]
-        self._begin(ns, self._prompt(source, length, tail))
+        self._begin(*self._request(ns, source, length, tail))
 
     def _begin(self, ns: str, tokens: np.ndarray):
         req = self.cache.begin(tokens, ns)
@@ -309,9 +313,7 @@ class _ContentRules(RuleBasedStateMachine):
           tail=st.integers(1, 6), chunk=st.integers(1, 32), decode=st.integers(0, 3), batched=st.booleans())
     def whole_request(self, ns, source, length, tail, chunk, decode, batched):
         """The common engine flow: begin, chunked prefill, a few decode tokens, finish (cached)."""
-        if source >= 3 and self.history:
-            ns = self.history[source % len(self.history)][0]
-        self._whole(ns, self._prompt(source, length, tail), chunk, decode, batched)
+        self._whole(*self._request(ns, source, length, tail), chunk, decode, batched)
 
     @precondition(lambda self: self._ready() and len(self.live) < MAX_LIVE)
     @rule(ns=st.sampled_from(NAMESPACES), base=st.integers(0, 2), length=st.integers(0, 64),
@@ -488,9 +490,7 @@ class _ContentRules(RuleBasedStateMachine):
     @rule(ns=st.sampled_from(NAMESPACES), source=st.integers(0, 6), length=st.integers(0, 64),
           tail=st.integers(1, 3))
     def peek(self, ns, source, length, tail):
-        if source >= 3 and self.history:
-            ns = self.history[source % len(self.history)][0]
-        tokens = self._prompt(source, length, tail)
+        ns, tokens = self._request(ns, source, length, tail)
         m = self.cache.match(tokens, ns)
         assert m.length <= max(0, len(tokens) - 1)
         if m.length:
@@ -662,9 +662,8 @@ class TierContentMachine(_ContentRules):
           tail=st.integers(1, 3))
     def prefetch(self, ns, source, length, tail):
         """Prefetch L3 -> L2; every other one is not waited for (it lands while we go on)."""
-        if source >= 3 and self.history:
-            ns = self.history[source % len(self.history)][0]
-        handle = self.cache.prefetch(self._prompt(source, length, tail), ns)
+        ns, tokens = self._request(ns, source, length, tail)
+        handle = self.cache.prefetch(tokens, ns)
         if tail != 2:
             assert handle.wait(30.0)
 
