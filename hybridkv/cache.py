@@ -54,6 +54,26 @@ class CacheFullError(RuntimeError):
     """Not enough free or evictable memory; the request's state is unchanged."""
 
 
+def _own_tokens(tokens: object) -> tuple[np.ndarray, int]:
+    """A request's own copy of ``tokens`` (validated like :func:`as_token_array`):
+    a fresh int32 buffer with room for decode appends, and the token count.
+    An int32 array, the common input, is checked on the copy, so the caller's
+    array is read once (the copy is still in the CPU cache when its min is taken)."""
+    if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1:
+        n = tokens.size
+        buf = np.empty(n + max(16, n // 8), dtype=np.int32)
+        view = buf[:n]
+        view[:] = tokens
+        if n and view.min() < 0:
+            as_token_array(tokens)  # raises the ValueError that names the argument
+        return buf, n
+    arr = as_token_array(tokens)
+    n = arr.size
+    buf = np.empty(n + max(16, n // 8), dtype=np.int32)
+    buf[:n] = arr
+    return buf, n
+
+
 def _count(value: object, name: str, minimum: int = 1) -> int:
     """An int argument (bools rejected) >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -130,15 +150,15 @@ class Request:
                  "swa_pages", "tree_pages", "handle", "computed", "n_pages", "allocated", "last_release",
                  "release_mark", "finished", "extra", "__weakref__")
 
-    def __init__(self, rid: Any, namespace: str, tokens: np.ndarray, prefix_len: int, raw_match_len: int,
-                 full_pages: np.ndarray, swa_pages: np.ndarray, tree_pages: int, handle: LockHandle,
-                 computed: int = 0, n_pages: int = 0, last_release: int = 0) -> None:
+    def __init__(self, rid: Any, namespace: str, buf: np.ndarray, n_tokens: int, prefix_len: int,
+                 raw_match_len: int, full_pages: np.ndarray, swa_pages: np.ndarray, tree_pages: int,
+                 handle: LockHandle, computed: int = 0, n_pages: int = 0, last_release: int = 0) -> None:
         self.rid = rid
         self.namespace = namespace
-        # the request owns a copy of its tokens with room to grow: decode appends in place
-        self._tok = np.empty(len(tokens) + max(16, len(tokens) // 8), dtype=np.int32)
-        self._tok[:len(tokens)] = tokens
-        self.n_tokens = len(tokens)
+        # the request owns its tokens (``buf``, from _own_tokens: a copy with room to
+        # grow), so decode appends in place and the caller may reuse its array
+        self._tok = buf
+        self.n_tokens = n_tokens
         self.prefix_len = prefix_len
         self.raw_match_len = raw_match_len
         self.full_pages = full_pages
@@ -248,14 +268,16 @@ class HybridKVCache:
         The hit never covers the last prompt token (its logits are needed).
         Runtime complexity: that of :meth:`WindowSafeTree.match` plus O(depth).
         """
-        tokens = as_token_array(tokens)
-        if len(tokens) == 0:
+        buf, n = _own_tokens(tokens)
+        if n == 0:
             raise ValueError("tokens must not be empty")
         self._check_namespace(namespace)
-        return self._begin(tokens, namespace, rid)
+        return self._begin(buf, n, namespace, rid)
 
-    def _begin(self, tokens: np.ndarray, namespace: str, rid: Any) -> Request:
+    def _begin(self, buf: np.ndarray, n_tokens: int, namespace: str, rid: Any) -> Request:
+        """``buf``: the request's own token buffer (:func:`_own_tokens`), ``n_tokens`` used."""
         tree = self.tree
+        tokens = buf[:n_tokens]
         t0 = time.perf_counter()
         # the hit's page ids are copied once, straight from the nodes into the request
         safe, raw_pages, parts, node = tree._match_parts(tokens, namespace, len(tokens) - 1, True, True)
@@ -274,7 +296,7 @@ class HybridKVCache:
             swa[n - len(ids):n] = ids
         length = safe * self.page_size
         raw_length = raw_pages * self.page_size
-        req = Request(rid if rid is not None else next(_rids), namespace, tokens, length,
+        req = Request(rid if rid is not None else next(_rids), namespace, buf, n_tokens, length,
                       raw_length, full, swa, n, handle, computed=length, n_pages=n, last_release=length)
         self._live[id(req)] = req
         c = self.counters
