@@ -91,6 +91,23 @@ def test_replay_under_pressure_keeps_invariants():
     assert out["systems"]["hybridkv"]["hit_tokens"] > 0
 
 
+def test_replay_blocks_keep_systems_independent_and_report_every_request():
+    """Systems serve each block back to back (not request by request): each system's
+    figures equal a replay of that system alone, and progress sees every request."""
+    spec = ModelSpec.preset("mimo-v2.5-pro")
+    reqs = load_trace(bundled_sample(), limit=150)  # blocks of 64: two whole, one partial
+    seen = []
+    both = replay(reqs, spec, int(20e9), systems=("hybridkv", "naive"), references=False,
+                  progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(i + 1, len(reqs)) for i in range(len(reqs))]
+    for name in ("hybridkv", "naive"):
+        alone = replay(reqs, spec, int(20e9), systems=(name,), references=False)
+        for key in ("hit_tokens", "evicted_tokens", "rejected_requests"):
+            assert both["systems"][name][key] == alone["systems"][name][key], (name, key)
+    assert both["systems"]["hybridkv"]["evicted_tokens"] > 0  # the budget binds: order matters
+    assert both["prefix_bound_hit_tokens"] > 0
+
+
 def test_cli_replay_json(capsys):
     assert main(["replay", "--limit", "150", "--json", "--hbm-gb", "100"]) == 0
     out = json.loads(capsys.readouterr().out)
