@@ -17,7 +17,10 @@ extends it).  Capacity is the budget in full-KV tokens.  Policies evict:
 * ``belady``: the one whose next use is farthest (offline optimum here);
 * ``fitted``: the ``"value"`` ranking's rule (lowest hit density per reuse
   class and idle time, :class:`hybridkv.radix.reuse.ReuseModel`) with the
-  model fed every return period of the whole trace before the replay.
+  model fed every return period of the whole trace before the replay;
+* ``online``: the same rule learning as the replay goes, as the cache does
+  (a period starts at insert and ends at the sequence's return, seen in the
+  cache or through an unbounded ghost list): what learning costs.
 
 The hit rates are token hit rates of this simplified model (no shared
 system-prompt nodes, no partial hits), so they sit below the replay's; the
@@ -110,6 +113,39 @@ def fitted_policy(parent):
     return victim, nxt
 
 
+def simulate_online(lengths, parent, shared, cap):
+    """:func:`simulate` with the ``"value"`` rule learned online (see the module docstring)."""
+    n = len(lengths)
+    model = ReuseModel(ghosts=n)
+    returns = np.zeros(n, dtype=int)
+    gap = np.full(n, -1.0)
+    cls = [0] * n
+    cache: dict[int, int] = {}
+    used = hits = 0
+    for i, size in enumerate(lengths):
+        p = int(parent[i])
+        if p >= 0:
+            returns[i] = returns[p] + 1
+            gap[i] = next_gap(gap[p], i - p)
+            if p in cache:
+                hits += shared[i]
+                used -= cache.pop(p)
+                model.end(cls[p], p, i, True)
+            else:
+                model.on_miss(p, i)  # a ghost: its return is seen all the same
+        cls[i] = reuse_class(int(returns[i]), float(gap[i]))
+        if size > cap:
+            continue
+        while used + size > cap:
+            v = min(cache, key=lambda k: (model.density(cls[k], i - k), k))
+            used -= cache.pop(v)
+            model.remember(v, cls[v], v, i, (0, 0.0))
+        cache[i] = int(size)
+        used += int(size)
+        model.start(cls[i], i)
+    return hits / lengths.sum()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", nargs="?", default=None)
@@ -132,11 +168,12 @@ def main(argv=None) -> int:
             "lru": simulate(lengths, parent, shared, cap, lambda c, now: next(iter(c))),
             "belady": simulate(lengths, parent, shared, cap, lambda c, now: max(c, key=lambda k: far[k])),
             "fitted": simulate(lengths, parent, shared, cap, victim),
+            "online": simulate_online(lengths, parent, shared, cap),
         }
         out["budgets"][f"{gb:g}"] = res
         if not args.json:
             print(f"{gb:g} GB ({cap / 1e6:.2f}M tokens): LRU {res['lru']:.2%}  fitted class x age {res['fitted']:.2%}  "
-                  f"Belady {res['belady']:.2%}  (bound {out['bound']:.2%})")
+                  f"online {res['online']:.2%}  Belady {res['belady']:.2%}  (bound {out['bound']:.2%})")
     if args.json:
         print(json.dumps(out))
     return 0
