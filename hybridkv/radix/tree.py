@@ -576,10 +576,15 @@ class WindowSafeTree:
                 heapq.heappush(self._anchor_heap, entry)
         # lazy heaps collect stale entries; rebuilding at 4x the live nodes keeps
         # memory O(nodes) (the anchor heap was left out and grew without bound)
-        limit = 4 * self.num_nodes + 4096
+        limit = self.heap_limit()
         if (len(self._swa_heap) > limit or len(self._anchor_heap) > limit
                 or len(self._leaf_heap) + len(self._reused_heap) > limit):
             self._rebuild_heaps()
+
+    def heap_limit(self) -> int:
+        """Entries a lazy heap may hold (stale ones included) before the heaps are
+        rebuilt from the live nodes: 4x the nodes + 4096, so their memory is O(nodes)."""
+        return 4 * self.num_nodes + 4096
 
     @staticmethod
     def _fresh(heap: list, t: int, node: TreeNode) -> bool:

@@ -6,7 +6,7 @@ rebuilt with the others (+100% from pass 2 to 4 here)."""
 from __future__ import annotations
 
 from hybridkv import ModelSpec
-from hybridkv.soak import growth, index_sizes, soak
+from hybridkv.soak import growth, index_sizes, lazy_heaps, soak
 from hybridkv.traces import bundled_sample, load_trace
 
 
@@ -20,6 +20,10 @@ def test_soak_heap_and_indexes_stop_growing():
     last = records[-1]["indexes"]
     for name, frac in g.items():
         if name == "heap_bytes" or frac < 0.15:
+            continue
+        if name.startswith("tree.") and name.endswith("_heap"):
+            # lazy heaps: a saw-tooth between rebuilds at 4x the nodes + 4096
+            assert lazy_heaps(records)[name]["max"] <= max(r["heap_limit"] for r in records), name
             continue
         if name in ("tree.reuse._ghosts", "tree.reuse._running"):
             # the reuse model's ghosts fill up to their cap, 4x the cached nodes + 1024;
@@ -38,3 +42,23 @@ def test_index_sizes_sees_the_tree_heaps():
     sizes = index_sizes(cache)
     assert any(k.startswith("tree.") and "heap" in k for k in sizes), sizes
     assert "_live" in sizes and "pool.full._allocated" in sizes
+
+
+def test_lazy_heaps_stay_within_their_rebuild_limit():
+    from hybridkv import CacheConfig, HybridKVCache
+    from hybridkv.replay import ReplayStats, run_request
+    from hybridkv.traces import TokenMaterializer
+    spec = ModelSpec.preset("mimo-v2.5-pro", page_size=64)
+    cache = HybridKVCache(spec, CacheConfig(budget_bytes=20 * 10**9))
+    tree, mat, stats = cache.tree, TokenMaterializer(), ReplayStats("hybridkv", cache=cache)
+    worst = 0
+    for r in load_trace(bundled_sample(), limit=400):
+        run_request(cache, mat.tokens(r), r.namespace, 8192, stats)
+        limit = tree.heap_limit()
+        assert limit == 4 * tree.num_nodes + 4096
+        for heap in (tree._swa_heap, tree._anchor_heap):
+            worst = max(worst, len(heap) / limit)
+    assert tree.evicted_full_pages > 0  # eviction popped and refreshed heap entries
+    # the next push past the limit rebuilds; between pushes, evicted nodes lower the
+    # limit (4 entries each) while their stale entries wait: O(nodes) all the same
+    assert worst <= 1.5, worst
