@@ -129,6 +129,19 @@ def test_step_bad_rows_and_stale_batches():
     assert batch.ok.tolist() == [False, True] and "not live" in str(batch.errors[0])
 
 
+def test_a_request_listed_twice_in_a_step_raises_and_changes_nothing():
+    cache = HybridKVCache(spec(), CacheConfig(full_pages=100, swa_pages=100))
+    r1, r2 = cache.begin(np.arange(5, dtype=np.int32)), cache.begin(np.arange(9, dtype=np.int32))
+    before = (snapshot(r1), snapshot(r2), cache.pool.full.num_free, cache.pool.swa.num_free)
+    with pytest.raises(ValueError, match=r"requests\[2\] is the same request as requests\[0\]"):
+        cache.step([r1, r2, r1], new_tokens=[7, 8, 9])  # two rows would both grow and commit r1
+    assert (snapshot(r1), snapshot(r2), cache.pool.full.num_free, cache.pool.swa.num_free) == before
+    batch = cache.step([r1, r2])
+    cache.commit_step(batch)
+    assert (r1.computed, r2.computed) == (5, 9)
+    cache.check_invariants()
+
+
 def test_decode_append_does_not_copy_the_prompt_each_token():
     cache = HybridKVCache(spec(), CacheConfig(full_pages=3000, swa_pages=3000, retention="eager"))
     req = cache.begin(np.arange(1000, dtype=np.int32))
