@@ -663,7 +663,22 @@ class WindowSafeTree:
         if n and swa.min() < NO_PAGE:
             raise ValueError("swa_pages must be page ids or -1")
         self.root(namespace)  # validates the namespace
+        if n:
+            self._check_owned(full, "full_pages", "full")
+            self._check_owned(swa[swa >= 0], "swa_pages", "swa")
         return self._insert(key, full, swa, namespace)
+
+    def _check_owned(self, pages: np.ndarray, name: str, kind: str) -> None:
+        """The tree frees what it takes without checks, so a page it is handed must be
+        allocated in its pool and listed once (else a later free would corrupt the
+        pool).  Checked where the pool can tell (a :class:`DualPool`); O(n)."""
+        alloc = getattr(self.pool, kind, None)
+        if alloc is None or not hasattr(alloc, "is_allocated") or pages.size == 0:
+            return
+        if not alloc.is_allocated(pages).all():
+            raise ValueError(f"{name} holds ids that are not allocated in the {kind} pool")
+        if pages.size > 1 and alloc._has_repeats(pages):
+            raise ValueError(f"{name} holds repeated ids")
 
     @_events_after
     def _insert(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray, namespace: str, *,

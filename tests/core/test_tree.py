@@ -199,6 +199,30 @@ def test_bad_input_changes_nothing():
     cache.check_invariants()
 
 
+def test_insert_of_pages_the_pool_did_not_hand_out_raises_and_changes_nothing():
+    """The tree frees what it owns without checks: a page that is not allocated, or
+    listed twice, would corrupt the pool at its free.  The public insert refuses them."""
+    cache = HybridKVCache(spec(), CacheConfig(full_pages=10, swa_pages=6))  # 2-token pages
+    key = np.arange(4, dtype=np.int32)
+    run(cache, key)  # the tree caches key's 2 pages: the caller's ids for them are freed as ours
+    before = cache.stats()
+    assert before["cached_tokens"] == 4
+    with pytest.raises(ValueError, match="full_pages holds ids that are not allocated"):
+        cache.tree.insert(key, [7, 8], [-1, -1])
+    full, swa = cache.pool.alloc(2, 2)
+    used = (cache.pool.full.num_used, cache.pool.swa.num_used)
+    other = np.arange(100, 104, dtype=np.int32)
+    with pytest.raises(ValueError, match="full_pages holds repeated ids"):
+        cache.tree.insert(other, [full[0], full[0]], swa)
+    with pytest.raises(ValueError, match="swa_pages holds ids that are not allocated"):
+        cache.tree.insert(other, full, [swa[0], 5])
+    assert cache.stats()["cached_tokens"] == 4
+    assert (cache.pool.full.num_used, cache.pool.swa.num_used) == used  # nothing freed
+    cache.tree.insert(other, full, swa)  # what the pool handed out
+    cache.check_invariants()
+    assert cache.stats()["cached_tokens"] == 8
+
+
 def test_budget_smaller_than_one_window_is_rejected():
     s = ModelSpec.preset("mimo-v2.5-pro")
     with pytest.raises(ValueError, match="window"):
