@@ -40,6 +40,7 @@ from ._validate import as_token_array
 from .pools import DualPool
 from .radix import LockHandle, MatchResult, TreeConfig, WindowSafeTree
 from .radix.node import NO_PAGE
+from .radix.tree import RANKINGS, SWA_EVICTIONS
 from .spec import ModelSpec
 
 __all__ = ["CacheConfig", "CacheFullError", "HybridKVCache", "Request", "StepBatch"]
@@ -136,6 +137,12 @@ class CacheConfig:
                 _count(value, name, minimum=1)
         if self.budget_bytes is not None:
             _count(self.budget_bytes, "budget_bytes", minimum=1)
+        # the tree checks these too, but under its own names (ranking): name the argument here
+        if self.eviction_ranking not in RANKINGS:
+            raise ValueError(f"eviction_ranking must be one of {RANKINGS}, got {self.eviction_ranking!r}")
+        if self.swa_eviction not in SWA_EVICTIONS:
+            raise ValueError(f"swa_eviction must be one of {SWA_EVICTIONS}, got {self.swa_eviction!r}")
+        _count(self.swa_checkpoint, "swa_checkpoint", minimum=0)
 
 
 class Request:

@@ -74,6 +74,10 @@ def _events_after(fn: Callable) -> Callable:
     return run
 
 
+RANKINGS = ("value", "adaptive", "arc", "lru")  # TreeConfig.ranking
+SWA_EVICTIONS = ("page", "node", "none")  # TreeConfig.swa_eviction
+
+
 class PagePool(Protocol):
     """What the tree needs from a pool: give pages back."""
 
@@ -114,8 +118,8 @@ class TreeConfig:
     ranking: str = "value"
 
     def __post_init__(self) -> None:
-        if self.ranking not in ("value", "adaptive", "arc", "lru"):
-            raise ValueError(f"ranking must be 'value', 'adaptive', 'arc' or 'lru', got {self.ranking!r}")
+        if self.ranking not in RANKINGS:
+            raise ValueError(f"ranking must be one of {RANKINGS}, got {self.ranking!r}")
         for name in ("page_size", "window", "swa_checkpoint"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -126,8 +130,8 @@ class TreeConfig:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if self.swa_checkpoint < 0:
             raise ValueError(f"swa_checkpoint must be >= 0, got {self.swa_checkpoint}")
-        if self.swa_eviction not in ("page", "node", "none"):
-            raise ValueError(f"swa_eviction must be 'page', 'node' or 'none', got {self.swa_eviction!r}")
+        if self.swa_eviction not in SWA_EVICTIONS:
+            raise ValueError(f"swa_eviction must be one of {SWA_EVICTIONS}, got {self.swa_eviction!r}")
 
     @property
     def window_pages(self) -> int:

@@ -161,6 +161,14 @@ def test_every_ranking_keeps_the_invariants_under_churn(ranking):
 def test_unknown_ranking_is_rejected():
     with pytest.raises(ValueError, match="ranking"):
         TreeConfig(2, 4, ranking="mru")
+    from hybridkv import CacheConfig
+    # the cache's config names its own arguments, at construction
+    with pytest.raises(ValueError, match="eviction_ranking must be one of"):
+        CacheConfig(budget_bytes=10**9, eviction_ranking="mru")
+    with pytest.raises(ValueError, match="swa_eviction must be one of"):
+        CacheConfig(budget_bytes=10**9, swa_eviction="all")
+    with pytest.raises(ValueError, match="swa_checkpoint must be an int >= 0"):
+        CacheConfig(budget_bytes=10**9, swa_checkpoint=-1)
 
 
 def test_trim_tells_listeners_which_pages_went():
