@@ -60,18 +60,13 @@ def _own_tokens(tokens: object) -> tuple[np.ndarray, int]:
     a fresh int32 buffer with room for decode appends, and the token count.
     An int32 array, the common input, is checked on the copy, so the caller's
     array is read once (the copy is still in the CPU cache when its min is taken)."""
-    if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1:
-        n = tokens.size
-        buf = np.empty(n + max(16, n // 8), dtype=np.int32)
-        view = buf[:n]
-        view[:] = tokens
-        if n and view.min() < 0:
-            as_token_array(tokens)  # raises the ValueError that names the argument
-        return buf, n
-    arr = as_token_array(tokens)
+    plain = type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1
+    arr = tokens if plain else as_token_array(tokens)
     n = arr.size
     buf = np.empty(n + max(16, n // 8), dtype=np.int32)
     buf[:n] = arr
+    if plain and n and buf[:n].min() < 0:
+        as_token_array(tokens)  # raises the ValueError that names the argument
     return buf, n
 
 

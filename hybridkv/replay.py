@@ -154,12 +154,7 @@ def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int,
     flops_total = 0.0
     t0 = time.perf_counter()
     total = len(requests)
-    # Requests go in blocks: the block's prompts are materialised and the bound and
-    # reference logs recorded first, then each system serves the block's requests
-    # back to back.  Interleaving the references' hash sets (millions of entries)
-    # with every request timed the cache with the CPU caches emptied by the
-    # harness (request_ops p50 ~1.3x), which is no engine's working set.
-    for lo in range(0, total, _BLOCK):
+    for lo in range(0, total, _BLOCK):  # why blocks: see the module docstring
         block = []
         for i in range(lo, min(lo + _BLOCK, total)):
             r = requests[i]
