@@ -69,21 +69,55 @@ def chains(reqs):
     return np.array(parent), np.array(shared)
 
 
-def simulate(lengths, parent, shared, cap, victim):
+def simulate(lengths, parent, shared, cap, victim, events=None):
+    """Token hit rate of the model under ``victim(cache, now)``; ``events``, when
+    given, is told what happens (a model that learns online): ``returned(p, i)``,
+    ``missed(p, i)`` (the parent is not cached), ``evicted(v, i)``, ``inserted(i)``."""
     cache: dict[int, int] = {}
     used = hits = 0
     for i, size in enumerate(lengths):
-        p = parent[i]
-        if p >= 0 and p in cache:
-            hits += shared[i]
-            used -= cache.pop(p)
+        p = int(parent[i])
+        if p >= 0:
+            if p in cache:
+                hits += shared[i]
+                used -= cache.pop(p)
+                if events:
+                    events.returned(p, i)
+            elif events:
+                events.missed(p, i)
         if size > cap:
             continue
         while used + size > cap:
-            used -= cache.pop(victim(cache, i))
+            v = victim(cache, i)
+            used -= cache.pop(v)
+            if events:
+                events.evicted(v, i)
         cache[i] = int(size)
         used += int(size)
+        if events:
+            events.inserted(i)
     return hits / lengths.sum()
+
+
+def reuse_classes(parent):
+    """Each request's reuse class at insert: how often its sequence came back before
+    and at what cadence (what the ``"value"`` ranking sees)."""
+    n = len(parent)
+    returns = np.zeros(n, dtype=int)
+    gap = np.full(n, -1.0)
+    for i in range(n):
+        p = parent[i]
+        if p >= 0:
+            returns[i] = returns[p] + 1
+            gap[i] = next_gap(gap[p], i - p)
+    return [reuse_class(int(r), float(g)) for r, g in zip(returns, gap)]
+
+
+def density_victim(model, cls):
+    """The ``"value"`` rule: the cached sequence with the lowest hit density."""
+    def victim(cache, now):
+        return min(cache, key=lambda k: (model.density(cls[k], now - k), k))
+    return victim
 
 
 def fitted_policy(parent):
@@ -94,56 +128,36 @@ def fitted_policy(parent):
     for i in range(n):
         if parent[i] >= 0 and nxt[parent[i]] < 0:
             nxt[parent[i]] = i
-    returns = np.zeros(n, dtype=int)
-    gap = np.full(n, -1.0)
-    for i in range(n):
-        p = parent[i]
-        if p >= 0:
-            returns[i] = returns[p] + 1
-            gap[i] = next_gap(gap[p], i - p)
-    cls = [reuse_class(r, g) for r, g in zip(returns, gap)]
+    cls = reuse_classes(parent)
     model = ReuseModel()
     for i in range(n):
         model.start(cls[i], i)
         model.end(cls[i], i, int(nxt[i]) if nxt[i] >= 0 else n, bool(nxt[i] >= 0))
     model._refresh(n)
-
-    def victim(cache, now):
-        return min(cache, key=lambda k: (model.density(cls[k], now - k), k))
-    return victim, nxt
+    return density_victim(model, cls), nxt
 
 
-def simulate_online(lengths, parent, shared, cap):
-    """:func:`simulate` with the ``"value"`` rule learned online (see the module docstring)."""
-    n = len(lengths)
-    model = ReuseModel(ghosts=n)
-    returns = np.zeros(n, dtype=int)
-    gap = np.full(n, -1.0)
-    cls = [0] * n
-    cache: dict[int, int] = {}
-    used = hits = 0
-    for i, size in enumerate(lengths):
-        p = int(parent[i])
-        if p >= 0:
-            returns[i] = returns[p] + 1
-            gap[i] = next_gap(gap[p], i - p)
-            if p in cache:
-                hits += shared[i]
-                used -= cache.pop(p)
-                model.end(cls[p], p, i, True)
-            else:
-                model.on_miss(p, i)  # a ghost: its return is seen all the same
-        cls[i] = reuse_class(int(returns[i]), float(gap[i]))
-        if size > cap:
-            continue
-        while used + size > cap:
-            v = min(cache, key=lambda k: (model.density(cls[k], i - k), k))
-            used -= cache.pop(v)
-            model.remember(v, cls[v], v, i, (0, 0.0))
-        cache[i] = int(size)
-        used += int(size)
-        model.start(cls[i], i)
-    return hits / lengths.sum()
+class OnlineEvents:
+    """The ``"value"`` rule learning as the replay goes (module docstring, ``online``):
+    a period starts at insert and ends at the sequence's return, in the cache or
+    through an unbounded ghost list."""
+
+    def __init__(self, parent):
+        self.cls = reuse_classes(parent)
+        self.model = ReuseModel(ghosts=len(parent))
+        self.victim = density_victim(self.model, self.cls)
+
+    def returned(self, p, i):
+        self.model.end(self.cls[p], p, i, True)
+
+    def missed(self, p, i):
+        self.model.on_miss(p, i)  # a ghost: its return is seen all the same
+
+    def evicted(self, v, i):
+        self.model.remember(v, self.cls[v], v, i, (0, 0.0))
+
+    def inserted(self, i):
+        self.model.start(self.cls[i], i)
 
 
 def main(argv=None) -> int:
@@ -163,12 +177,13 @@ def main(argv=None) -> int:
     for gb in (float(x) for x in args.budgets.split(",")):
         cap = gb * 1e9 / per_token
         victim, nxt = fitted_policy(parent)
+        online = OnlineEvents(parent)
         far = np.where(nxt >= 0, nxt, len(reqs) + 1)
         res = {
             "lru": simulate(lengths, parent, shared, cap, lambda c, now: next(iter(c))),
             "belady": simulate(lengths, parent, shared, cap, lambda c, now: max(c, key=lambda k: far[k])),
             "fitted": simulate(lengths, parent, shared, cap, victim),
-            "online": simulate_online(lengths, parent, shared, cap),
+            "online": simulate(lengths, parent, shared, cap, online.victim, online),
         }
         out["budgets"][f"{gb:g}"] = res
         if not args.json:
