@@ -69,6 +69,8 @@ NAMESPACES = ("a", "a", "b")  # sampled: "a" twice as often, so prompts meet ear
 NS_ID = {"a": 1, "b": 2}
 MAX_LIVE = 5
 VOCAB = 3  # tiny vocabulary: prompts share prefixes and branch constantly
+# strategies of a prompt built by ``_request`` (namespace, earlier prompt to extend, length)
+PROMPT = dict(ns=st.sampled_from(NAMESPACES), source=st.integers(0, 6), length=st.integers(0, 64))
 
 # (layer kinds, full KV shape, SWA KV shape): chosen so the arena layouts differ
 # (1 or several blocks per page, 1 or several layers per block, groups > 0)
@@ -284,8 +286,7 @@ class _ContentRules(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- rules
     @precondition(lambda self: self._ready() and len(self.live) < MAX_LIVE)
-    @rule(ns=st.sampled_from(NAMESPACES), source=st.integers(0, 6), length=st.integers(0, 64),
-          tail=st.integers(1, 6))
+    @rule(**PROMPT, tail=st.integers(1, 6))
     def begin(self, ns, source, length, tail):
         self._begin(*self._request(ns, source, length, tail))
 
@@ -309,8 +310,8 @@ class _ContentRules(RuleBasedStateMachine):
         """Hook for the tiered machine."""
 
     @precondition(lambda self: self._ready() and len(self.live) < MAX_LIVE)
-    @rule(ns=st.sampled_from(NAMESPACES), source=st.integers(0, 6), length=st.integers(0, 64),
-          tail=st.integers(1, 6), chunk=st.integers(1, 32), decode=st.integers(0, 3), batched=st.booleans())
+    @rule(**PROMPT, tail=st.integers(1, 6), chunk=st.integers(1, 32), decode=st.integers(0, 3),
+          batched=st.booleans())
     def whole_request(self, ns, source, length, tail, chunk, decode, batched):
         """The common engine flow: begin, chunked prefill, a few decode tokens, finish (cached)."""
         self._whole(*self._request(ns, source, length, tail), chunk, decode, batched)
@@ -487,8 +488,7 @@ class _ContentRules(RuleBasedStateMachine):
             tree.evict(full, swa, nbytes * self.spb)
 
     @precondition(lambda self: self._ready())
-    @rule(ns=st.sampled_from(NAMESPACES), source=st.integers(0, 6), length=st.integers(0, 64),
-          tail=st.integers(1, 3))
+    @rule(**PROMPT, tail=st.integers(1, 3))
     def peek(self, ns, source, length, tail):
         ns, tokens = self._request(ns, source, length, tail)
         m = self.cache.match(tokens, ns)
@@ -658,8 +658,7 @@ class TierContentMachine(_ContentRules):
         self.cache.host.check_invariants()
 
     @precondition(lambda self: self._ready())
-    @rule(ns=st.sampled_from(NAMESPACES), source=st.integers(0, 6), length=st.integers(0, 64),
-          tail=st.integers(1, 3))
+    @rule(**PROMPT, tail=st.integers(1, 3))
     def prefetch(self, ns, source, length, tail):
         """Prefetch L3 -> L2; every other one is not waited for (it lands while we go on)."""
         ns, tokens = self._request(ns, source, length, tail)
