@@ -263,14 +263,20 @@ def test_reference_model_through_the_batched_step():
     assert isinstance(batch, StepBatch)
 
 
+def _adaptive_cache() -> HybridKVCache:
+    """16 pages of each kind in one arena, ``adaptive`` retention with no spare margin:
+    requests keep their out-of-window SWA until another allocation needs it."""
+    sp = spec(page=2, window=4)
+    budget = 16 * (sp.bytes_per_page("full") + sp.bytes_per_page("swa"))
+    return HybridKVCache(sp, CacheConfig(budget_bytes=budget, retention="adaptive", spare_fraction=0.0,
+                                         swa_checkpoint=0, device="cpu"))
+
+
 def test_failed_allocation_leaves_the_request_as_it_was_under_adaptive_retention():
     """Under ``adaptive`` retention a request keeps its out-of-window SWA while memory
     is spare.  An allocation that fails must not release it first (the request is
     unchanged); one that succeeds only by releasing it does release it."""
-    sp = spec(page=2, window=4)
-    budget = 16 * (sp.bytes_per_page("full") + sp.bytes_per_page("swa"))
-    cache = HybridKVCache(sp, CacheConfig(budget_bytes=budget, retention="adaptive", spare_fraction=0.0,
-                                          swa_checkpoint=0, device="cpu"))
+    cache = _adaptive_cache()
     req = cache.begin(np.arange(1, 61, dtype=np.int32))
     cache.allocate(req, 24)
     cache.commit(req, 24)                      # 12 pages; memory was spare: their SWA is kept
@@ -292,10 +298,7 @@ def test_failed_allocation_leaves_the_request_as_it_was_under_adaptive_retention
 def test_failed_step_rows_stay_as_they_were_while_other_rows_take_spare_swa():
     """A row that fails (bad ``num_new``, or no memory) is left exactly as it was,
     even when another row of the same step needs the spare SWA of live requests."""
-    sp = spec(page=2, window=4)
-    budget = 16 * (sp.bytes_per_page("full") + sp.bytes_per_page("swa"))
-    cache = HybridKVCache(sp, CacheConfig(budget_bytes=budget, retention="adaptive", spare_fraction=0.0,
-                                          swa_checkpoint=0, device="cpu"))
+    cache = _adaptive_cache()
     a = cache.begin(np.arange(1, 21, dtype=np.int32))
     b = cache.begin(np.arange(100, 140, dtype=np.int32))
     for req, n in ((a, 12), (b, 16)):
