@@ -34,6 +34,9 @@ class TreeNode:
             cover the page; its SWA is evicted last when > 0.
         ends: 1 while a tail or branch-point window ending at this node is
             counted in ``anchor`` (of this node and, if it spans, its ancestors).
+        branched: the node has had two or more children at once (a proven
+            branch point: a request diverged at its end); its end window stays
+            an anchor while one child is left.
         seg: eviction segment (:class:`~hybridkv.radix.policy.AdaptiveRanking`).
         returns: how many times the sequence ending here came back (a later
             request's match reached it); its reuse class for the ``"value"``
@@ -45,7 +48,7 @@ class TreeNode:
     """
 
     __slots__ = ("key", "full", "swa", "children", "parent", "start", "last_access",
-                 "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "seg", "returns", "gap", "vcls", "since")
+                 "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "branched", "seg", "returns", "gap", "vcls", "since")
 
     def __init__(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
                  parent: "TreeNode | None", start: int, namespace: str, tick: int) -> None:
@@ -62,6 +65,7 @@ class TreeNode:
         self.namespace = namespace
         self.anchor = np.zeros(len(full), dtype=np.int32)
         self.ends = 0
+        self.branched = False
         self.seg = 1
         self.returns = 0
         self.gap = -1.0

@@ -426,6 +426,7 @@ class WindowSafeTree:
         diverged = bool(path) and path[-1][1] < len(path[-1][0].full) and raw_pages * size < limit
         parts: list[tuple[TreeNode, int]] = []
         node: TreeNode | None = None
+        unmatched = None  # the lower half of a split that the request did not reach into
         left = safe
         for n, k in path:
             if left == 0:
@@ -433,6 +434,8 @@ class WindowSafeTree:
             take = k if k < left else left
             if split and take < len(n.full):
                 self._split(n, take)
+                if take == k:
+                    unmatched = n
                 n = n.parent  # the upper half ends at the hit
                 assert n is not None
             parts.append((n, take))
@@ -474,7 +477,7 @@ class WindowSafeTree:
                         last.gap = next_gap(last.gap, self._tick - last.since)
                 now = self._now()
                 for n, _ in path:
-                    if n.key is not None:
+                    if n.key is not None and n is not unmatched:  # a request does not use what it left
                         self._touch(n, now)
                 if node is not None and node is not last:  # touching ``last`` again changes nothing
                     self._touch(node, now)
@@ -554,9 +557,14 @@ class WindowSafeTree:
             n = n.parent
 
     def _wants_end_anchor(self, node: TreeNode) -> int:
-        """1 if a window ending at ``node`` is an anchor: a leaf's tail or a branch point."""
+        """1 if a window ending at ``node`` is an anchor: a leaf's tail, or a branch
+        point, now or before (``node.branched``).  A point where requests diverged
+        once, e.g. the end of a document asked several questions, is where the next
+        one diverges too; dropping its window when all but one child are evicted
+        made the next question miss the whole document (the window's SWA was freed
+        as unanchored before any leaf)."""
         k = len(node.children)
-        return int(k == 0 or (k > 1 and self.policy.branch_points))
+        return int(k == 0 or (self.policy.branch_points and (k > 1 or node.branched)))
 
     def _reanchor(self, node: TreeNode) -> None:
         """Bring ``node``'s end anchor in line with its children (after they changed).  O(window)."""
@@ -748,6 +756,8 @@ class WindowSafeTree:
                             node, pi * size, namespace, now)
             leaf.seg = self.ranking.start_segment(extends_reused)
             node.children[leaf.key[:size].tobytes()] = leaf
+            if len(node.children) > 1:
+                node.branched = True
             self.num_nodes += 1
             self.full_pages_cached += new_pages
             self.swa_pages_cached += leaf.swa_valid
