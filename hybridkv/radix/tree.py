@@ -482,7 +482,7 @@ class WindowSafeTree:
                 if node is not None and node is not last:  # touching ``last`` again changes nothing
                     self._touch(node, now)
                 if returned and last.key is not None and not last.children:
-                    self._file(last)
+                    self._file(last)  # a tail the request left: its period restarts at its last use
         return safe, raw_pages, parts, node
 
     def _safe_pages(self, path: list[tuple[TreeNode, int]], total: int) -> int:
