@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     path = args.trace or str(default_shared_traces() / "mooncake_conversation_trace.jsonl")
     reqs = load_trace(path)
     spec = ModelSpec.preset(args.preset, page_size=64)
-    per_token = spec.bytes_per_page("full") / spec.page_size
+    per_token = spec.bytes_per_token_full
     lengths = np.array([r.input_length for r in reqs])
     parent, shared = chains(reqs)
     out = {"trace": path, "requests": len(reqs), "bound": float(shared.sum() / lengths.sum()), "budgets": {}}

@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     spec = ModelSpec.preset(args.preset, page_size=64)
-    per_token = spec.bytes_per_page("full") / spec.page_size
+    per_token = spec.bytes_per_token_full
     rankings = args.rankings.split(",")
     out: dict = {}
     for fam in args.families.split(","):
