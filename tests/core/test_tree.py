@@ -254,17 +254,27 @@ def test_events_reach_listeners():
     assert store.kind == "store" and store.end == 6 and store.tokens.tolist() == list(range(6))
 
 
-def _doc_questions_tree():
-    """A 10-token document (dense SWA) asked two questions: the tree branches at
-    the document's end.  Page 1, window 2."""
-    pool = RecordingPool()
-    t = WindowSafeTree(TreeConfig(1, 2), pool)
-    doc = list(range(10))
-    t.insert(doc + [100, 101], list(range(12)), list(range(100, 112)))
-    t.insert(doc + [200, 201], list(range(10)) + [12, 13], list(range(100, 110)) + [112, 113])
-    branch = t.match(doc + [7]).node
-    assert len(branch.children) == 2 and branch.ends == 1
-    return t, pool, doc, branch
+_DOC = list(range(10))  # a 10-token document (dense SWA) asked questions; page 1, window 2
+_QUESTIONS = (  # (question tokens, full ids, SWA ids) of the whole prompt; the document's ids repeat
+    ([100, 101], list(range(12)), list(range(100, 112))),
+    ([200, 201], list(range(10)) + [12, 13], list(range(100, 110)) + [112, 113]),
+)
+
+
+def _ask(t, k):
+    """Insert the document with question ``k`` of ``_QUESTIONS``."""
+    q, full, swa = _QUESTIONS[k]
+    t.insert(_DOC + q, full, swa)
+
+
+def _doc_questions_tree(config):
+    """The document asked both questions: the tree branches at its end."""
+    t = WindowSafeTree(config, RecordingPool())
+    _ask(t, 0)
+    _ask(t, 1)
+    branch = t.match(_DOC + [7]).node
+    assert len(branch.children) == 2
+    return t, branch
 
 
 def test_a_proven_branch_point_keeps_its_window_when_one_child_is_left():
@@ -272,36 +282,33 @@ def test_a_proven_branch_point_keeps_its_window_when_one_child_is_left():
     When all but one question's leaf are evicted, the window ending at the document
     must stay anchored: it used to become plain SWA, freed before any leaf, and the
     next question then missed the whole document (hit 0 of 10 tokens)."""
-    t, pool, doc, branch = _doc_questions_tree()
+    t, branch = _doc_questions_tree(TreeConfig(1, 2))
+    assert branch.ends == 1
     t.evict(full_pages=2)  # one question's leaf goes (both are 2 pages)
     assert len(branch.children) == 1 and branch.alive
     assert branch.ends == 1 and branch.anchor[-2:].tolist() == [1, 1]
     # SWA pressure: every unanchored SWA page goes (the document's interior)
     unanchored = int(np.count_nonzero(branch.swa >= 0)) - 2
     assert t.evict(swa_pages=unanchored) == (0, unanchored)
-    assert t.match(doc + [300, 301]).length == 10
+    assert t.match(_DOC + [300, 301]).length == 10
     t.check_invariants()
     # without branch anchoring, the rule does not apply
-    off = WindowSafeTree(TreeConfig(1, 2, anchor_branch_points=False), RecordingPool())
-    off.insert(doc + [100, 101], list(range(12)), list(range(100, 112)))
-    off.insert(doc + [200, 201], list(range(10)) + [12, 13], list(range(100, 110)) + [112, 113])
-    assert off.match(doc + [7]).node.ends == 0
+    _, off = _doc_questions_tree(TreeConfig(1, 2, anchor_branch_points=False))
+    assert off.ends == 0
 
 
 def test_a_question_that_diverges_does_not_refresh_the_leaf_it_left():
     """A request that diverges inside a leaf uses the leaf's upper half only; the
     lower half (another request's question) keeps its old recency, so it is the
     first leaf recency evicts, not the document's newest question."""
-    pool = RecordingPool()
-    t = WindowSafeTree(TreeConfig(1, 2, ranking="lru"), pool)
-    doc = list(range(10))
-    t.insert(doc + [100, 101], list(range(12)), list(range(100, 112)))
-    old_q = t.match(doc + [100, 101, 5]).node
+    t = WindowSafeTree(TreeConfig(1, 2, ranking="lru"), RecordingPool())
+    _ask(t, 0)
+    old_q = t.match(_DOC + [100, 101, 5]).node
     stamp = old_q.last_access
-    t.match(doc + [200, 201], split=True)  # diverges at the document's end
+    t.match(_DOC + [200, 201], split=True)  # diverges at the document's end
     assert old_q.alive and old_q.start == 10 and old_q.last_access == stamp
-    t.insert(doc + [200, 201], list(range(10)) + [12, 13], list(range(100, 110)) + [112, 113])
+    _ask(t, 1)
     t.evict(full_pages=2)
     assert not old_q.alive
-    assert t.match(doc + [200, 201, 5]).length == 12
+    assert t.match(_DOC + [200, 201, 5]).length == 12
     t.check_invariants()
