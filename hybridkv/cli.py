@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--swa-checkpoint", type=int, default=16384, help="K: SWA checkpoint interval (0 = off)")
     r.add_argument("--chunk", type=int, default=8192, help="prefill chunk size in tokens")
     r.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    r.add_argument("--block-size", type=int, default=None,
+                   help="tokens per hash id of a jsonl trace (default: from the data; 512 for Mooncake, "
+                        "16 for Qwen-Bailian)")
     r.add_argument("--systems", default="hybridkv,naive,tombstone",
                    help="comma-separated subset of hybridkv,naive,tombstone")
     r.add_argument("--no-extension-rule", action="store_true",
@@ -152,7 +155,10 @@ def _load(args: argparse.Namespace) -> tuple[list, str]:
     limit = getattr(args, "limit", None)
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
-    requests = load_trace(path, limit=limit)
+    block = getattr(args, "block_size", None)
+    if block is not None and block < 1:
+        raise ValueError(f"--block-size must be >= 1, got {block}")
+    requests = load_trace(path, limit=limit, block_size=block)
     if not requests:
         raise ValueError(f"trace {path} has no requests")
     return requests, path
@@ -253,7 +259,8 @@ def _flatten(out: dict[str, Any]) -> dict[str, Any]:
 def _print_replay(run: dict[str, Any]) -> None:
     print(f"trace {run['trace']}: {run['requests']} requests, {run['input_tokens']:,} input tokens, "
           f"model {run['model']}, budget {run['hbm_gb']:g} GB (10^9 bytes), page {run['page_size']}, "
-          f"checkpoint {run['swa_checkpoint']}, extension rule {run['extension_rule']}")
+          f"checkpoint {run['swa_checkpoint']}, extension rule {run['extension_rule']}, "
+          f"trace blocks of {'/'.join(map(str, run.get('trace_block_sizes', [])))} tokens")
     print(f"{'system':<18}{'hit rate':>10}{'hit tokens':>16}{'FLOPs saved':>12}{'match p50 us':>14}"
           f"{'match p99 us':>14}")
     rows = [("hybridkv", run)] + list(run["baselines"].items())

@@ -21,14 +21,19 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-__all__ = ["TraceRequest", "TokenMaterializer", "PrefixBound", "load_trace", "bundled_sample", "default_shared_traces"]
+log = logging.getLogger(__name__)
+
+__all__ = ["TraceRequest", "TokenMaterializer", "PrefixBound", "load_trace", "jsonl_block_size", "bundled_sample",
+           "default_shared_traces"]
 
 _SYNTHETIC = 1 << 62
 _MASK = (1 << 64) - 1
@@ -69,14 +74,25 @@ def default_shared_traces() -> Path | None:
 
 
 def load_trace(path: str | os.PathLike, *, limit: int | None = None,
-               max_sessions: int | None = None) -> list[TraceRequest]:
+               max_sessions: int | None = None, block_size: int | None = None) -> list[TraceRequest]:
     """Load a trace file or a folder of kv-cache-tester sessions.
 
     A folder is replayed as interleaved tenants: each session is its own
     namespace and requests are merged by timestamp.  Mooncake traces use the
     namespace ``"default"``.  ``max_sessions`` keeps the first N session files of a
     folder; ``limit`` the first N requests.  Raises ValueError for unknown formats.
+
+    ``block_size`` (tokens per hash id) of a jsonl trace: ``None`` takes it from
+    the data (:func:`jsonl_block_size`): 512 for the Mooncake traces, 16 for the
+    Qwen-Bailian traces (``qwen_*_blksz_16.jsonl``, same schema).  Given, it must
+    fit every record (``(len(hash_ids) - 1) * B < input_length <= len(hash_ids) * B``)
+    or a ValueError names the first record that does not.  kv-cache-tester
+    sessions carry their own ``block_size``; giving one for them is a ValueError.
     """
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
+        raise TypeError(f"block_size must be an int or None, got {type(block_size).__name__}")
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
     p = Path(path)
     if not p.exists():
         raise ValueError(f"trace path {str(p)!r} does not exist")
@@ -87,21 +103,21 @@ def load_trace(path: str | os.PathLike, *, limit: int | None = None,
             raise ValueError(f"trace folder {str(p)!r} holds no .json/.json.gz/.jsonl files")
         reqs: list[TraceRequest] = []
         for i, f in enumerate(files):
-            reqs.extend(_load_file(f, session=i))
+            reqs.extend(_load_file(f, session=i, block_size=block_size))
         reqs.sort(key=lambda r: r.timestamp)
     else:
-        reqs = _load_file(p, session=0)
+        reqs = _load_file(p, session=0, block_size=block_size)
     return reqs[:limit] if limit is not None else reqs
 
 
-def _load_file(p: Path, session: int) -> list[TraceRequest]:
+def _load_file(p: Path, session: int, block_size: int | None = None) -> list[TraceRequest]:
     """Parse one trace file; every problem is a one-line ValueError naming the file
     (and, for jsonl, the line number)."""
     opener = gzip.open if p.name.endswith(".gz") else open
     try:
         with opener(p, "rt", encoding="utf-8") as fh:  # type: ignore[operator]
-            if p.name.endswith(".jsonl"):
-                out = []
+            if p.name.endswith((".jsonl", ".jsonl.gz")):
+                rows, lines = [], []
                 for lineno, line in enumerate(fh, 1):
                     if not line.strip():
                         continue
@@ -110,10 +126,14 @@ def _load_file(p: Path, session: int) -> list[TraceRequest]:
                     except ValueError as exc:
                         raise ValueError(f"{p}:{lineno}: malformed JSON ({_one_line(exc)})") from None
                     try:
-                        out.append(_mooncake(row))
+                        rows.append(_mooncake(row))
                     except _BadRecord as exc:
                         raise ValueError(f"{p}:{lineno}: {exc}") from None
-                return out
+                    lines.append(lineno)
+                size = _fit_block_size(rows, lines, p, block_size)
+                return [TraceRequest("default", ts, n, out, ids, size) for ts, n, out, ids in rows]
+            if block_size is not None:
+                raise ValueError(f"{p}: block_size applies to jsonl traces; kv-cache-tester sessions carry their own")
             try:
                 data = json.load(fh)
             except ValueError as exc:
@@ -168,12 +188,72 @@ def _ids(value: object, name: str = "hash_ids") -> list[int]:
     return value
 
 
-def _mooncake(row: object) -> TraceRequest:
+def _mooncake(row: object) -> tuple[float, int, int, tuple[int, ...]]:
+    """(timestamp in seconds, input_length, output_length, hash ids) of one jsonl record.
+    Mooncake and Qwen-Bailian records share these fields; Mooncake's timestamps
+    are milliseconds, Qwen's (records with a ``chat_id``) seconds.  Qwen's
+    ``parent_chat_id``, ``turn`` and ``type`` are not read: prefixes come from the ids."""
     ts = _number(_field(row, "timestamp"), "timestamp")
     n = _int(_field(row, "input_length"), "input_length")
     ids = _ids(_field(row, "hash_ids"))
     out = _int(row.get("output_length", 0), "output_length")  # type: ignore[union-attr]
-    return TraceRequest("default", ts / 1000.0, n, out, tuple(ids), 512)
+    return (ts if "chat_id" in row else ts / 1000.0), n, out, tuple(ids)  # type: ignore[operator]
+
+
+_MOONCAKE_BLOCK = 512
+_BLKSZ = re.compile(r"blksz_(\d+)")
+
+
+def jsonl_block_size(lengths: list[tuple[int, int]], name: str = "") -> tuple[int, int, int]:
+    """(block size, lowest and highest size every record fits) for a jsonl trace.
+
+    ``lengths`` holds ``(input_length, len(hash_ids))`` per record.  A record of
+    ``n`` tokens and ``k`` ids fits block size ``B`` when ``(k - 1) * B < n <= k * B``
+    (every block full but the last).  The chosen size is, in this order: the size
+    in the file name (``..._blksz_16.jsonl``) when the records fit it, Mooncake's
+    512 when they fit it, the largest power of two they fit, and else the lowest
+    size they fit.  ``(_, lo, hi)`` with ``lo > hi`` means no size fits every record.
+    """
+    lo, hi = 1, 1 << 40
+    for n, k in lengths:
+        if k == 0:
+            continue
+        lo = max(lo, -(-n // k))
+        if k > 1:
+            hi = min(hi, (n - 1) // (k - 1))
+    hint = _BLKSZ.search(name)
+    if hint and lo <= int(hint.group(1)) <= hi:
+        return int(hint.group(1)), lo, hi
+    if lo <= _MOONCAKE_BLOCK <= hi:
+        return _MOONCAKE_BLOCK, lo, hi
+    if lo <= hi:
+        pow2 = 1 << (hi.bit_length() - 1)
+        return (pow2 if pow2 >= lo else lo), lo, hi
+    return _MOONCAKE_BLOCK, lo, hi
+
+
+def _fit_block_size(rows: list, lines: list[int], p: Path, block_size: int | None) -> int:
+    """The block size of a parsed jsonl file (:func:`jsonl_block_size`).  A given
+    size that a record does not fit is a ValueError naming the record; records
+    that fit no single size fall back to Mooncake's 512, with a warning (the
+    first record that does not fit it is named)."""
+    lengths = [(n, len(ids)) for _, n, _, ids in rows]
+    if block_size is None:
+        size, lo, hi = jsonl_block_size(lengths, p.name)
+        if lo <= hi:
+            return size
+    else:
+        size = block_size
+    for (n, k), lineno in zip(lengths, lines):
+        if k and not (k - 1) * size < n <= k * size:
+            where = f"{p}:{lineno}: input_length {n} with {k} hash_ids"
+            if block_size is not None:
+                raise ValueError(f"{where} does not fit the given block_size {size} "
+                                 f"(needs {(k - 1) * size} < input_length <= {k * size})")
+            log.warning("%s: no one block size fits every record; using %d (%s does not fit it)",
+                        p, size, where)
+            break
+    return size
 
 
 def _session(data: dict, name: str, session: int, t0: float, block: int) -> Iterator[TraceRequest]:
