@@ -37,6 +37,9 @@ class TreeNode:
         branched: the node has had two or more children at once (a proven
             branch point: a request diverged at its end); its end window stays
             an anchor while one child is left.
+        predicted: the node ends where the learned divergence model expects a
+            request to leave the sequence (``RetentionPolicy.pretail_pages``
+            before a new leaf's end); its end window is an anchor too.
         seg: eviction segment (:class:`~hybridkv.radix.policy.AdaptiveRanking`).
         returns: how many times the sequence ending here came back (a later
             request's match reached it); its reuse class for the ``"value"``
@@ -48,7 +51,7 @@ class TreeNode:
     """
 
     __slots__ = ("key", "full", "swa", "children", "parent", "start", "last_access",
-                 "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "branched", "seg", "returns", "gap", "vcls", "since")
+                 "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "branched", "predicted", "seg", "returns", "gap", "vcls", "since")
 
     def __init__(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
                  parent: "TreeNode | None", start: int, namespace: str, tick: int) -> None:
@@ -66,6 +69,7 @@ class TreeNode:
         self.anchor = np.zeros(len(full), dtype=np.int32)
         self.ends = 0
         self.branched = False
+        self.predicted = False
         self.seg = 1
         self.returns = 0
         self.gap = -1.0

@@ -54,6 +54,9 @@ class RetentionPolicy:
         self.window_pages = -(-window // page_size)
         self.checkpoint_pages = -(-checkpoint // page_size) if checkpoint else 0
         self.branch_points = branch_points
+        # learned by the tree's DivergenceModel: the window this many pages before a
+        # new sequence's end is kept (a predicted branch point); 0 = none
+        self.pretail_pages = 0
 
     # ------------------------------------------------------------ checkpoints
     def checkpoint_mask(self, lo: int, hi: int) -> np.ndarray:
@@ -105,14 +108,23 @@ class RetentionPolicy:
             out[a - lo:b - lo] = True
         return out
 
-    def releasable_runs(self, lo: int, hi: int, raw_match: int, hit: int) -> list[tuple[int, int]]:
+    def releasable_runs(self, lo: int, hi: int, raw_match: int, hit: int,
+                        end_pages: int = 0) -> list[tuple[int, int]]:
         """:meth:`releasable` as the runs ``[a, b)`` of absolute pages it marks, in order
-        (what is left of ``[lo, hi)`` after the kept windows).  O(1 + (hi - lo) / K)."""
+        (what is left of ``[lo, hi)`` after the kept windows).  ``end_pages``: the
+        request's length in whole pages, for the learned pre-tail window
+        (``pretail_pages`` before it).  O(1 + (hi - lo) / K)."""
         kp, wp = self.checkpoint_pages, self.window_pages
-        if raw_match <= hit and (not kp or (wp < kp and hi <= (lo // kp + 1) * kp - wp)):
+        pre = self.pretail_pages
+        if raw_match <= hit and not pre and (not kp or (wp < kp and hi <= (lo // kp + 1) * kp - wp)):
             # common case: no checkpoint window reaches into [lo, hi), no divergence window
             return [(lo, hi)] if lo < hi else []
         keep = self.checkpoint_windows(lo, hi)
+        if pre and end_pages:
+            a, b = max(lo, end_pages - pre - wp), min(hi, end_pages - pre)
+            if a < b:
+                keep.append((a, b))
+                keep.sort()
         if raw_match > hit:
             end = raw_match // self.page_size
             a, b = max(lo, end - self.window_pages), min(hi, end)

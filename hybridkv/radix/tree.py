@@ -31,6 +31,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from .._validate import as_int_array, as_token_array
+from .divergence import DivergenceModel
 from .node import NO_PAGE, TreeNode, window_safe_pages
 from .policy import AdaptiveRanking, RetentionPolicy
 from .reuse import BUCKETS as _AGE_BUCKETS, EDGES as _AGE_EDGES, INV_WIDTH as _AGE_INV_WIDTH
@@ -252,6 +253,7 @@ class WindowSafeTree:
         # "value" ranking: leaves filed by reuse class, each list in recency order
         self.value_ranking = config.ranking == "value"
         self.reuse = ReuseModel()
+        self.divergence = DivergenceModel()  # learns RetentionPolicy.pretail_pages
         self._by_class: list[OrderedDict[int, TreeNode]] = [OrderedDict() for _ in range(ReuseModel.CLASSES)]
         self._victims: list | None = None  # "value" ranking: candidates ranked in this evict() call
         self._ghost_returns: dict[tuple[str, int], tuple[int, float]] = {}  # (namespace, pos) -> history of a ghost that came back
@@ -442,6 +444,9 @@ class WindowSafeTree:
             node = n
             left -= take
         if touch:
+            self.divergence.hit_pages += safe
+            if path and self.policy.branch_points and raw_pages * size < limit:
+                self._observe_divergence(path[-1][0], path[-1][1], raw_pages)
             pos = raw_pages * size
             if pos + size <= len(key):  # did a ghost of an evicted leaf start here?
                 ghost = self._ghost_key(namespace, pos, key[pos:pos + size])
@@ -484,6 +489,45 @@ class WindowSafeTree:
                 if returned and last.key is not None and not last.children:
                     self._file(last)  # a tail the request left: its period restarts at its last use
         return safe, raw_pages, parts, node
+
+    def _observe_divergence(self, node: TreeNode, took: int, raw_pages: int) -> None:
+        """A request's match stopped ``took`` pages into ``node`` and the request goes on:
+        if that is inside a chain of single-child nodes ending in a leaf, tell the
+        :class:`DivergenceModel` how far before the leaf's end it left, and what a
+        window there would add over a checkpoint.  O(chain length)."""
+        dist = len(node.full) - took
+        if dist == 0 and node.branched:
+            return  # it left at a proven branch point: the branch-point rule serves it
+        n = node
+        while n.children:
+            if len(n.children) > 1:
+                return  # the sequences part below: no one end to measure from
+            n = next(iter(n.children.values()))
+            dist += len(n.full)
+        if dist <= 0:
+            return  # the request extends a leaf: its tail window serves it
+        kp = self.policy.checkpoint_pages
+        base = (raw_pages // kp) * kp if kp else 0
+        if self.divergence.observe(dist, raw_pages - base):
+            leaves = sum(map(len, self._by_class)) if self.value_ranking else self.num_nodes
+            cached = self.full_pages_cached * self.full_page_bytes + self.swa_pages_cached * self.swa_page_bytes
+            self.policy.pretail_pages = self.divergence.decide(
+                leaves, self.policy.window_pages * self.swa_page_bytes, cached)
+
+    def _predict_branch(self, leaf: TreeNode) -> TreeNode | None:
+        """Split a new leaf at the learned divergence point (``policy.pretail_pages``
+        before its end) and anchor the window there, if the leaf holds that window's
+        SWA.  Returns the upper half (a predicted branch point) or None.  O(pages)."""
+        d, wp = self.policy.pretail_pages, self.policy.window_pages
+        cut = len(leaf.full) - d
+        if d <= 0 or cut < wp or int(np.count_nonzero(leaf.swa[cut - wp:cut] >= 0)) < wp:
+            return None
+        self._split(leaf, cut)
+        upper = leaf.parent
+        assert upper is not None
+        upper.predicted = True
+        self._reanchor(upper)
+        return upper
 
     def _safe_pages(self, path: list[tuple[TreeNode, int]], total: int) -> int:
         """:func:`window_safe_pages` of the matched path (``total`` pages).  The common
@@ -558,13 +602,13 @@ class WindowSafeTree:
 
     def _wants_end_anchor(self, node: TreeNode) -> int:
         """1 if a window ending at ``node`` is an anchor: a leaf's tail, or a branch
-        point, now or before (``node.branched``).  A point where requests diverged
+        point, now or before (``node.branched``), or predicted (``node.predicted``).  A point where requests diverged
         once, e.g. the end of a document asked several questions, is where the next
         one diverges too; dropping its window when all but one child are evicted
         made the next question miss the whole document (the window's SWA was freed
         as unanchored before any leaf)."""
         k = len(node.children)
-        return int(k == 0 or (self.policy.branch_points and (k > 1 or node.branched)))
+        return int(k == 0 or (self.policy.branch_points and (k > 1 or node.branched or node.predicted)))
 
     def _reanchor(self, node: TreeNode) -> None:
         """Bring ``node``'s end anchor in line with its children (after they changed).  O(window)."""
@@ -794,8 +838,11 @@ class WindowSafeTree:
             self._enqueue(leaf)
             if node is not root:
                 self._enqueue(node, leaf=False)  # its tail is no longer a leaf tail
+            upper = self._predict_branch(leaf) if self.policy.pretail_pages else None
             node = leaf
             if self.listeners:
+                if upper is not None:
+                    self._emit("store", upper)
                 self._emit("store", leaf)
         if drop_full:
             self._free_full(drop_full[0] if len(drop_full) == 1 else np.concatenate(drop_full))

@@ -1,0 +1,104 @@
+"""Predicted branch points (DivergenceModel): a workload that re-asks documents
+with another question leaves each document's sequence at the question's length
+before its end.  Without a window there, the *first* re-ask of a document hits
+only the shared system prompt although the document's full KV is cached; once
+the model has learned the distance, new documents keep a window there and
+their first re-ask hits the whole document.  A workload whose requests extend
+their prompts (a chat) keeps no extra window."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridkv import CacheConfig, HybridKVCache, ModelSpec
+from hybridkv.radix.divergence import DivergenceModel
+
+P = 16  # page size
+SYSTEM = 4 * P
+DOC = 24 * P
+QUESTION = 3 * P
+
+
+def _cache():
+    spec = ModelSpec.preset("mimo-v2.5-pro", page_size=P)
+    # eager: each request frees its SWA out of the window as it goes, as under pressure
+    return HybridKVCache(spec, CacheConfig(full_pages=4000, swa_pages=4000, device="meta", retention="eager",
+                                           swa_checkpoint=0))
+
+
+def _run(cache, tokens):
+    req = cache.begin(np.asarray(tokens, dtype=np.int32))
+    hit = req.prefix_len
+    while req.computed < len(tokens):
+        n = min(4 * P, len(tokens) - req.computed)
+        cache.reserve(req, n)
+        cache.commit(req, n)
+    cache.finish(req)
+    return hit
+
+
+def _doc(k):
+    return list(range(10**6 * (k + 1), 10**6 * (k + 1) + DOC))
+
+
+def _question(k, j):
+    return list(range(5 * 10**8 + 1000 * k + 100 * j, 5 * 10**8 + 1000 * k + 100 * j + QUESTION))
+
+
+def _ask_twice(cache, system, k):
+    """Document ``k`` with question 0, then with question 1: the hit of the re-ask."""
+    _run(cache, system + _doc(k) + _question(k, 0))
+    return _run(cache, system + _doc(k) + _question(k, 1))
+
+
+def test_first_reask_of_a_document_hits_the_document_once_learned():
+    cache = _cache()
+    system = list(range(SYSTEM))
+    hits = [_ask_twice(cache, system, k) for k in range(40)]
+    # before anything is learned the re-ask hits the system prompt only (its branch point)
+    assert hits[0] <= SYSTEM
+    policy = cache.tree.policy
+    assert policy.pretail_pages == QUESTION // P  # the question's length, learned
+    # later documents keep a window where the next question leaves them
+    assert all(h == SYSTEM + DOC for h in hits[-10:]), hits
+    cache.tree.check_invariants()
+    # the window is an anchor on a predicted branch point at the document's end
+    node = cache.tree.match(np.asarray(system + _doc(39) + [7] * P, dtype=np.int32)).node
+    assert node is not None and node.start + len(node.key) == SYSTEM + DOC
+    assert node.ends == 1
+
+
+def test_a_chat_that_extends_its_prompts_keeps_no_extra_window():
+    cache = _cache()
+    system = list(range(SYSTEM))
+    for k in range(30):
+        prompt = system + _doc(k)
+        for turn in range(4):
+            _run(cache, prompt)
+            prompt = prompt + _question(k, turn)
+    assert cache.tree.policy.pretail_pages == 0
+    assert cache.tree.divergence.decisions == 0  # no request ever left a sequence inside it
+    cache.tree.check_invariants()
+
+
+def test_the_model_keeps_a_window_only_when_it_pays_for_its_bytes():
+    m = DivergenceModel()
+    for _ in range(16):
+        m.hit_pages += 100
+        due = m.observe(3, 200)
+    assert due
+    # 16 events x 200 pages gained vs 1,600 pages hit: the window earns 2x what the cache does per byte
+    assert m.decide(leaves=10, window_bytes=1.0, cache_bytes=10.0) == 3
+    # a window that would earn less per byte than the cache's average is not kept
+    assert m.decide(leaves=10, window_bytes=1.0, cache_bytes=4.0) == 0
+
+
+def test_the_offset_covers_the_distances_that_gain_most():
+    m = DivergenceModel()
+    for d in [2] * 10 + [3] * 10 + [40] * 2:
+        m.observe(d, 100)
+    # a window 3 pages before the end serves the 2s (a page early) and the 3s; 40 serves all but loses 37-38
+    assert m.decide(leaves=1, window_bytes=1.0, cache_bytes=1e9) == 3
+    with pytest.raises(TypeError):
+        m.observe()  # type: ignore[call-arg]
