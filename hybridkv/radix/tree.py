@@ -463,6 +463,15 @@ class WindowSafeTree:
                         self._ghost_returns[(namespace, pos)] = came_back
             if path:
                 last = path[-1][0]
+                if (last.predicted and not diverged and len(last.children) == 1
+                        and path[-1][1] == len(last.full) and pos < limit):
+                    # it left at a predicted branch point: the sequence below came back up to
+                    # here, as if the request had diverged inside its leaf (no window predicted)
+                    below = next(iter(last.children.values()))
+                    while len(below.children) == 1:
+                        below = next(iter(below.children.values()))
+                    if not below.children:
+                        last, diverged = below, True
                 # a request that diverges inside the leaf brought the sequence back up to
                 # ``pos``: the return counts for the leaf's class (its period ends), but the
                 # history goes to the node that will end at ``pos`` (the branch point), not
