@@ -403,8 +403,9 @@ class HybridKVCache:
         lo, cut = self._release_range(req)
         if cut <= lo:
             return 0
-        runs = self.tree.policy.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len,
-                                                req.n_tokens // self.page_size)
+        rp = self.tree.policy
+        runs = rp.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len,
+                                  rp.pretail_pages and req.n_tokens // self.page_size)
         return sum(b - a for a, b in runs)
 
     @staticmethod
@@ -476,8 +477,9 @@ class HybridKVCache:
         # Pages from the release mark on were never released, so all hold SWA (checked
         # by check_invariants): free the runs the policy releases, no per-page mask.
         swa = req.swa_pages
-        runs = self.tree.policy.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len,
-                                                req.n_tokens // self.page_size)
+        rp = self.tree.policy
+        runs = rp.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len,
+                                  rp.pretail_pages and req.n_tokens // self.page_size)
         if not runs:
             return 0
         if len(runs) == 1:

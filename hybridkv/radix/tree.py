@@ -445,8 +445,12 @@ class WindowSafeTree:
             left -= take
         if touch:
             self.divergence.hit_pages += safe
-            if path and self.policy.branch_points and raw_pages * size < limit:
-                self._observe_divergence(path[-1][0], path[-1][1], raw_pages)
+            if path and raw_pages * size < limit:
+                end_node, took = path[-1]
+                # the request left inside a node, or at the end of one with one child
+                # (most requests extend a leaf or leave at a branch point: no call)
+                if (took < len(end_node.full) or len(end_node.children) == 1) and self.policy.branch_points:
+                    self._observe_divergence(end_node, took, raw_pages)
             pos = raw_pages * size
             if pos + size <= len(key):  # did a ghost of an evicted leaf start here?
                 ghost = self._ghost_key(namespace, pos, key[pos:pos + size])
