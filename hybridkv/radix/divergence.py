@@ -21,22 +21,31 @@ bytes:
 * a window ``d`` pages before each new sequence's end would serve every event
   with ``dist <= d``, ending ``d - dist`` pages early; over the last events
   (a bounded sample), ``d`` is the offset that gains the most pages, ``G``;
-* it is kept (:meth:`offset` > 0) while it pays at least what the cache's
-  bytes pay on average: ``G / (leaves x window bytes) >= hits / cache bytes``,
-  hits and ``G`` over the same stretch of requests (the sample's).  Windows
-  the cache holds earn the hits it serves; this one must earn as much per
-  byte, so a workload whose requests extend their prompts (chats, agents)
-  keeps none, and a workload of documents asked several questions keeps one
-  per document.
+* it is kept while it pays for its bytes *at the margin*: one window per
+  cached leaf takes ``leaves x window bytes``, which the cache would
+  otherwise spend on the leaves it evicted last.  Evicted leaves leave
+  ghosts (their first page's name, the bytes evicted before them, their
+  pages); a request whose match stops at a ghost would have hit up to that
+  many more pages had the cache been larger by the bytes evicted since.
+  The window is kept while ``G`` beats the pages of the ghost returns within
+  ``leaves x window bytes`` of the newest eviction, both over the same stretch
+  of requests (the sample's).  A cache under no pressure keeps it whenever
+  it gains anything; a workload whose requests extend their prompts (chats,
+  agents) has few events and rarely keeps one.
 
 Nothing is fitted to a trace: the offset is chosen from the observed
-distances, and the test compares two measured rates.  Runtime: O(1) per
-event; every 16 events O(sample^2) numpy work on at most 256 events.
+distances, and the test compares two measured hit counts.  (Comparing with
+the cache's *average* hits per byte instead kept the window too rarely at
+large budgets and too often at tiny ones, where the margin is worth more
+than the average.)  Runtime: O(1) per event, eviction and ghost hit; every
+16 events O(sample^2) numpy work on at most 256 events plus a pass over at
+most 2,048 ghost returns.  Ghosts are capped by the tree (four per node plus
+1,024).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -51,11 +60,16 @@ class DivergenceModel:
     """Learns the pre-tail window offset (module docstring).  All lengths in pages."""
 
     def __init__(self) -> None:
-        self._events: deque[tuple[int, int, int]] = deque(maxlen=_SAMPLE)  # (dist, gain, hits before)
-        self.hit_pages = 0      # pages hit by all matches so far
+        self._events: deque[tuple[int, int, int]] = deque(maxlen=_SAMPLE)  # (dist, gain, clock)
+        self.hit_pages = 0      # pages hit by all matches so far: the clock of both samples
         self._since = 0
         self.offset = 0         # current decision: 0 = no pre-tail window
         self.decisions = 0
+        # the margin: evicted leaves (ghost key -> evicted bytes before it, pages) and
+        # their returns (clock, bytes evicted after it, pages it would have hit)
+        self.ghosts: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self.evicted_bytes = 0
+        self._returns: deque[tuple[int, int, int]] = deque(maxlen=8 * _SAMPLE)
 
     def observe(self, dist: int, gain: int) -> bool:
         """A request left a cached chain ``dist`` pages before its leaf's end; a window
@@ -65,23 +79,39 @@ class DivergenceModel:
         self._since += 1
         return self._since >= _EVERY and len(self._events) >= _MIN_EVENTS
 
-    def decide(self, leaves: int, window_bytes: float, cache_bytes: float) -> int:
-        """Set and return :attr:`offset`: the best ``d`` if its window pays for itself
-        at ``leaves`` windows of ``window_bytes`` each in a cache holding
-        ``cache_bytes``, else 0."""
+    def evicted(self, key: int, nbytes: int, pages: int, cap: int) -> None:
+        """A leaf's last ``pages`` pages (``nbytes``) were evicted; ``key`` names its first
+        page (a ghost).  At most ``cap`` ghosts are kept, the oldest forgotten first."""
+        self.evicted_bytes += nbytes
+        ghosts = self.ghosts
+        ghosts.pop(key, None)
+        ghosts[key] = (self.evicted_bytes, pages)
+        while len(ghosts) > cap:
+            ghosts.popitem(last=False)
+
+    def ghost_hit(self, key: int, remaining: int) -> None:
+        """A request's match stopped where ghost ``key`` starts, with ``remaining`` pages
+        of its own after it: a larger cache would have hit up to that many more."""
+        got = self.ghosts.pop(key, None)
+        if got is not None:
+            self._returns.append((self.hit_pages, self.evicted_bytes - got[0], min(got[1], remaining)))
+
+    def decide(self, leaves: int, window_bytes: float) -> int:
+        """Set and return :attr:`offset`: the best ``d`` if its windows (one per leaf,
+        ``leaves`` x ``window_bytes``) gain more than the cache would lose by giving up
+        as many bytes (the returns of the leaves evicted within that many bytes, over
+        the same stretch of requests), else 0."""
         self._since = 0
         self.decisions += 1
         ev = np.array(self._events, dtype=np.float64)
         dist, gain = ev[:, 0], ev[:, 1]
-        hits = self.hit_pages - ev[0, 2]
         cand = np.unique(dist)
         # a window d pages before the end serves dist <= d, ending d - dist pages early
         late = cand[:, None] - dist[None, :]
         got = np.where(late >= 0, np.maximum(gain[None, :] - late, 0.0), 0.0).sum(axis=1)
         best = int(np.argmax(got))
         g = float(got[best])
-        if g <= 0 or g * cache_bytes < hits * max(1, leaves) * window_bytes:
-            self.offset = 0
-        else:
-            self.offset = int(cand[best])
+        start, margin = ev[0, 2], max(1, leaves) * window_bytes
+        lost = sum(p for clock, ago, p in self._returns if clock >= start and ago <= margin)
+        self.offset = int(cand[best]) if g > lost else 0
         return self.offset

@@ -454,6 +454,8 @@ class WindowSafeTree:
             pos = raw_pages * size
             if pos + size <= len(key):  # did a ghost of an evicted leaf start here?
                 ghost = self._ghost_key(namespace, pos, key[pos:pos + size])
+                if self.divergence.ghosts:
+                    self.divergence.ghost_hit(ghost, (len(key) - pos) // size)
                 if not self.value_ranking:
                     if self.ranking.on_miss(ghost, self._tick):
                         if len(self._ghost_hits) > 4096:
@@ -523,9 +525,7 @@ class WindowSafeTree:
         base = (raw_pages // kp) * kp if kp else 0
         if self.divergence.observe(dist, raw_pages - base):
             leaves = sum(map(len, self._by_class)) if self.value_ranking else self.num_nodes
-            cached = self.full_pages_cached * self.full_page_bytes + self.swa_pages_cached * self.swa_page_bytes
-            self.policy.pretail_pages = self.divergence.decide(
-                leaves, self.policy.window_pages * self.swa_page_bytes, cached)
+            self.policy.pretail_pages = self.divergence.decide(leaves, self.policy.window_pages * self.swa_page_bytes)
 
     def _predict_branch(self, leaf: TreeNode) -> TreeNode | None:
         """Split a new leaf at the learned divergence point (``policy.pretail_pages``
@@ -1191,6 +1191,9 @@ class WindowSafeTree:
         self.ranking.pages[node.seg] -= gone
         pos = node.start + keep * size
         ghost = self._ghost_key(node.namespace, pos, node.key[keep * size:(keep + 1) * size])
+        if self.policy.branch_points:  # what the last bytes evicted would have hit: the margin
+            self.divergence.evicted(ghost, gone * self.full_page_bytes + int(swa.size) * self.swa_page_bytes,
+                                    gone, 4 * self.num_nodes + 1024)
         if not self.value_ranking:  # ARC's ghost lists steer only the segment rule
             self.ranking.remember(node.seg, ghost, gone)
         if self.listeners:

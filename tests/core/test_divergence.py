@@ -83,15 +83,26 @@ def test_a_chat_that_extends_its_prompts_keeps_no_extra_window():
 
 
 def test_the_model_keeps_a_window_only_when_it_pays_for_its_bytes():
+    """The windows' bytes would hold the leaves evicted last: the window is kept while
+    what it gains beats what those leaves' returns would have hit."""
     m = DivergenceModel()
     for _ in range(16):
         m.hit_pages += 100
-        due = m.observe(3, 200)
+        due = m.observe(3, 200)  # 16 x 200 = 3,200 pages a window 3 pages early gains
     assert due
-    # 16 events x 200 pages gained vs 1,600 pages hit: the window earns 2x what the cache does per byte
-    assert m.decide(leaves=10, window_bytes=1.0, cache_bytes=10.0) == 3
-    # a window that would earn less per byte than the cache's average is not kept
-    assert m.decide(leaves=10, window_bytes=1.0, cache_bytes=4.0) == 0
+    assert m.decide(leaves=10, window_bytes=1.0) == 3  # nothing evicted: bytes cost nothing
+    m.evicted(key=1, nbytes=5, pages=5000, cap=100)
+    m.evicted(key=2, nbytes=100, pages=9000, cap=100)
+    m.ghost_hit(1, remaining=20000)  # 100 bytes were evicted after it: beyond 10 windows' bytes
+    assert m.decide(leaves=10, window_bytes=1.0) == 3
+    assert m.decide(leaves=200, window_bytes=1.0) == 0  # 200 windows' bytes would have kept it: 5,000 > 3,200
+    m.ghost_hit(2, remaining=6000)  # the last leaf evicted: it would have hit 6,000 pages more
+    assert m.decide(leaves=10, window_bytes=1.0) == 0
+    m.ghost_hit(2, remaining=6000)  # a ghost returns once
+    assert len(m.ghosts) == 0
+    for k in range(300):
+        m.evicted(key=100 + k, nbytes=1, pages=1, cap=50)
+    assert len(m.ghosts) == 50 and 399 in m.ghosts and 349 not in m.ghosts  # the oldest go
 
 
 def test_the_offset_covers_the_distances_that_gain_most():
@@ -99,6 +110,6 @@ def test_the_offset_covers_the_distances_that_gain_most():
     for d in [2] * 10 + [3] * 10 + [40] * 2:
         m.observe(d, 100)
     # a window 3 pages before the end serves the 2s (a page early) and the 3s; 40 serves all but loses 37-38
-    assert m.decide(leaves=1, window_bytes=1.0, cache_bytes=1e9) == 3
+    assert m.decide(leaves=1, window_bytes=1.0) == 3
     with pytest.raises(TypeError):
         m.observe()  # type: ignore[call-arg]
