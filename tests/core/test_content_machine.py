@@ -575,9 +575,9 @@ class ContentMachine(_ContentRules):
                 eviction=st.sampled_from(["page", "page", "node", "none"]),
                 ranking=st.sampled_from(["value", "adaptive", "lru", "arc"]),
                 release_every=st.integers(1, 6), spare=st.sampled_from([0.0, 0.1, 0.3, 0.6]),
-                anchor=st.booleans(), seed=st.integers(0, 2**16))
+                anchor=st.booleans(), pretail=st.sampled_from([0, 0, 1, 2, 3]), seed=st.integers(0, 2**16))
     def setup(self, layout, page_size, window, full_pages, swa_pages, mode, checkpoint, retention, eviction,
-              ranking, release_every, spare, anchor, seed):
+              ranking, release_every, spare, anchor, pretail, seed):
         self._setup_common(layout, page_size, window, seed)
         full_pages, swa_pages = _sizes(self.spec, full_pages, swa_pages)
         common = dict(device="cpu", swa_checkpoint=checkpoint * page_size, retention=retention,
@@ -592,6 +592,13 @@ class ContentMachine(_ContentRules):
         else:
             cfg = CacheConfig(budget_bytes=budget, full_pages=full_pages, swa_pages=swa_pages, **common)
         self.cache = HybridKVCache(self.spec, cfg)
+        if pretail:
+            # predicted branch points from the start (the learned decision frozen): every new
+            # leaf is split ``pretail`` pages before its end and keeps that window, and every
+            # live request spares it, so hits through those windows are checked for content
+            tree = self.cache.tree
+            tree.policy.pretail_pages = pretail
+            tree.divergence.observe = lambda dist, gain: False  # type: ignore[method-assign]
         assert self.cache.pool.buffers.blocks.num_used == 0
 
 
