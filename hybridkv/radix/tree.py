@@ -1225,6 +1225,12 @@ class WindowSafeTree:
                         self._file(parent, cls, since)
                     else:
                         self._file(parent)
+                    if parent.predicted and want is not None and gone < want and not parent.lock:
+                        # the leaf was the part below a predicted window: like a trim back to a
+                        # checkpoint that frees too little, the rest of the sequence goes next
+                        victims = self._victims if self._victims is not None else []
+                        victims.append((-1.0, parent.last_access, parent.nid, parent))
+                        self._victims = victims
             elif cls >= 0:  # watch for the sequence's return where its pages started
                 # ghosts in proportion to what is cached (a few turnovers' worth of leaves)
                 self.reuse.max_ghosts = 4 * self.num_nodes + 1024

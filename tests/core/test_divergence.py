@@ -113,3 +113,35 @@ def test_the_offset_covers_the_distances_that_gain_most():
     assert m.decide(leaves=1, window_bytes=1.0) == 3
     with pytest.raises(TypeError):
         m.observe()  # type: ignore[call-arg]
+
+
+def _predicting_tree(pretail):
+    from helpers import RecordingPool
+
+    from hybridkv.radix import TreeConfig, WindowSafeTree
+    t = WindowSafeTree(TreeConfig(1, 2, ranking="value"), RecordingPool())
+    t.policy.pretail_pages = pretail
+    t.divergence.observe = lambda dist, gain: False  # type: ignore[method-assign]  # decision frozen
+    return t
+
+
+def test_evicting_below_a_predicted_window_takes_the_rest_of_that_sequence_next():
+    """A leaf split at a predicted window is one sequence in two nodes.  When the part
+    below the window frees less than asked, the rest of the same (oldest) sequence
+    is next (trimmed as far as needed), as a leaf trimmed back to a checkpoint
+    would be; the value ranking's candidates of the call used to go on to another
+    sequence (the newer one's tail here) and keep the old one's upper part.  On a
+    workload of one-shot prompts that cost `value` 0.3-0.4 points."""
+    t = _predicting_tree(2)
+    t.insert(list(range(10)), list(range(10)), list(range(100, 110)))        # older one-shot A
+    t.insert(list(range(50, 60)), list(range(10, 20)), list(range(110, 120)))  # newer one-shot B
+    a = t.match(list(range(8)) + [999]).node  # a request leaving where the window was predicted
+    b = t.match(list(range(50, 58)) + [999]).node
+    assert a.start + len(a.key) == 8 and b.start + len(b.key) == 8
+    assert a.predicted and b.predicted and len(a.children) == len(b.children) == 1  # split 2 pages early
+    assert t.evict(full_pages=5)[0] == 5
+    assert a.alive and not a.children and a.n_pages == 5   # A: its 2 tail pages, then trimmed by 3
+    assert t.match(list(range(10)) + [7]).length == 5
+    assert b.alive and len(b.children) == 1                # B untouched, its tail too
+    assert t.match(list(range(50, 60)) + [7]).length == 10
+    t.check_invariants()
