@@ -454,8 +454,9 @@ class WindowSafeTree:
             pos = raw_pages * size
             if pos + size <= len(key):  # did a ghost of an evicted leaf start here?
                 ghost = self._ghost_key(namespace, pos, key[pos:pos + size])
-                if self.divergence.ghosts:
-                    self.divergence.ghost_hit(ghost, (len(key) - pos) // size)
+                div = self.divergence
+                if ghost in div.ghosts:
+                    div.ghost_hit(ghost, (len(key) - pos) // size)
                 if not self.value_ranking:
                     if self.ranking.on_miss(ghost, self._tick):
                         if len(self._ghost_hits) > 4096:
