@@ -37,9 +37,11 @@ class TreeNode:
         branched: the node has had two or more children at once (a proven
             branch point: a request diverged at its end); its end window stays
             an anchor while one child is left.
-        predicted: the node ends where the learned divergence model expects a
-            request to leave the sequence (``RetentionPolicy.pretail_pages``
-            before a new leaf's end); its end window is an anchor too.
+        points: absolute page numbers inside the node where a predicted window
+            ends (``RetentionPolicy.pretail_pages`` before a new leaf's end, where
+            the learned divergence model expects requests to leave the sequence);
+            each window is an anchor (counted in ``anchor``, walking into the
+            parents if a split put part of it there).  None: no point.
         seg: eviction segment (:class:`~hybridkv.radix.policy.AdaptiveRanking`).
         returns: how many times the sequence ending here came back (a later
             request's match reached it); its reuse class for the ``"value"``
@@ -51,7 +53,7 @@ class TreeNode:
     """
 
     __slots__ = ("key", "full", "swa", "children", "parent", "start", "last_access",
-                 "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "branched", "predicted", "seg", "returns", "gap", "vcls", "since")
+                 "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "branched", "points", "seg", "returns", "gap", "vcls", "since")
 
     def __init__(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
                  parent: "TreeNode | None", start: int, namespace: str, tick: int) -> None:
@@ -69,7 +71,7 @@ class TreeNode:
         self.anchor = np.zeros(len(full), dtype=np.int32)
         self.ends = 0
         self.branched = False
-        self.predicted = False
+        self.points: list[int] | None = None
         self.seg = 1
         self.returns = 0
         self.gap = -1.0

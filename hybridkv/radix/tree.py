@@ -470,15 +470,6 @@ class WindowSafeTree:
                         self._ghost_returns[(namespace, pos)] = came_back
             if path:
                 last = path[-1][0]
-                if (last.predicted and not diverged and len(last.children) == 1
-                        and path[-1][1] == len(last.full) and pos < limit):
-                    # it left at a predicted branch point: the sequence below came back up to
-                    # here, as if the request had diverged inside its leaf (no window predicted)
-                    below = next(iter(last.children.values()))
-                    while len(below.children) == 1:
-                        below = next(iter(below.children.values()))
-                    if not below.children:
-                        last, diverged = below, True
                 # a request that diverges inside the leaf brought the sequence back up to
                 # ``pos``: the return counts for the leaf's class (its period ends), but the
                 # history goes to the node that will end at ``pos`` (the branch point), not
@@ -528,20 +519,31 @@ class WindowSafeTree:
             leaves = sum(map(len, self._by_class)) if self.value_ranking else self.num_nodes
             self.policy.pretail_pages = self.divergence.decide(leaves, self.policy.window_pages * self.swa_page_bytes)
 
-    def _predict_branch(self, leaf: TreeNode) -> TreeNode | None:
-        """Split a new leaf at the learned divergence point (``policy.pretail_pages``
-        before its end) and anchor the window there, if the leaf holds that window's
-        SWA.  Returns the upper half (a predicted branch point) or None.  O(pages)."""
+    def _predict_window(self, leaf: TreeNode) -> None:
+        """Anchor the window ending ``policy.pretail_pages`` before new ``leaf``'s end
+        (where the learned divergence model expects requests to leave it), if the leaf
+        holds that window's SWA.  The window stays inside the leaf: no split, no extra
+        node; eviction can trim the leaf back to it like to a checkpoint.  O(window)."""
         d, wp = self.policy.pretail_pages, self.policy.window_pages
         cut = len(leaf.full) - d
         if d <= 0 or cut < wp or int(np.count_nonzero(leaf.swa[cut - wp:cut] >= 0)) < wp:
-            return None
-        self._split(leaf, cut)
-        upper = leaf.parent
-        assert upper is not None
-        upper.predicted = True
-        self._reanchor(upper)
-        return upper
+            return
+        leaf.anchor[cut - wp:cut] += 1
+        leaf.points = [leaf.start // self.page_size + cut]
+
+    def _anchor_ending(self, node: TreeNode, end: int, delta: int) -> None:
+        """Add ``delta`` to the anchor counts of the window ending ``end`` pages into
+        ``node`` (walking into the parents).  O(window)."""
+        need = self.policy.window_pages
+        n: TreeNode | None = node
+        k = end
+        while need > 0 and n is not None and n.parent is not None:
+            take = need if need < k else k
+            if take:
+                n.anchor[k - take:k] += delta
+            need -= take
+            n = n.parent
+            k = len(n.anchor) if n is not None else 0
 
     def _safe_pages(self, path: list[tuple[TreeNode, int]], total: int) -> int:
         """:func:`window_safe_pages` of the matched path (``total`` pages).  The common
@@ -616,13 +618,13 @@ class WindowSafeTree:
 
     def _wants_end_anchor(self, node: TreeNode) -> int:
         """1 if a window ending at ``node`` is an anchor: a leaf's tail, or a branch
-        point, now or before (``node.branched``), or predicted (``node.predicted``).  A point where requests diverged
+        point, now or before (``node.branched``).  A point where requests diverged
         once, e.g. the end of a document asked several questions, is where the next
         one diverges too; dropping its window when all but one child are evicted
         made the next question miss the whole document (the window's SWA was freed
         as unanchored before any leaf)."""
         k = len(node.children)
-        return int(k == 0 or (self.policy.branch_points and (k > 1 or node.branched or node.predicted)))
+        return int(k == 0 or (self.policy.branch_points and (k > 1 or node.branched)))
 
     def _reanchor(self, node: TreeNode) -> None:
         """Bring ``node``'s end anchor in line with its children (after they changed).  O(window)."""
@@ -694,6 +696,11 @@ class WindowSafeTree:
         upper.seg = node.seg
         upper.anchor = node.anchor[:pages].copy()  # per-page counts: windows stay where they were
         node.anchor = node.anchor[pages:].copy()
+        if node.points:  # a predicted window belongs to the half its last page is in
+            cut_abs = node.start // self.page_size + pages
+            up = [p for p in node.points if p <= cut_abs]
+            upper.points = up or None
+            node.points = [p for p in node.points if p > cut_abs] or None
         node.key = node.key[cut:]
         node.full = node.full[pages:]
         node.swa = node.swa[pages:]
@@ -852,11 +859,10 @@ class WindowSafeTree:
             self._enqueue(leaf)
             if node is not root:
                 self._enqueue(node, leaf=False)  # its tail is no longer a leaf tail
-            upper = self._predict_branch(leaf) if self.policy.pretail_pages else None
+            if self.policy.pretail_pages:
+                self._predict_window(leaf)
             node = leaf
             if self.listeners:
-                if upper is not None:
-                    self._emit("store", upper)
                 self._emit("store", leaf)
         if drop_full:
             self._free_full(drop_full[0] if len(drop_full) == 1 else np.concatenate(drop_full))
@@ -1180,6 +1186,13 @@ class WindowSafeTree:
         if node.ends:
             self._anchor_window(node, -1)
             node.ends = 0
+        if node.points:  # predicted windows past what stays go with the pages
+            first = node.start // size
+            for p in [p for p in node.points if p > first + keep]:
+                self._anchor_ending(node, p - first, -1)
+                node.points.remove(p)
+            if not node.points:
+                node.points = None
         gone_full = node.full[keep:]
         swa = node.swa[keep:]
         swa = swa[swa >= 0]
@@ -1226,12 +1239,6 @@ class WindowSafeTree:
                         self._file(parent, cls, since)
                     else:
                         self._file(parent)
-                    if parent.predicted and want is not None and gone < want and not parent.lock:
-                        # the leaf was the part below a predicted window: like a trim back to a
-                        # checkpoint that frees too little, the rest of the sequence goes next
-                        victims = self._victims if self._victims is not None else []
-                        victims.append((-1.0, parent.last_access, parent.nid, parent))
-                        self._victims = victims
             elif cls >= 0:  # watch for the sequence's return where its pages started
                 # ghosts in proportion to what is cached (a few turnovers' worth of leaves)
                 self.reuse.max_ghosts = 4 * self.num_nodes + 1024
@@ -1313,6 +1320,16 @@ class WindowSafeTree:
                 expect[n.nid][n.n_pages - take:] += 1
                 need -= take
                 n = n.parent
+        for node in nodes:  # predicted windows inside nodes
+            for p in node.points or ():
+                need, n, k = self.policy.window_pages, node, p - node.start // self.page_size
+                assert 0 < k <= node.n_pages, (node, p)
+                while need > 0 and n is not None and n.parent is not None:
+                    take = min(need, k)
+                    expect[n.nid][k - take:k] += 1
+                    need -= take
+                    n = n.parent
+                    k = n.n_pages if n is not None and n.parent is not None else 0
         for node in nodes:
             assert np.array_equal(node.anchor, expect[node.nid]), (node, node.anchor, expect[node.nid])
         assert pages == self.ranking.pages, (pages, self.ranking.pages)

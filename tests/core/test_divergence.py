@@ -125,23 +125,26 @@ def _predicting_tree(pretail):
     return t
 
 
-def test_evicting_below_a_predicted_window_takes_the_rest_of_that_sequence_next():
-    """A leaf split at a predicted window is one sequence in two nodes.  When the part
-    below the window frees less than asked, the rest of the same (oldest) sequence
-    is next (trimmed as far as needed), as a leaf trimmed back to a checkpoint
-    would be; the value ranking's candidates of the call used to go on to another
-    sequence (the newer one's tail here) and keep the old one's upper part.  On a
-    workload of one-shot prompts that cost `value` 0.3-0.4 points."""
-    t = _predicting_tree(2)
-    t.insert(list(range(10)), list(range(10)), list(range(100, 110)))        # older one-shot A
-    t.insert(list(range(50, 60)), list(range(10, 20)), list(range(110, 120)))  # newer one-shot B
-    a = t.match(list(range(8)) + [999]).node  # a request leaving where the window was predicted
-    b = t.match(list(range(50, 58)) + [999]).node
-    assert a.start + len(a.key) == 8 and b.start + len(b.key) == 8
-    assert a.predicted and b.predicted and len(a.children) == len(b.children) == 1  # split 2 pages early
-    assert t.evict(full_pages=5)[0] == 5
-    assert a.alive and not a.children and a.n_pages == 5   # A: its 2 tail pages, then trimmed by 3
-    assert t.match(list(range(10)) + [7]).length == 5
-    assert b.alive and len(b.children) == 1                # B untouched, its tail too
-    assert t.match(list(range(50, 60)) + [7]).length == 10
+def test_a_predicted_window_is_an_anchor_inside_the_leaf():
+    """The predicted window is anchored inside the new leaf (no split, no extra node):
+    freeing plain SWA keeps it, a request leaving there hits up to it, eviction can
+    trim the leaf back to it, and the anchor counts stay exact through splits and
+    trims (check_invariants recounts them)."""
+    t = _predicting_tree(3)
+    t.insert(list(range(10)), list(range(10)), list(range(100, 110)))
+    leaf = t.match(list(range(10)) + [7]).node
+    assert leaf.points == [7] and t.num_nodes == 1  # the window [5, 7) ends 3 pages before the end
+    assert list(leaf.anchor) == [0, 0, 0, 0, 0, 1, 1, 0, 1, 1]  # predicted window + the tail's
+    t.check_invariants()
+    t.evict(swa_pages=6)  # plain SWA only: pages 0-4 and 7
+    assert list(leaf.swa >= 0) == [False] * 5 + [True, True, False, True, True]
+    assert t.match(list(range(7)) + [999]).length == 7  # a request leaving at the point hits it
+    t.check_invariants()
+    t.match(list(range(8)) + [999], split=True)  # a split after the point: it stays with the upper half
+    t.check_invariants()
+    t.evict(full_pages=2)  # trims the tail back to the predicted window's end
+    assert t.match(list(range(10)) + [7]).length == 7
+    t.check_invariants()
+    t.evict(full_pages=7)
+    assert t.num_nodes == 0 and t.full_pages_cached == 0
     t.check_invariants()
