@@ -403,10 +403,7 @@ class HybridKVCache:
         lo, cut = self._release_range(req)
         if cut <= lo:
             return 0
-        rp = self.tree.policy
-        runs = rp.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len,
-                                  rp.pretail_pages and req.n_tokens // self.page_size)
-        return sum(b - a for a, b in runs)
+        return sum(b - a for a, b in self._releasable_runs(req, lo, cut))
 
     @staticmethod
     def _place(req: Request, full: np.ndarray, swa: np.ndarray) -> None:
@@ -463,6 +460,13 @@ class HybridKVCache:
         cut = self.tree.policy.release_cut(req.computed)
         return (req.release_mark if req.release_mark > req.tree_pages else req.tree_pages), cut
 
+    def _releasable_runs(self, req: Request, lo: int, cut: int) -> list[tuple[int, int]]:
+        """The runs of ``req``'s pages ``[lo, cut)`` its release frees (the policy keeps
+        checkpoint, divergence and predicted windows).  O(1 + runs)."""
+        rp = self.tree.policy
+        return rp.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len,
+                                  rp.pretail_pages and req.n_tokens // self.page_size)
+
     def _release(self, req: Request, force: bool) -> int:
         policy = self.config.retention
         if policy in ("none", "dense"):
@@ -477,9 +481,7 @@ class HybridKVCache:
         # Pages from the release mark on were never released, so all hold SWA (checked
         # by check_invariants): free the runs the policy releases, no per-page mask.
         swa = req.swa_pages
-        rp = self.tree.policy
-        runs = rp.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len,
-                                  rp.pretail_pages and req.n_tokens // self.page_size)
+        runs = self._releasable_runs(req, lo, cut)
         if not runs:
             return 0
         if len(runs) == 1:

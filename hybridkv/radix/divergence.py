@@ -63,7 +63,6 @@ class DivergenceModel:
         self._events: deque[tuple[int, int, int]] = deque(maxlen=_SAMPLE)  # (dist, gain, clock)
         self.hit_pages = 0      # pages hit by all matches so far: the clock of both samples
         self._since = 0
-        self.offset = 0         # current decision: 0 = no pre-tail window
         self.decisions = 0
         # the margin: evicted leaves (ghost key -> evicted bytes before it, pages) and
         # their returns (clock, bytes evicted after it, pages it would have hit)
@@ -97,7 +96,7 @@ class DivergenceModel:
             self._returns.append((self.hit_pages, self.evicted_bytes - got[0], min(got[1], remaining)))
 
     def decide(self, leaves: int, window_bytes: float) -> int:
-        """Set and return :attr:`offset`: the best ``d`` if its windows (one per leaf,
+        """The pre-tail offset to use (``RetentionPolicy.pretail_pages``): the best ``d`` if its windows (one per leaf,
         ``leaves`` x ``window_bytes``) gain more than the cache would lose by giving up
         as many bytes (the returns of the leaves evicted within that many bytes, over
         the same stretch of requests), else 0."""
@@ -113,5 +112,4 @@ class DivergenceModel:
         g = float(got[best])
         start, margin = ev[0, 2], max(1, leaves) * window_bytes
         lost = sum(p for clock, ago, p in self._returns if clock >= start and ago <= margin)
-        self.offset = int(cand[best]) if g > lost else 0
-        return self.offset
+        return int(cand[best]) if g > lost else 0

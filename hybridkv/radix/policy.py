@@ -55,7 +55,7 @@ class RetentionPolicy:
         self.checkpoint_pages = -(-checkpoint // page_size) if checkpoint else 0
         self.branch_points = branch_points
         # learned by the tree's DivergenceModel: the window this many pages before a
-        # new sequence's end is kept (a predicted branch point); 0 = none
+        # new sequence's end is kept (a predicted window); 0 = none
         self.pretail_pages = 0
 
     # ------------------------------------------------------------ checkpoints

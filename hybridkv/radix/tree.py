@@ -531,20 +531,6 @@ class WindowSafeTree:
         leaf.anchor[cut - wp:cut] += 1
         leaf.points = [leaf.start // self.page_size + cut]
 
-    def _anchor_ending(self, node: TreeNode, end: int, delta: int) -> None:
-        """Add ``delta`` to the anchor counts of the window ending ``end`` pages into
-        ``node`` (walking into the parents).  O(window)."""
-        need = self.policy.window_pages
-        n: TreeNode | None = node
-        k = end
-        while need > 0 and n is not None and n.parent is not None:
-            take = need if need < k else k
-            if take:
-                n.anchor[k - take:k] += delta
-            need -= take
-            n = n.parent
-            k = len(n.anchor) if n is not None else 0
-
     def _safe_pages(self, path: list[tuple[TreeNode, int]], total: int) -> int:
         """:func:`window_safe_pages` of the matched path (``total`` pages).  The common
         case, a held tail window, is checked on Python ints (a window is a few
@@ -600,21 +586,24 @@ class WindowSafeTree:
         return hash((namespace, pos, page.tobytes()))
 
     # ================================================================ anchors
-    def _anchor_window(self, node: TreeNode, delta: int) -> None:
-        """Add ``delta`` to the anchor count of the ``window_pages`` pages ending at ``node``."""
+    def _anchor_window(self, node: TreeNode, delta: int, end: int | None = None) -> None:
+        """Add ``delta`` to the anchor count of the ``window_pages`` pages ending at
+        ``node``'s end, or ``end`` pages into it (a predicted window), walking into the
+        parents."""
         need = self.policy.window_pages
         n: TreeNode | None = node
+        k = len(node.anchor) if end is None else end
         while need > 0 and n is not None and n.parent is not None:
             anchor = n.anchor
-            k = len(anchor)
             take = need if need < k else k
             if take <= 4:  # a window of a few pages: scalar writes beat a slice ufunc
                 for i in range(k - take, k):
                     anchor[i] += delta
             else:
-                anchor[k - take:] += delta
+                anchor[k - take:k] += delta
             need -= take
             n = n.parent
+            k = len(n.anchor) if n is not None else 0
 
     def _wants_end_anchor(self, node: TreeNode) -> int:
         """1 if a window ending at ``node`` is an anchor: a leaf's tail, or a branch
@@ -1188,11 +1177,10 @@ class WindowSafeTree:
             node.ends = 0
         if node.points:  # predicted windows past what stays go with the pages
             first = node.start // size
-            for p in [p for p in node.points if p > first + keep]:
-                self._anchor_ending(node, p - first, -1)
-                node.points.remove(p)
-            if not node.points:
-                node.points = None
+            for p in node.points:
+                if p > first + keep:
+                    self._anchor_window(node, -1, p - first)
+            node.points = [p for p in node.points if p <= first + keep] or None
         gone_full = node.full[keep:]
         swa = node.swa[keep:]
         swa = swa[swa >= 0]
@@ -1311,25 +1299,24 @@ class WindowSafeTree:
             lo = node.start // self.page_size
             expect[node.nid] = self.policy.checkpoint_mask(lo, lo + node.n_pages).astype(np.int32)
             pages[node.seg] += node.n_pages
+        def window(node: TreeNode, k: int) -> None:  # expect the window ending k pages into node
+            need, n = self.policy.window_pages, node
+            while need > 0 and n is not None and n.parent is not None:
+                take = min(need, k)
+                expect[n.nid][k - take:k] += 1
+                need -= take
+                n = n.parent
+                k = n.n_pages if n is not None else 0
+
         for node in nodes:
             want = self._wants_end_anchor(node)
             assert node.ends == want, (node, node.ends, want)
-            need, n = (self.policy.window_pages if want else 0), node
-            while need > 0 and n is not None and n.parent is not None:
-                take = min(need, n.n_pages)
-                expect[n.nid][n.n_pages - take:] += 1
-                need -= take
-                n = n.parent
-        for node in nodes:  # predicted windows inside nodes
-            for p in node.points or ():
-                need, n, k = self.policy.window_pages, node, p - node.start // self.page_size
+            if want:
+                window(node, node.n_pages)
+            for p in node.points or ():  # predicted windows inside the node
+                k = p - node.start // self.page_size
                 assert 0 < k <= node.n_pages, (node, p)
-                while need > 0 and n is not None and n.parent is not None:
-                    take = min(need, k)
-                    expect[n.nid][k - take:k] += 1
-                    need -= take
-                    n = n.parent
-                    k = n.n_pages if n is not None and n.parent is not None else 0
+                window(node, k)
         for node in nodes:
             assert np.array_equal(node.anchor, expect[node.nid]), (node, node.anchor, expect[node.nid])
         assert pages == self.ranking.pages, (pages, self.ranking.pages)
