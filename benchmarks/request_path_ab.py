@@ -1,0 +1,110 @@
+"""Request-path time of two versions of hybridkv, alternated, on the same prompts.
+
+``hybridkv replay`` times each request (``request_ops_us``), but its harness
+has changed between versions (see docs/benchmarks.md: it now serves requests
+in blocks so the references do not empty the CPU caches between them).  To
+compare the request path of two commits, this script materialises the trace's
+prompts once with the current code, then drives each version's
+``HybridKVCache`` with exactly the same loop (``begin``, ``reserve`` +
+``commit`` per chunk, ``finish``; no references, no bound), in a fresh process
+per run, alternating the versions round by round.  It prints each run's p50,
+p90 and mean per request and the hit rate, then the median p50 of each version
+and their ratio.
+
+    git worktree add /tmp/old <commit>
+    python benchmarks/request_path_ab.py /tmp/old . --rounds 4 [--budget-gb 594]
+
+A checkout's ``replay._make_cache(system, spec, budget, swa_checkpoint, tiers)``
+builds the cache (present since the first replay).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_CHILD = r"""
+import json, pickle, sys, time
+import numpy as np
+root, prompts_path, budget, chunk, preset, page = sys.argv[1:7]
+sys.path.insert(0, root)
+import hybridkv
+assert hybridkv.__file__.startswith(root), hybridkv.__file__
+from hybridkv import ModelSpec
+from hybridkv.cache import CacheFullError
+from hybridkv.replay import _make_cache
+with open(prompts_path, "rb") as f:
+    prompts = pickle.load(f)
+spec = ModelSpec.preset(preset, page_size=int(page))
+cache = _make_cache("hybridkv", spec, int(budget), 16384, None)
+chunk = int(chunk)
+us, hit, total = [], 0, 0
+for tokens, ns in prompts:
+    total += len(tokens)
+    t0 = time.perf_counter()
+    req = cache.begin(tokens, ns)
+    try:
+        while req.computed < len(tokens):
+            n = min(chunk, len(tokens) - req.computed)
+            cache.reserve(req, n)
+            cache.commit(req, n)
+        cache.finish(req)
+        hit += req.prefix_len
+    except CacheFullError:
+        cache.abort(req)
+    us.append((time.perf_counter() - t0) * 1e6)
+print(json.dumps({"p50": float(np.percentile(us, 50)), "p90": float(np.percentile(us, 90)),
+                  "mean": float(np.mean(us)), "hit_rate": hit / max(1, total)}))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkouts", nargs=2, help="two checkouts of hybridkv (the first is the baseline)")
+    ap.add_argument("--trace", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"
+                                           / "mooncake_conversation_trace.jsonl"))
+    ap.add_argument("--budget-gb", type=float, default=594)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--preset", default="mimo-v2.5-pro")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--limit", type=int, default=None, help="first N requests only")
+    args = ap.parse_args()
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from hybridkv.replay import TokenMaterializer
+    from hybridkv.traces import load_trace
+
+    reqs = load_trace(args.trace, limit=args.limit)
+    mat = TokenMaterializer(extension_rule=True)
+    prompts = [(t, r.namespace) for r in reqs if len(t := mat.tokens(r))]
+    roots = [str(Path(c).resolve()) for c in args.checkouts]
+    runs: dict[str, list[dict]] = {r: [] for r in roots}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "prompts.pkl")
+        with open(path, "wb") as f:
+            pickle.dump(prompts, f)
+        for i in range(args.rounds):
+            for root in roots:
+                res = subprocess.run([sys.executable, "-c", _CHILD, root, path, str(int(args.budget_gb * 10**9)),
+                                      str(args.chunk), args.preset, str(args.page_size)],
+                                     capture_output=True, text=True, check=True, cwd=tmp)
+                r = json.loads(res.stdout.strip().splitlines()[-1])
+                runs[root].append(r)
+                print(f"round {i + 1} {root}: p50 {r['p50']:.1f} us, p90 {r['p90']:.1f} us, "
+                      f"mean {r['mean']:.1f} us, hit rate {r['hit_rate']:.2%}", flush=True)
+    med = {root: statistics.median(r["p50"] for r in runs[root]) for root in roots}
+    base, new = roots
+    print(f"median p50: {base} {med[base]:.1f} us, {new} {med[new]:.1f} us, ratio {med[new] / med[base]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
