@@ -149,7 +149,7 @@ class Request:
     """
 
     __slots__ = ("rid", "namespace", "_tok", "n_tokens", "prefix_len", "raw_match_len", "full_pages",
-                 "swa_pages", "tree_pages", "handle", "computed", "n_pages", "allocated", "last_release",
+                 "swa_pages", "tree_pages", "handle", "computed", "n_pages", "allocated", "last_release", "prompt_len",
                  "release_mark", "finished", "extra", "__weakref__")
 
     def __init__(self, rid: Any, namespace: str, buf: np.ndarray, n_tokens: int, prefix_len: int,
@@ -161,6 +161,7 @@ class Request:
         # grow), so decode appends in place and the caller may reuse its array
         self._tok = buf
         self.n_tokens = n_tokens
+        self.prompt_len = n_tokens  # the tokens given to begin; later appends are output
         self.prefix_len = prefix_len
         self.raw_match_len = raw_match_len
         self.full_pages = full_pages
@@ -465,7 +466,7 @@ class HybridKVCache:
         checkpoint, divergence and predicted windows).  O(1 + runs)."""
         rp = self.tree.policy
         return rp.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len,
-                                  rp.pretail_pages and req.n_tokens // self.page_size)
+                                  rp.pretail_pages and req.prompt_len // self.page_size)
 
     def _release(self, req: Request, force: bool) -> int:
         policy = self.config.retention
@@ -518,7 +519,8 @@ class HybridKVCache:
             if start is not None and (not start.alive or start.start + len(start.key) != req.tree_pages * P):
                 start = None  # cannot happen while locked; the root walk is always right
             res = self.tree._insert(req._tok[:aligned * P], req.full_pages[:aligned], req.swa_pages[:aligned],
-                                    req.namespace, start=start, owned=True)  # the request ends here
+                                    req.namespace, start=start, owned=True,  # the request ends here
+                                    mark=req.prompt_len // P)
             new_pages = res.new_pages
         rest_full = req.full_pages[aligned:req.n_pages]
         rest_swa = req.swa_pages[aligned:req.n_pages]

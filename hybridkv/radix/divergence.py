@@ -15,7 +15,9 @@ distance and whether keeping one more window per sequence there pays for its
 bytes:
 
 * an **event** is a request whose match leaves a cached chain of single-child
-  nodes ending in a leaf, ``dist`` pages before the leaf's end, after
+  nodes ending in a leaf, ``dist`` pages before the leaf's end (before the
+  end of the prompt that created it, when the decoded output was cached
+  after it: ``TreeNode.mark``), after
   ``depth`` matched pages; what a window at ``dist`` would add over a
   checkpoint is ``depth - floor_K(depth)`` when ``dist`` is covered;
 * a window ``d`` pages before each new sequence's end would serve every event

@@ -48,12 +48,17 @@ class TreeNode:
             ranking (:class:`~hybridkv.radix.reuse.ReuseModel`).
         gap: running mean of log2(1 + ticks between the sequence's returns), -1 if none.
         vcls: the reuse class list the leaf is filed in (-1: not filed).
+        mark: where the prompt of the request that created the node ended, as an
+            absolute page inside it, when its decoded output followed (-1: the
+            node's end, or no prompt end inside it).  The learned divergence
+            distance is measured from it, and the predicted window placed before it.
         since: start of the leaf's at-risk period (its last use, or that of
             the evicted child whose sequence it carries on).
     """
 
     __slots__ = ("key", "full", "swa", "children", "parent", "start", "last_access",
-                 "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "branched", "points", "seg", "returns", "gap", "vcls", "since")
+                 "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "branched", "points", "mark", "seg", "returns", "gap", "vcls",
+                 "since")
 
     def __init__(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
                  parent: "TreeNode | None", start: int, namespace: str, tick: int) -> None:
@@ -72,6 +77,7 @@ class TreeNode:
         self.ends = 0
         self.branched = False
         self.points: list[int] | None = None
+        self.mark = -1
         self.seg = 1
         self.returns = 0
         self.gap = -1.0

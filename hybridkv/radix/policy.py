@@ -112,8 +112,8 @@ class RetentionPolicy:
                         end_pages: int = 0) -> list[tuple[int, int]]:
         """:meth:`releasable` as the runs ``[a, b)`` of absolute pages it marks, in order
         (what is left of ``[lo, hi)`` after the kept windows).  ``end_pages``: the
-        request's length in whole pages, for the learned pre-tail window
-        (``pretail_pages`` before it).  O(1 + (hi - lo) / K)."""
+        request's prompt length in whole pages, for the learned pre-tail window
+        (``pretail_pages`` before it; the output decoded after it does not move it).  O(1 + (hi - lo) / K)."""
         kp, wp = self.checkpoint_pages, self.window_pages
         pre = self.pretail_pages
         if raw_match <= hit and not pre and (not kp or (wp < kp and hi <= (lo // kp + 1) * kp - wp)):

@@ -511,6 +511,8 @@ class WindowSafeTree:
                 return  # the sequences part below: no one end to measure from
             n = next(iter(n.children.values()))
             dist += len(n.full)
+        if n.mark >= 0:  # measured from the prompt's end, not from the decoded output's
+            dist -= n.start // self.page_size + len(n.full) - n.mark
         if dist <= 0:
             return  # the request extends a leaf: its tail window serves it
         kp = self.policy.checkpoint_pages
@@ -525,7 +527,7 @@ class WindowSafeTree:
         holds that window's SWA.  The window stays inside the leaf: no split, no extra
         node; eviction can trim the leaf back to it like to a checkpoint.  O(window)."""
         d, wp = self.policy.pretail_pages, self.policy.window_pages
-        cut = len(leaf.full) - d
+        cut = (leaf.mark - leaf.start // self.page_size if leaf.mark >= 0 else len(leaf.full)) - d
         if d <= 0 or cut < wp or int(np.count_nonzero(leaf.swa[cut - wp:cut] >= 0)) < wp:
             return
         leaf.anchor[cut - wp:cut] += 1
@@ -690,6 +692,8 @@ class WindowSafeTree:
             up = [p for p in node.points if p <= cut_abs]
             upper.points = up or None
             node.points = [p for p in node.points if p > cut_abs] or None
+        if 0 <= node.mark <= node.start // self.page_size + pages:  # the prompt ended in the upper half
+            upper.mark, node.mark = node.mark, -1
         node.key = node.key[cut:]
         node.full = node.full[pages:]
         node.swa = node.swa[pages:]
@@ -748,7 +752,7 @@ class WindowSafeTree:
 
     @_events_after
     def _insert(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray, namespace: str, *,
-                start: TreeNode | None = None, owned: bool = False) -> InsertResult:
+                start: TreeNode | None = None, owned: bool = False, mark: int = -1) -> InsertResult:
         """:meth:`insert` for internal callers: no validation.
 
         ``start``, when given, is an alive node of ``namespace`` whose path spells
@@ -758,6 +762,8 @@ class WindowSafeTree:
         are neither compared nor freed.  ``None`` (or a root) walks from the
         root.  ``owned``: the caller hands the arrays over (a finishing
         request): a new leaf may keep views of them instead of copies.
+        ``mark``: the page where the request's prompt ended, when its decoded
+        output follows in ``key`` (``TreeNode.mark``; -1: the end of ``key``).
         Runtime complexity: O(depth + pages after start) plus numpy work.
         """
         size = self.page_size
@@ -809,6 +815,8 @@ class WindowSafeTree:
             leaf = TreeNode(_keep(key[pi * size:], owned), _keep(full[pi:], owned), _keep(swa[pi:], owned),
                             node, pi * size, namespace, now)
             leaf.seg = self.ranking.start_segment(extends_reused)
+            if pi < mark < n:
+                leaf.mark = mark
             node.children[leaf.key[:size].tobytes()] = leaf
             if len(node.children) > 1:
                 node.branched = True
@@ -1181,6 +1189,8 @@ class WindowSafeTree:
                 if p > first + keep:
                     self._anchor_window(node, -1, p - first)
             node.points = [p for p in node.points if p <= first + keep] or None
+        if node.mark >= node.start // size + keep:  # the prompt's end went with the pages
+            node.mark = -1
         gone_full = node.full[keep:]
         swa = node.swa[keep:]
         swa = swa[swa >= 0]
@@ -1317,6 +1327,7 @@ class WindowSafeTree:
                 k = p - node.start // self.page_size
                 assert 0 < k <= node.n_pages, (node, p)
                 window(node, k)
+            assert node.mark == -1 or 0 < node.mark - node.start // self.page_size <= node.n_pages, (node, node.mark)
         for node in nodes:
             assert np.array_equal(node.anchor, expect[node.nid]), (node, node.anchor, expect[node.nid])
         assert pages == self.ranking.pages, (pages, self.ranking.pages)

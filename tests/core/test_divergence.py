@@ -69,6 +69,42 @@ def test_first_reask_of_a_document_hits_the_document_once_learned():
     assert node.ends == 1
 
 
+def _run_decoding(cache, tokens, out):
+    """An engine's request: the prompt, then ``out`` decoded tokens one at a time;
+    finish caches the prompt and the output."""
+    req = cache.begin(np.asarray(tokens, dtype=np.int32))
+    hit = req.prefix_len
+    while req.computed < len(tokens):
+        n = min(4 * P, len(tokens) - req.computed)
+        cache.reserve(req, n)
+        cache.commit(req, n)
+    for t in range(out):
+        cache.append_tokens(req, [9 * 10**8 + 7919 * len(tokens) + t])
+        cache.reserve(req, 1)
+        cache.commit(req, 1)
+    cache.finish(req)
+    return hit
+
+
+def test_the_window_is_placed_from_the_prompts_end_when_the_output_is_cached_too():
+    """Engines cache the decoded output with the prompt.  The output's length varies,
+    so the distance from the leaf's end to where the next question leaves the
+    document varies with it; measured from the prompt's end (``TreeNode.mark``)
+    it is the question's length, and the window a live request keeps for it does
+    not move as its output grows."""
+    cache = _cache()
+    system = list(range(SYSTEM))
+    rng = np.random.default_rng(0)
+    hits = []
+    for k in range(40):
+        _run_decoding(cache, system + _doc(k) + _question(k, 0), int(rng.integers(P, 16 * P)))
+        hits.append(_run_decoding(cache, system + _doc(k) + _question(k, 1), int(rng.integers(P, 16 * P))))
+    assert hits[0] <= SYSTEM
+    assert cache.tree.policy.pretail_pages == QUESTION // P
+    assert all(h == SYSTEM + DOC for h in hits[-10:]), hits
+    cache.tree.check_invariants()
+
+
 def test_a_chat_that_extends_its_prompts_keeps_no_extra_window():
     cache = _cache()
     system = list(range(SYSTEM))
