@@ -466,7 +466,7 @@ class HybridKVCache:
         checkpoint, divergence and predicted windows).  O(1 + runs)."""
         rp = self.tree.policy
         return rp.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len,
-                                  rp.pretail_pages and req.prompt_len // self.page_size)
+                                  req.prompt_len // self.page_size if rp.pretail_pages >= 0 else 0)
 
     def _release(self, req: Request, force: bool) -> int:
         policy = self.config.retention

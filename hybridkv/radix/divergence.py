@@ -73,7 +73,8 @@ class DivergenceModel:
         self._returns: deque[tuple[int, int, int]] = deque(maxlen=8 * _SAMPLE)
 
     def observe(self, dist: int, gain: int) -> bool:
-        """A request left a cached chain ``dist`` pages before its leaf's end; a window
+        """A request left a cached chain ``dist`` pages before its leaf's end (or its
+        prompt's end; 0: it repeats that prompt); a window
         there would have added ``gain`` pages (at ``dist`` exactly).  True when a new
         decision is due (call :meth:`decide`)."""
         self._events.append((dist, gain, self.hit_pages))
@@ -101,7 +102,9 @@ class DivergenceModel:
         """The pre-tail offset to use (``RetentionPolicy.pretail_pages``): the best ``d`` if its windows (one per leaf,
         ``leaves`` x ``window_bytes``) gain more than the cache would lose by giving up
         as many bytes (the returns of the leaves evicted within that many bytes, over
-        the same stretch of requests), else 0."""
+        the same stretch of requests), else -1 (none).  ``d`` = 0 is the window
+        at the prompt's end, which serves exact repeats of a prompt whose output
+        was cached after it."""
         self._since = 0
         self.decisions += 1
         ev = np.array(self._events, dtype=np.float64)
@@ -114,4 +117,4 @@ class DivergenceModel:
         g = float(got[best])
         start, margin = ev[0, 2], max(1, leaves) * window_bytes
         lost = sum(p for clock, ago, p in self._returns if clock >= start and ago <= margin)
-        return int(cand[best]) if g > lost else 0
+        return int(cand[best]) if g > lost else -1

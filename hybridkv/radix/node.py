@@ -38,7 +38,7 @@ class TreeNode:
             branch point: a request diverged at its end); its end window stays
             an anchor while one child is left.
         points: absolute page numbers inside the node where a predicted window
-            ends (``RetentionPolicy.pretail_pages`` before a new leaf's end, where
+            ends (``RetentionPolicy.pretail_pages`` before a new leaf's prompt end, where
             the learned divergence model expects requests to leave the sequence);
             each window is an anchor (counted in ``anchor``, walking into the
             parents if a split put part of it there).  None: no point.

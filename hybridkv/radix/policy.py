@@ -55,8 +55,8 @@ class RetentionPolicy:
         self.checkpoint_pages = -(-checkpoint // page_size) if checkpoint else 0
         self.branch_points = branch_points
         # learned by the tree's DivergenceModel: the window this many pages before a
-        # new sequence's end is kept (a predicted window); 0 = none
-        self.pretail_pages = 0
+        # new sequence's prompt end is kept (a predicted window); -1 = none
+        self.pretail_pages = -1
 
     # ------------------------------------------------------------ checkpoints
     def checkpoint_mask(self, lo: int, hi: int) -> np.ndarray:
@@ -116,11 +116,11 @@ class RetentionPolicy:
         (``pretail_pages`` before it; the output decoded after it does not move it).  O(1 + (hi - lo) / K)."""
         kp, wp = self.checkpoint_pages, self.window_pages
         pre = self.pretail_pages
-        if raw_match <= hit and not pre and (not kp or (wp < kp and hi <= (lo // kp + 1) * kp - wp)):
+        if raw_match <= hit and pre < 0 and (not kp or (wp < kp and hi <= (lo // kp + 1) * kp - wp)):
             # common case: no checkpoint window reaches into [lo, hi), no divergence window
             return [(lo, hi)] if lo < hi else []
         keep = self.checkpoint_windows(lo, hi)
-        if pre and end_pages:
+        if pre >= 0 and end_pages:
             a, b = max(lo, end_pages - pre - wp), min(hi, end_pages - pre)
             if a < b:
                 keep.append((a, b))

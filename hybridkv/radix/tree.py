@@ -451,6 +451,12 @@ class WindowSafeTree:
                 # (most requests extend a leaf or leave at a branch point: no call)
                 if (took < len(end_node.full) or len(end_node.children) == 1) and self.policy.branch_points:
                     self._observe_divergence(end_node, took, raw_pages)
+            elif path and self.policy.branch_points and path[-1][0].mark >= 0:
+                # the request ends inside a sequence whose decoded output was cached after
+                # its prompt: an exact repeat of that prompt (a retry, a regenerated reply)
+                end_node, took = path[-1]
+                if took < len(end_node.full) and not end_node.children:
+                    self._observe_divergence(end_node, took, raw_pages)
             pos = raw_pages * size
             if pos + size <= len(key):  # did a ghost of an evicted leaf start here?
                 ghost = self._ghost_key(namespace, pos, key[pos:pos + size])
@@ -513,7 +519,9 @@ class WindowSafeTree:
             dist += len(n.full)
         if n.mark >= 0:  # measured from the prompt's end, not from the decoded output's
             dist -= n.start // self.page_size + len(n.full) - n.mark
-        if dist <= 0:
+            if dist < 0:
+                return  # the request reaches into the output: it extends the sequence
+        elif dist <= 0:
             return  # the request extends a leaf: its tail window serves it
         kp = self.policy.checkpoint_pages
         base = (raw_pages // kp) * kp if kp else 0
@@ -528,8 +536,8 @@ class WindowSafeTree:
         node; eviction can trim the leaf back to it like to a checkpoint.  O(window)."""
         d, wp = self.policy.pretail_pages, self.policy.window_pages
         cut = (leaf.mark - leaf.start // self.page_size if leaf.mark >= 0 else len(leaf.full)) - d
-        if d <= 0 or cut < wp or int(np.count_nonzero(leaf.swa[cut - wp:cut] >= 0)) < wp:
-            return
+        if d < 0 or cut < wp or cut >= len(leaf.full) or int(np.count_nonzero(leaf.swa[cut - wp:cut] >= 0)) < wp:
+            return  # (a window at the leaf's end is its tail's, already kept)
         leaf.anchor[cut - wp:cut] += 1
         leaf.points = [leaf.start // self.page_size + cut]
 
@@ -856,7 +864,7 @@ class WindowSafeTree:
             self._enqueue(leaf)
             if node is not root:
                 self._enqueue(node, leaf=False)  # its tail is no longer a leaf tail
-            if self.policy.pretail_pages:
+            if self.policy.pretail_pages >= 0:
                 self._predict_window(leaf)
             node = leaf
             if self.listeners:

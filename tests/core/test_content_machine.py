@@ -575,7 +575,7 @@ class ContentMachine(_ContentRules):
                 eviction=st.sampled_from(["page", "page", "node", "none"]),
                 ranking=st.sampled_from(["value", "adaptive", "lru", "arc"]),
                 release_every=st.integers(1, 6), spare=st.sampled_from([0.0, 0.1, 0.3, 0.6]),
-                anchor=st.booleans(), pretail=st.sampled_from([0, 0, 1, 2, 3]), seed=st.integers(0, 2**16))
+                anchor=st.booleans(), pretail=st.sampled_from([-1, -1, 0, 1, 2, 3]), seed=st.integers(0, 2**16))
     def setup(self, layout, page_size, window, full_pages, swa_pages, mode, checkpoint, retention, eviction,
               ranking, release_every, spare, anchor, pretail, seed):
         self._setup_common(layout, page_size, window, seed)
@@ -592,7 +592,7 @@ class ContentMachine(_ContentRules):
         else:
             cfg = CacheConfig(budget_bytes=budget, full_pages=full_pages, swa_pages=swa_pages, **common)
         self.cache = HybridKVCache(self.spec, cfg)
-        if pretail:
+        if pretail >= 0:
             # predicted branch points from the start (the learned decision frozen): every new
             # leaf is split ``pretail`` pages before its end and keeps that window, and every
             # live request spares it, so hits through those windows are checked for content

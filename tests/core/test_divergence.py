@@ -105,6 +105,29 @@ def test_the_window_is_placed_from_the_prompts_end_when_the_output_is_cached_too
     cache.tree.check_invariants()
 
 
+@pytest.mark.parametrize("extra", [0, 5])
+def test_an_exact_repeat_of_a_prompt_whose_output_was_cached_hits_it_once_learned(extra):
+    """Retries and regenerated replies send a prompt again after its output was cached
+    behind it.  Eager release frees the prompt's last window while the output is
+    decoded, so the repeat hit only the system prompt; the model learns that
+    requests end at the prompt's end (``d`` = 0, or 1 when the prompt ends on a
+    page boundary: a hit never covers the last token) and later prompts keep that
+    window."""
+    cache = _cache()
+    system = list(range(SYSTEM))
+    hits, lengths = [], []
+    for k in range(40):
+        prompt = system + _doc(k) + _question(k, 0) + list(range(7 * 10**8 + 100 * k, 7 * 10**8 + 100 * k + extra))
+        _run_decoding(cache, prompt, 5 * P + 3)
+        hits.append(_run_decoding(cache, prompt, 5 * P + 3))
+        lengths.append(len(prompt))
+    assert hits[0] <= SYSTEM  # the prompt's own window was released during decode
+    assert cache.tree.policy.pretail_pages == (1 if extra == 0 else 0)
+    best = [(n - 1) // P * P for n in lengths]  # the longest hit: whole pages short of the last token
+    assert hits[-10:] == best[-10:], (hits, best)
+    cache.tree.check_invariants()
+
+
 def test_a_chat_that_extends_its_prompts_keeps_no_extra_window():
     cache = _cache()
     system = list(range(SYSTEM))
@@ -113,7 +136,7 @@ def test_a_chat_that_extends_its_prompts_keeps_no_extra_window():
         for turn in range(4):
             _run(cache, prompt)
             prompt = prompt + _question(k, turn)
-    assert cache.tree.policy.pretail_pages == 0
+    assert cache.tree.policy.pretail_pages == -1
     assert cache.tree.divergence.decisions == 0  # no request ever left a sequence inside it
     cache.tree.check_invariants()
 
@@ -131,9 +154,9 @@ def test_the_model_keeps_a_window_only_when_it_pays_for_its_bytes():
     m.evicted(key=2, nbytes=100, pages=9000, cap=100)
     m.ghost_hit(1, remaining=20000)  # 100 bytes were evicted after it: beyond 10 windows' bytes
     assert m.decide(leaves=10, window_bytes=1.0) == 3
-    assert m.decide(leaves=200, window_bytes=1.0) == 0  # 200 windows' bytes would have kept it: 5,000 > 3,200
+    assert m.decide(leaves=200, window_bytes=1.0) == -1  # 200 windows' bytes would have kept it: 5,000 > 3,200
     m.ghost_hit(2, remaining=6000)  # the last leaf evicted: it would have hit 6,000 pages more
-    assert m.decide(leaves=10, window_bytes=1.0) == 0
+    assert m.decide(leaves=10, window_bytes=1.0) == -1
     m.ghost_hit(2, remaining=6000)  # a ghost returns once
     assert len(m.ghosts) == 0
     for k in range(300):
