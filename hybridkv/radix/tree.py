@@ -452,10 +452,11 @@ class WindowSafeTree:
                 if (took < len(end_node.full) or len(end_node.children) == 1) and self.policy.branch_points:
                     self._observe_divergence(end_node, took, raw_pages)
             elif path and self.policy.branch_points and path[-1][0].mark >= 0:
-                # the request ends inside a sequence whose decoded output was cached after
-                # its prompt: an exact repeat of that prompt (a retry, a regenerated reply)
+                # the request ends at (or a page before) a prompt end whose decoded output
+                # was cached behind it: an exact repeat of that prompt (a retry, a
+                # regenerated reply)
                 end_node, took = path[-1]
-                if took < len(end_node.full) and not end_node.children:
+                if end_node.mark >= end_node.start // size + took:
                     self._observe_divergence(end_node, took, raw_pages)
             pos = raw_pages * size
             if pos + size <= len(key):  # did a ghost of an evicted leaf start here?
@@ -511,18 +512,27 @@ class WindowSafeTree:
         dist = len(node.full) - took
         if dist == 0 and node.branched:
             return  # it left at a proven branch point: the branch-point rule serves it
-        n = node
-        while n.children:
-            if len(n.children) > 1:
-                return  # the sequences part below: no one end to measure from
-            n = next(iter(n.children.values()))
-            dist += len(n.full)
-        if n.mark >= 0:  # measured from the prompt's end, not from the decoded output's
-            dist -= n.start // self.page_size + len(n.full) - n.mark
-            if dist < 0:
+        # measured to the first prompt end at or after the divergence whose decoded output
+        # was cached behind it (TreeNode.mark), else to the leaf's end
+        pos = node.start // self.page_size + took
+        if node.mark >= pos:
+            dist = node.mark - pos
+        else:
+            if node.mark >= 0:
                 return  # the request reaches into the output: it extends the sequence
-        elif dist <= 0:
-            return  # the request extends a leaf: its tail window serves it
+            n = node
+            while True:
+                if not n.children:
+                    if dist <= 0:
+                        return  # the request extends a leaf: its tail window serves it
+                    break
+                if len(n.children) > 1:
+                    return  # the sequences part below: no one end to measure from
+                n = next(iter(n.children.values()))
+                if n.mark >= 0:
+                    dist += n.mark - n.start // self.page_size
+                    break
+                dist += len(n.full)
         kp = self.policy.checkpoint_pages
         base = (raw_pages // kp) * kp if kp else 0
         if self.divergence.observe(dist, raw_pages - base):
@@ -715,7 +725,7 @@ class WindowSafeTree:
 
     # ================================================================ insert
     def insert(self, key: object, full_pages: object, swa_pages: object,
-               namespace: str = "default") -> InsertResult:
+               namespace: str = "default", prompt_len: int | None = None) -> InsertResult:
         """Cache ``key`` with its pages; the tree takes ownership of all of them.
 
         ``full_pages`` has one id per page of ``key`` (``len(key)`` must be a
@@ -723,6 +733,9 @@ class WindowSafeTree:
         where the caller holds no SWA.  Where the tree already caches a page,
         the caller's duplicate ids are freed; where the tree's SWA was evicted
         and the caller has it, the caller's SWA page is adopted (repair).
+        ``prompt_len``: how many tokens of ``key`` were the request's prompt when
+        its decoded output follows (None: all of it); the learned divergence
+        model measures from the prompt's end (``TreeNode.mark``).
 
         Runtime complexity: O(depth + len(key)/page_size) plus numpy work.
         Raises ValueError/TypeError on bad input without changing anything.
@@ -741,10 +754,17 @@ class WindowSafeTree:
         if n and swa.min() < NO_PAGE:
             raise ValueError("swa_pages must be page ids or -1")
         self.root(namespace)  # validates the namespace
+        mark = -1
+        if prompt_len is not None:
+            if not isinstance(prompt_len, (int, np.integer)) or isinstance(prompt_len, bool):
+                raise TypeError(f"prompt_len must be an int or None, got {type(prompt_len).__name__}")
+            if prompt_len < 0:
+                raise ValueError(f"prompt_len must be >= 0, got {prompt_len}")
+            mark = int(prompt_len) // size
         if n:
             self._check_owned(full, "full_pages", "full")
             self._check_owned(swa[swa >= 0], "swa_pages", "swa")
-        return self._insert(key, full, swa, namespace)
+        return self._insert(key, full, swa, namespace, mark=mark)
 
     def _check_owned(self, pages: np.ndarray, name: str, kind: str) -> None:
         """The tree frees what it takes without checks, so a page it is handed must be
@@ -825,6 +845,8 @@ class WindowSafeTree:
             leaf.seg = self.ranking.start_segment(extends_reused)
             if pi < mark < n:
                 leaf.mark = mark
+            elif mark == pi and node is not root:  # the prompt ended where the new pages start
+                node.mark = mark
             node.children[leaf.key[:size].tobytes()] = leaf
             if len(node.children) > 1:
                 node.branched = True
@@ -864,7 +886,7 @@ class WindowSafeTree:
             self._enqueue(leaf)
             if node is not root:
                 self._enqueue(node, leaf=False)  # its tail is no longer a leaf tail
-            if self.policy.pretail_pages >= 0:
+            if self.policy.pretail_pages >= 0 and not 0 <= mark <= pi:  # (not a leaf of output only)
                 self._predict_window(leaf)
             node = leaf
             if self.listeners:

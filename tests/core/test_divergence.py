@@ -128,6 +128,54 @@ def test_an_exact_repeat_of_a_prompt_whose_output_was_cached_hits_it_once_learne
     cache.tree.check_invariants()
 
 
+def test_a_prompt_inserted_before_its_output_is_measured_from_its_end():
+    """SGLang's flow: the prompt goes in at the end of prefill, the prompt and its
+    output at finish (``insert(..., prompt_len=)``), so the output is a leaf of its
+    own under the prompt.  Re-asks are measured from the prompt's end (the
+    question's 3 pages), not from the output's (3 to 17 pages), and the predicted
+    window is placed before the prompt's end when the prompt goes in."""
+    from helpers import RecordingPool
+
+    from hybridkv.radix import TreeConfig, WindowSafeTree
+    t = WindowSafeTree(TreeConfig(1, 2, ranking="value"), RecordingPool())
+    rng = np.random.default_rng(1)
+    ids = iter(range(10**6))
+    system = list(range(4))
+
+    def put(tokens, prompt_len=None):
+        have = t.match(tokens, touch=False)
+        n = have.length  # the hit's pages; the rest are the request's own (duplicates are freed)
+        full = list(have.full_pages[:n]) + [next(ids) for _ in range(len(tokens) - n)]
+        swa = list(have.swa_pages[:n]) + [next(ids) for _ in range(len(tokens) - n)]
+        t.insert(tokens, full, swa, prompt_len=prompt_len)
+
+    def drop_plain_swa():  # as under SWA pressure: only anchored windows stay
+        plain = sum(int(np.count_nonzero((n.swa >= 0) & (n.anchor == 0))) for n in t.iter_nodes())
+        nodes = t.num_nodes
+        t.evict(swa_pages=plain)
+        assert t.num_nodes == nodes
+
+    hits = []
+    for k in range(40):
+        doc = list(range(1000 * (k + 1), 1000 * (k + 1) + 24))
+        for j in range(2):
+            prompt = system + doc + [10**7 + 100 * k + 10 * j + i for i in range(3)]
+            if j:
+                drop_plain_swa()
+                hits.append(t.match(prompt, max_len=len(prompt) - 1).length)
+            put(prompt)  # the end of prefill
+            out = [2 * 10**7 + 1000 * k + 100 * j + i for i in range(int(rng.integers(1, 15)))]
+            put(prompt + out, prompt_len=len(prompt))  # finish
+    assert hits[0] <= len(system)
+    assert t.policy.pretail_pages == 3
+    assert all(h == len(system) + 24 for h in hits[-10:]), hits
+    t.check_invariants()
+    with pytest.raises(ValueError, match="prompt_len"):
+        t.insert([1, 2], [next(ids), next(ids)], [-1, -1], prompt_len=-1)
+    with pytest.raises(TypeError, match="prompt_len"):
+        t.insert([1, 2], [next(ids), next(ids)], [-1, -1], prompt_len=1.5)
+
+
 def test_a_chat_that_extends_its_prompts_keeps_no_extra_window():
     cache = _cache()
     system = list(range(SYSTEM))

@@ -247,7 +247,10 @@ class HybridKVRadixCache(BasePrefixCache):
         ns = namespace_of(req.extra_key, req.cache_salt)
         # Record owners before the insert: the tree may free duplicates right away.
         self.pool.adopt(full[protected:], swa[protected:])
-        result = self.tree.insert(tokens, full, swa, ns)
+        # the prompt's length: past it the tokens are decoded output (the learned
+        # divergence model measures from the prompt's end)
+        prompt = getattr(req, "origin_input_ids", None)
+        result = self.tree.insert(tokens, full, swa, ns, prompt_len=None if prompt is None else len(prompt))
         path_full, path_swa = self._path_pages(result.node)
         assert path_full.size == n_pages, (path_full.size, n_pages)
         # Duplicates and adopted SWA: make the mapping and the row follow the tree.
