@@ -27,13 +27,19 @@ def _cache():
                                            swa_checkpoint=0))
 
 
-def _run(cache, tokens):
+def _run(cache, tokens, out=0):
+    """A request: the prompt in chunks, then ``out`` decoded tokens one at a time (an
+    engine's output); finish caches all of it.  Returns the prompt's hit."""
     req = cache.begin(np.asarray(tokens, dtype=np.int32))
     hit = req.prefix_len
     while req.computed < len(tokens):
         n = min(4 * P, len(tokens) - req.computed)
         cache.reserve(req, n)
         cache.commit(req, n)
+    for t in range(out):
+        cache.append_tokens(req, [9 * 10**8 + 7919 * len(tokens) + t])
+        cache.reserve(req, 1)
+        cache.commit(req, 1)
     cache.finish(req)
     return hit
 
@@ -69,23 +75,6 @@ def test_first_reask_of_a_document_hits_the_document_once_learned():
     assert node.ends == 1
 
 
-def _run_decoding(cache, tokens, out):
-    """An engine's request: the prompt, then ``out`` decoded tokens one at a time;
-    finish caches the prompt and the output."""
-    req = cache.begin(np.asarray(tokens, dtype=np.int32))
-    hit = req.prefix_len
-    while req.computed < len(tokens):
-        n = min(4 * P, len(tokens) - req.computed)
-        cache.reserve(req, n)
-        cache.commit(req, n)
-    for t in range(out):
-        cache.append_tokens(req, [9 * 10**8 + 7919 * len(tokens) + t])
-        cache.reserve(req, 1)
-        cache.commit(req, 1)
-    cache.finish(req)
-    return hit
-
-
 def test_the_window_is_placed_from_the_prompts_end_when_the_output_is_cached_too():
     """Engines cache the decoded output with the prompt.  The output's length varies,
     so the distance from the leaf's end to where the next question leaves the
@@ -97,8 +86,8 @@ def test_the_window_is_placed_from_the_prompts_end_when_the_output_is_cached_too
     rng = np.random.default_rng(0)
     hits = []
     for k in range(40):
-        _run_decoding(cache, system + _doc(k) + _question(k, 0), int(rng.integers(P, 16 * P)))
-        hits.append(_run_decoding(cache, system + _doc(k) + _question(k, 1), int(rng.integers(P, 16 * P))))
+        _run(cache, system + _doc(k) + _question(k, 0), int(rng.integers(P, 16 * P)))
+        hits.append(_run(cache, system + _doc(k) + _question(k, 1), int(rng.integers(P, 16 * P))))
     assert hits[0] <= SYSTEM
     assert cache.tree.policy.pretail_pages == QUESTION // P
     assert all(h == SYSTEM + DOC for h in hits[-10:]), hits
@@ -118,8 +107,8 @@ def test_an_exact_repeat_of_a_prompt_whose_output_was_cached_hits_it_once_learne
     hits, lengths = [], []
     for k in range(40):
         prompt = system + _doc(k) + _question(k, 0) + list(range(7 * 10**8 + 100 * k, 7 * 10**8 + 100 * k + extra))
-        _run_decoding(cache, prompt, 5 * P + 3)
-        hits.append(_run_decoding(cache, prompt, 5 * P + 3))
+        _run(cache, prompt, 5 * P + 3)
+        hits.append(_run(cache, prompt, 5 * P + 3))
         lengths.append(len(prompt))
     assert hits[0] <= SYSTEM  # the prompt's own window was released during decode
     assert cache.tree.policy.pretail_pages == (1 if extra == 0 else 0)
