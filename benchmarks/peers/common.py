@@ -83,6 +83,85 @@ def load_sequences(folder: str | os.PathLike) -> Sequences:
     return Sequences(np.load(f / "tokens.npy", mmap_mode="r"), np.load(f / "offsets.npy"), ns, meta)
 
 
+# ------------------------------------------------------------------ peer settings
+# Each peer's own knob of its prefix cache, the value its server uses when the
+# flag is not given, and the values the benchmark sweeps by default.
+VLLM_RETENTION_DEFAULT: int | None = 0  # vllm.config.CacheConfig.prefix_cache_retention_interval
+VLLM_RETENTION_SWEEP: tuple[int | None, ...] = (0, 4096, 16384, None)
+SGLANG_RATIO_DEFAULT = 0.8  # SGLang's --swa-full-tokens-ratio
+SGLANG_RATIO_SWEEP: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def parse_retention(text: str, arg: str = "--vllm-retention") -> list[int | None]:
+    """``"0,4096,none"`` -> ``[0, 4096, None]``: vLLM retention intervals in
+    tokens (``none`` = dense retention).  Raises ValueError naming ``arg`` for
+    an empty list, a negative or non-integer value, or a repeated one."""
+    if not isinstance(text, str):
+        raise TypeError(f"{arg} must be a string, got {type(text).__name__}")
+    out: list[int | None] = []
+    for item in (x.strip().lower() for x in text.split(",")):
+        if not item:
+            continue
+        if item == "none":
+            value: int | None = None
+        else:
+            try:
+                value = int(item)
+            except ValueError:
+                raise ValueError(f"{arg}: {item!r} is neither an integer nor 'none'") from None
+            if value < 0:
+                raise ValueError(f"{arg}: {value} is negative")
+        if value in out:
+            raise ValueError(f"{arg}: {item!r} is given twice")
+        out.append(value)
+    if not out:
+        raise ValueError(f"{arg}: no values in {text!r}")
+    return out
+
+
+def parse_ratios(text: str, arg: str = "--sglang-ratios") -> list[float]:
+    """``"0.1,0.8"`` -> ``[0.1, 0.8]``: SGLang ``swa_full_tokens_ratio`` values.
+    Raises ValueError naming ``arg`` for an empty list, a value that is not a
+    positive finite number, or a repeated one."""
+    if not isinstance(text, str):
+        raise TypeError(f"{arg} must be a string, got {type(text).__name__}")
+    out: list[float] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(f"{arg}: {item!r} is not a number") from None
+        if not (0.0 < value < float("inf")):
+            raise ValueError(f"{arg}: {item!r} must be a positive finite number")
+        if value in out:
+            raise ValueError(f"{arg}: {item!r} is given twice")
+        out.append(value)
+    if not out:
+        raise ValueError(f"{arg}: no values in {text!r}")
+    return out
+
+
+def format_retention(values: Sequence[int | None]) -> str:
+    """Inverse of :func:`parse_retention` (the driver's command-line form)."""
+    return ",".join("none" if v is None else str(v) for v in values)
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap back to the OS (glibc), so the next
+    replay in the same process starts its resident-memory baseline low.
+    Mutates nothing but the process heap."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the baseline is just higher
+        pass
+
+
 # ------------------------------------------------------------------ sizing
 def sglang_pool_tokens(budget_bytes: int, full_bpt: int, swa_bpt: int, ratio: float, page: int) -> tuple[int, int]:
     """SGLang's hybrid SWA pool sizes: ``swa = ratio * full`` tokens and

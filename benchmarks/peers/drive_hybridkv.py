@@ -54,9 +54,11 @@ def drive(seqs: Sequences, system: str, budget_gb: float, chunk: int, checkpoint
         run.times.add(t1 - t0, t2 - t1, t3 - t2)
         run.record(len(tokens), req.prefix_len if ok else 0)  # a rejected request saved nothing
     st = cache.stats()
-    run.extra.update({"full_pool_tokens": st.get("full_pool_tokens", 0),
+    k = checkpoint if ckpt is None else ckpt
+    run.extra.update({"settings": {"swa_checkpoint": k}, "default": True,
+                      "full_pool_tokens": st.get("full_pool_tokens", 0),
                       "swa_pool_tokens": st.get("swa_pool_tokens", 0),
-                      "swa_checkpoint": checkpoint if ckpt is None else ckpt, "version": "hybridkv (this tree)"})
+                      "swa_checkpoint": k, "version": "hybridkv (this tree)"})
     return run.result()
 
 

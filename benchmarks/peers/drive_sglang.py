@@ -16,7 +16,12 @@ token row; between chunks the tree caches the unfinished request
 (``checkpoint_kv_cache`` / ``cache_unfinished_req``); at the end
 ``release_kv_cache`` inserts the prompt and unlocks.
 
-    python drive_sglang.py SEQ_DIR --budgets 59,594 --flavour unified|swa-radix
+``--ratios`` lists values of SGLang's ``--swa-full-tokens-ratio`` (default
+0.8): the SWA pool holds ``ratio x`` the full pool's tokens, and the byte
+budget fixes both (``common.sglang_pool_tokens``).  Every (budget, ratio)
+gets fresh pools and a fresh tree in this one process.
+
+    python drive_sglang.py SEQ_DIR --budgets 59,594 --flavour unified|swa-radix [--ratios 0.05,0.1,...,1.0]
 """
 
 from __future__ import annotations
@@ -36,19 +41,21 @@ sys.path.insert(0, str(HERE.parent.parent / "adapters" / "sglang" / "tests"))
 from _torchvision_stub import install as _stub_torchvision
 from common import (
     GB,
+    SGLANG_RATIO_DEFAULT,
+    SGLANG_RATIO_SWEEP,
     Run,
     Sequences,
     driver_args,
     emit,
     load_sequences,
+    parse_ratios,
+    release_memory,
     sglang_pool_tokens,
 )
 
 _stub_torchvision()  # SGLang imports torchvision eagerly; PyPI builds cannot load beside CPU torch
 
 import torch
-
-SWA_RATIO = 0.8  # SGLang's default --swa-full-tokens-ratio
 
 
 def _cpu_extend_path() -> None:
@@ -211,9 +218,12 @@ class Flow:
             release_kv_cache(req, self.cache, is_insert=ok)
 
 
-def drive(seqs: Sequences, flavour: str, budget_gb: float, chunk: int) -> dict[str, Any]:
+def drive(seqs: Sequences, flavour: str, budget_gb: float, chunk: int,
+          ratio: float = SGLANG_RATIO_DEFAULT) -> dict[str, Any]:
+    """Replay ``seqs`` through new pools and a new tree sized with ``ratio``
+    (``swa_full_tokens_ratio``); returns the result record."""
     m = seqs.meta
-    full, swa = sglang_pool_tokens(int(budget_gb * GB), m["full_bpt"], m["swa_bpt"], SWA_RATIO, m["page_size"])
+    full, swa = sglang_pool_tokens(int(budget_gb * GB), m["full_bpt"], m["swa_bpt"], ratio, m["page_size"])
     max_context = int((seqs.offsets[1:] - seqs.offsets[:-1]).max())
     system = "sglang-0.5.23" if flavour == "unified" else "sglang-0.5.20"
     run = Run(system, budget_gb)
@@ -235,19 +245,29 @@ def drive(seqs: Sequences, flavour: str, budget_gb: float, chunk: int) -> dict[s
         run.record(len(tokens), hit if ok else 0)  # a rejected request saved nothing
     import sglang
 
-    run.extra.update({"full_pool_tokens": full, "swa_pool_tokens": swa, "swa_full_tokens_ratio": SWA_RATIO,
+    run.extra.update({"settings": {"swa_full_tokens_ratio": ratio}, "default": ratio == SGLANG_RATIO_DEFAULT,
+                      "full_pool_tokens": full, "swa_pool_tokens": swa, "swa_full_tokens_ratio": ratio,
                       "version": f"sglang {sglang.__version__} {type(flow.cache).__name__}"})
     return run.result(kv_buffer_bytes=flow.kv_buffer_bytes())
 
 
 def main() -> None:
-    args = driver_args(__doc__, extra={"--flavour": {"choices": ["unified", "swa-radix"], "required": True}})
+    args = driver_args(__doc__, extra={
+        "--flavour": {"choices": ["unified", "swa-radix"], "required": True},
+        "--ratios": {"default": ",".join(f"{r:g}" for r in SGLANG_RATIO_SWEEP),
+                     "help": "comma-separated swa_full_tokens_ratio values"}})
+    try:
+        ratios = parse_ratios(args.ratios, "--ratios")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     os.environ.setdefault("SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK", "0")
     _server_args()
     _cpu_extend_path()
     seqs = load_sequences(args.sequences)
     for gb in args.budgets:
-        emit(drive(seqs, args.flavour, gb, args.chunk))
+        for ratio in ratios:
+            release_memory()  # each replay's memory baseline starts after the last one's garbage
+            emit(drive(seqs, args.flavour, gb, args.chunk, ratio))
 
 
 if __name__ == "__main__":

@@ -13,9 +13,20 @@ Per request, one at a time, as ``Scheduler.schedule`` does it: the request
 is built with vLLM's block hasher (default ``sha256``; the namespace is the
 ``cache_salt``), ``get_computed_blocks`` finds the hit, ``allocate_slots``
 per prefill chunk (it caches full blocks and frees out-of-window SWA blocks),
-``free`` at the end.
+``free`` at the end.  ``get_computed_blocks``' shared-prefix boundary is
+stored on the request (``Request.shared_prefix_boundary``) as the scheduler
+does, so sparse retention keeps the junction's window tail.
 
-    python drive_vllm.py SEQ_DIR --budgets 59,594
+``--retention`` lists values of vLLM's ``prefix_cache_retention_interval``
+(``CacheConfig`` default ``0``: keep only the SWA tails a later request can
+resume at, the replay boundary and shared-prefix junctions; ``N``: also one
+tail every N tokens; ``none``: every block, dense).  ``vllm serve`` passes its
+``CacheConfig`` value into ``KVCacheConfig.prefix_cache_retention_interval``,
+which the ``KVCacheCoordinator`` reads; this driver builds that
+``KVCacheConfig`` directly.  Every (budget, interval) gets a fresh manager in
+this one process.
+
+    python drive_vllm.py SEQ_DIR --budgets 59,594 [--retention 0,4096,16384,none]
 """
 
 from __future__ import annotations
@@ -32,11 +43,16 @@ sys.path.insert(0, str(HERE))
 
 from common import (
     GB,
+    VLLM_RETENTION_DEFAULT,
+    VLLM_RETENTION_SWEEP,
     Run,
     Sequences,
     driver_args,
     emit,
+    format_retention,
     load_sequences,
+    parse_retention,
+    release_memory,
     vllm_num_blocks,
 )
 
@@ -61,8 +77,10 @@ def _layer_spec(kind: str, per_layer_bpt: int, page: int, window: int) -> Any:
                              sliding_window=window)
 
 
-def build_manager(meta: dict[str, Any], budget_bytes: int, max_model_len: int) -> tuple[Any, int, int]:
-    """The manager, its number of blocks and the largest group's layer count."""
+def build_manager(meta: dict[str, Any], budget_bytes: int, max_model_len: int,
+                  retention: int | None = VLLM_RETENTION_DEFAULT) -> tuple[Any, int, int]:
+    """A new manager, its number of blocks and the number of KV-cache groups;
+    ``retention`` is the ``prefix_cache_retention_interval`` it runs with."""
     from vllm.v1.core import kv_cache_utils as ku
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -82,13 +100,16 @@ def build_manager(meta: dict[str, Any], budget_bytes: int, max_model_len: int) -
     group_size = max(len(g.layer_names) for g in groups)
     page_bytes = max(s.page_size_bytes for s in specs.values())
     num_blocks = vllm_num_blocks(budget_bytes, page_bytes // page, page, group_size)
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+                           prefix_cache_retention_interval=retention)
     mgr = KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=page,
                          hash_block_size=page, enable_caching=True)
     return mgr, num_blocks, len(groups)
 
 
-def drive(seqs: Sequences, budget_gb: float, chunk: int) -> dict[str, Any]:
+def drive(seqs: Sequences, budget_gb: float, chunk: int,
+          retention: int | None = VLLM_RETENTION_DEFAULT) -> dict[str, Any]:
+    """Replay ``seqs`` through a new manager; returns the result record."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -98,7 +119,7 @@ def drive(seqs: Sequences, budget_gb: float, chunk: int) -> dict[str, Any]:
     page = m["page_size"]
     max_len = int((seqs.offsets[1:] - seqs.offsets[:-1]).max()) + page
     run = Run("vllm-0.32", budget_gb)
-    mgr, num_blocks, n_groups = build_manager(m, int(budget_gb * GB), max_len)
+    mgr, num_blocks, n_groups = build_manager(m, int(budget_gb * GB), max_len, retention)
     hash_fn = get_hash_fn_by_name("sha256")  # vLLM's default prefix_caching_hash_algo
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(page, hash_fn)
@@ -112,7 +133,8 @@ def drive(seqs: Sequences, budget_gb: float, chunk: int) -> dict[str, Any]:
                       cache_salt=None if ns == "default" else ns)
         t0 = clock()
         hash_us.append((t0 - t_h) * 1e6)
-        blocks, hit, _ = mgr.get_computed_blocks(req)
+        blocks, hit, junction = mgr.get_computed_blocks(req)
+        req.shared_prefix_boundary = junction  # what Scheduler.schedule stores for cache_blocks
         t1 = clock()
         ok = True
         n = len(ids)
@@ -141,18 +163,27 @@ def drive(seqs: Sequences, budget_gb: float, chunk: int) -> dict[str, Any]:
     import numpy as np
     import vllm
 
-    run.extra.update({"num_blocks": num_blocks, "kv_cache_groups": n_groups, "hash_fn": "sha256",
+    run.extra.update({"settings": {"prefix_cache_retention_interval": retention},
+                      "default": retention == VLLM_RETENTION_DEFAULT, "num_blocks": num_blocks, "kv_cache_groups": n_groups, "hash_fn": "sha256",
                       "hash_us_p50": float(np.percentile(hash_us, 50)) if hash_us else 0.0,
                       "version": f"vllm {vllm.__version__} KVCacheManager"})
     return run.result()
 
 
 def main() -> None:
-    args = driver_args(__doc__)
+    args = driver_args(__doc__, extra={"--retention": {
+        "default": format_retention(VLLM_RETENTION_SWEEP),
+        "help": "comma-separated prefix_cache_retention_interval values ('none' = dense)"}})
+    try:
+        retentions = parse_retention(args.retention, "--retention")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     logging.getLogger("vllm").setLevel(logging.WARNING)
     seqs = load_sequences(args.sequences)
     for gb in args.budgets:
-        emit(drive(seqs, gb, args.chunk))
+        for retention in retentions:
+            release_memory()  # each replay's memory baseline starts after the last one's garbage
+            emit(drive(seqs, gb, args.chunk, retention))
 
 
 if __name__ == "__main__":

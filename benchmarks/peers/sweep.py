@@ -20,24 +20,30 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import ALL, table
+from run import ALL, PEERS, settings_label, summarize, table
 
 
 def merge(outs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One result set from several run.py outputs (later ones win per system and budget)."""
+    """One result set from several run.py outputs of the same trace (later ones
+    win per system, setting and budget); best rows and ratios are recomputed
+    over the merged rows."""
     if not outs:
         raise ValueError("nothing to merge")
-    rows: dict[tuple[str, float], dict[str, Any]] = {}
+    traces = {(o["trace"], o["meta"].get("requests")) for o in outs}
+    if len(traces) > 1:
+        raise ValueError(f"outs are runs of different traces or lengths: {sorted(traces, key=str)}")
+    rows: dict[tuple[str, str, float], dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     for o in outs:
         for r in o["results"]:
-            rows[(r["system"], float(r["budget_gb"]))] = r
+            key = (r["system"], json.dumps(r.get("settings", {}), sort_keys=True), float(r["budget_gb"]))
+            rows[key] = dict(r)
         skipped.update(o.get("skipped", {}))
     # a system skipped in one run but measured in another is not skipped
-    done = {f"{s}@{gb:g}GB" for s, gb in rows}
+    done = {f"{s}@{gb:g}GB" for s, _, gb in rows}
     skipped = {k: v for k, v in skipped.items() if k not in done}
-    return {"trace": outs[-1]["trace"], "meta": outs[-1]["meta"], "results": list(rows.values()),
-            "skipped": skipped}
+    return summarize({"trace": outs[-1]["trace"], "meta": outs[-1]["meta"], "results": list(rows.values()),
+                      "skipped": skipped})
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
@@ -49,9 +55,17 @@ def plot(out: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     styles = {"hybridkv": "o-", "hybridkv-no-ckpt": "o:", "naive": "x--"}
     for system in ALL:
-        pts = sorted((r["budget_gb"], r["token_hit_rate"]) for r in out["results"] if r["system"] == system)
-        if pts:
-            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], styles.get(system, "s--"), label=system)
+        for which in (("default", "best") if system in PEERS else ("default",)):
+            pts = sorted((r["budget_gb"], r["token_hit_rate"], settings_label(r.get("settings")))
+                         for r in out["results"] if r["system"] == system and r.get(which))
+            if not pts:
+                continue
+            label = system if system not in PEERS else f"{system} ({which} setting)"
+            style = styles.get(system, "s--" if which == "default" else "^-")
+            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], style, label=label)
+            if system in PEERS and which == "best":
+                for x, y, name in pts:
+                    ax.annotate(name, (x, 100 * y), fontsize=6, textcoords="offset points", xytext=(4, 4))
     bound = out["meta"].get("prefix_bound_hit_rate")
     if bound:
         ax.axhline(100 * bound, color="gray", ls=":", label="unlimited prefix cache")
@@ -72,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--trace", default=None)
     p.add_argument("--systems", default=None)
+    p.add_argument("--max-sessions", default=None)
+    p.add_argument("--peer-settings", default=None, choices=("sweep", "default"))
+    p.add_argument("--vllm-retention", default=None)
+    p.add_argument("--sglang-ratios", default=None)
     p.add_argument("--from", dest="sources", nargs="+", default=None, help="run.sh --json outputs to render")
     p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args(argv)
@@ -79,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         outs = [json.loads(Path(f).read_text()) for f in args.sources]
     else:
         cmd = ["bash", str(HERE / "run.sh"), "--json", "--budgets", args.budgets]
-        for opt in ("limit", "trace", "systems"):
+        for opt in ("limit", "trace", "systems", "max_sessions", "peer_settings", "vllm_retention",
+                    "sglang_ratios"):
             if getattr(args, opt) is not None:
-                cmd += [f"--{opt}", str(getattr(args, opt))]
+                cmd += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
         outs = [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)]
     out = merge(outs)
     dest = Path(args.out)
@@ -95,16 +114,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ratios(out: dict[str, Any]) -> str:
-    """hybridkv's hit rate and per-request op latency against each system, same run, same budget."""
+    """hybridkv's hit rate and per-request op latency against each system's
+    default and best rows (and hybridkv's own variants), same run, same budget."""
     ref = {r["budget_gb"]: r for r in out["results"] if r["system"] == "hybridkv"}
-    lines = [("| system | budget GB | hybridkv hit rate / system's | system's op p50 / hybridkv's "
-              "| system's op p50 excl. alloc kernel / hybridkv's |"), "|---|---|---|---|---|"]
+    lines = [("| system | setting | budget GB | hybridkv hit rate / system's | system's op p50 / hybridkv's "
+              "| system's op p50 excl. alloc kernel / hybridkv's |"), "|---|---|---|---|---|---|"]
     for r in sorted(out["results"], key=lambda r: (r["budget_gb"], ALL.index(r["system"]))):
         h = ref.get(r["budget_gb"])
-        if h is None or r["system"] == "hybridkv":
+        if h is None or r["system"] == "hybridkv" or (r["system"] in PEERS and not (r["default"] or r["best"])):
             continue
         hit = h["token_hit_rate"] / r["token_hit_rate"] if r["token_hit_rate"] else float("inf")
-        lines.append(f"| {r['system']} | {r['budget_gb']:g} | {hit:.2f}x | {r['op_us_p50'] / h['op_us_p50']:.2f}x "
+        which = ", ".join(m for m in ("default", "best") if r.get(m)) if r["system"] in PEERS else ""
+        lines.append(f"| {r['system']} | {settings_label(r.get('settings'))} {f'({which})' if which else ''} "
+                     f"| {r['budget_gb']:g} | {hit:.2f}x | {r['op_us_p50'] / h['op_us_p50']:.2f}x "
                      f"| {r['op_excl_kernel_us_p50'] / h['op_excl_kernel_us_p50']:.2f}x |")
     return "\n".join(lines)
 
