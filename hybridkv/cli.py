@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from . import __version__
 from .spec import ModelSpec, preset_names
@@ -15,6 +17,25 @@ __all__ = ["main"]
 
 _GB = 10**9  # every "GB" of the CLI is 10^9 bytes (the Python API takes bytes)
 _LEVELS = ("debug", "info", "warning", "error")
+_QUICK_REQUESTS = 15  # verify --quick: 15 trace requests + 5 branch prompts
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (``hybridkv replay: error: --hbm-gb must be
+    > 0 (got -1); see 'hybridkv replay --help'``) instead of the usage block and then the error.
+    Subcommand parsers inherit the class (``add_subparsers`` uses the parent's type)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_argparse_message(message)}; see '{self.prog} --help'\n")
+
+
+def _argparse_message(message: str) -> str:
+    """``argument --hbm-gb: must be > 0 (got -1)`` -> ``--hbm-gb must be > 0 (got -1)``."""
+    m = re.match(r"argument ([^:]+): (.*)", " ".join(message.split()))
+    if not m:
+        return message
+    name, rest = m.groups()
+    return f"{name} {rest}" if rest.startswith("must") else f"{name}: {rest}"
 
 
 def _spec(args: argparse.Namespace) -> ModelSpec:
@@ -35,14 +56,28 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a number (got {text!r})") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 (got {text})")
     return value
 
 
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``low`` (the error is one line naming the option)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer (got {text!r})") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low} (got {value})")
+        return value
+
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridkv", description=__doc__,
+    p = _Parser(prog="hybridkv", description=__doc__,
                                 epilog="GB everywhere means 10^9 bytes.  Logs go to stderr.")
     p.add_argument("--version", action="version", version=f"hybridkv {__version__}",
                    help="print the version and exit")
@@ -56,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--model", default="mimo-v2.5-pro", choices=preset_names(),
                         help="model preset (default: mimo-v2.5-pro)")
-        sp.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
+        sp.add_argument("--page-size", type=_int_at_least(1), default=64, help="tokens per page (default 64)")
         sp.add_argument("--json", action="store_true", help="print one JSON object")
 
     r = sub.add_parser("replay", help="replay a trace through hybridkv and baselines")
@@ -66,10 +101,11 @@ def _parser() -> argparse.ArgumentParser:
     common(r)
     r.add_argument("--hbm-gb", type=_positive_float, default=594.0,
                    help="KV budget in GB (10^9 bytes) for the preset (default 594)")
-    r.add_argument("--swa-checkpoint", type=int, default=16384, help="K: SWA checkpoint interval (0 = off)")
-    r.add_argument("--chunk", type=int, default=8192, help="prefill chunk size in tokens")
-    r.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    r.add_argument("--block-size", type=int, default=None,
+    r.add_argument("--swa-checkpoint", type=_int_at_least(0), default=16384,
+                   help="K: SWA checkpoint interval (0 = off)")
+    r.add_argument("--chunk", type=_int_at_least(1), default=8192, help="prefill chunk size in tokens")
+    r.add_argument("--limit", type=_int_at_least(1), default=None, help="replay only the first N requests")
+    r.add_argument("--block-size", type=_int_at_least(1), default=None,
                    help="tokens per hash id of a jsonl trace (default: from the data; 512 for Mooncake, "
                         "16 for Qwen-Bailian)")
     r.add_argument("--systems", default="hybridkv,naive,tombstone",
@@ -80,21 +116,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="write a hit-rate-vs-budget PNG to this path (needs --budgets and matplotlib)")
     r.add_argument("--budgets", type=_budgets, default=None,
                    help="budgets to sweep in GB (10^9 bytes), comma-separated, e.g. 59,150,594")
-    r.add_argument("--check-every", type=int, default=0, help="check invariants every N requests")
+    r.add_argument("--check-every", type=_int_at_least(0), default=0, help="check invariants every N requests")
     r.add_argument("--eviction-ranking", default="value", choices=("value", "adaptive", "arc", "lru"),
                    help="hybridkv's leaf ranking (default value; see docs/policy.md)")
     r.add_argument("--no-references", action="store_true",
                    help="skip the LRU-full and optimal (Belady) page-level references")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    r.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is drawn only when stderr is a terminal)")
     _tier_args(r)
-
-    v = sub.add_parser("verify", help="reference model through the cache vs a dense forward")
-    v.add_argument("trace", nargs="?", default=None, help="trace (default: the bundled Mooncake sample)")
-    v.add_argument("--requests", type=int, default=60, help="requests to run (default 60)")
-    v.add_argument("--seed", type=int, default=0, help="reference model weights and branch seed (default 0)")
-    v.add_argument("--json", action="store_true", help="print one JSON object")
-    v.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    _tier_args(v)
+    _verify_parser(sub)
 
     i = sub.add_parser("info", help="bytes per token and what fits, single vs dual pool")
     common(i)
@@ -102,6 +132,61 @@ def _parser() -> argparse.ArgumentParser:
     from .routing.cli import add_route_sim_parser
     add_route_sim_parser(sub)
     return p
+
+
+def _verify_parser(sub: Any) -> None:
+    """The ``verify`` subcommand (mutates ``sub``: adds the parser)."""
+    v = sub.add_parser(
+        "verify", help="reference model through the cache vs a dense forward",
+        description="Run a float64 reference transformer whose KV lives only in hybridkv, under constant "
+                    "eviction, and compare every logit with a cache-free forward.  The prompts are the "
+                    "first N trace requests, scaled down, plus one branch prompt (a cut of an earlier "
+                    "prompt and new tokens) after every third: the default N = 60 runs 80 prompts, "
+                    "about 30 s on 2 CPU cores (more on a loaded machine, and with --l2-gb/--l3); "
+                    f"--quick runs {_QUICK_REQUESTS} requests ({_QUICK_REQUESTS * 4 // 3} prompts, a few seconds).")
+    v.add_argument("trace", nargs="?", default=None, help="trace (default: the bundled Mooncake sample)")
+    n = v.add_mutually_exclusive_group()
+    n.add_argument("--requests", type=_int_at_least(1), default=60,
+                   help="trace requests to run (default 60); a branch prompt follows every third, "
+                        "so 60 runs 80 prompts (about 30 s)")
+    n.add_argument("--quick", action="store_const", dest="requests", const=_QUICK_REQUESTS,
+                   help=f"a short check: --requests {_QUICK_REQUESTS} ({_QUICK_REQUESTS * 4 // 3} prompts)")
+    v.add_argument("--seed", type=int, default=0, help="reference model weights and branch seed (default 0)")
+    v.add_argument("--json", action="store_true", help="print one JSON object")
+    v.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is drawn only when stderr is a terminal)")
+    _tier_args(v)
+
+
+class _CliLogFormat(logging.Formatter):
+    """``hybridkv: WARNING: logger: message``, except that a storage backend going
+    unreachable is one plain line naming the URL the user gave (and only the first time:
+    a --budgets sweep opens one backend per budget)."""
+
+    def __init__(self, prog: str, l3: str | None) -> None:
+        super().__init__("hybridkv: %(levelname)s: %(name)s: %(message)s")
+        self._prog, self._l3 = prog, l3
+
+    def format(self, record: logging.LogRecord) -> str:
+        why = getattr(record, "l3_unreachable", None)
+        if why is None:
+            return super().format(record)
+        return f"{self._prog}: L3 {self._l3 or 'backend'} is unreachable ({why}); the run continues without it"
+
+
+def _once_unreachable() -> Callable[[logging.LogRecord], bool]:
+    """A handler filter that lets the first ``l3_unreachable`` record through, drops later ones."""
+    seen: list[bool] = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        if getattr(record, "l3_unreachable", None) is None:
+            return True
+        if seen:
+            return False
+        seen.append(True)
+        return True
+
+    return keep
 
 
 def _logging(args: argparse.Namespace) -> Any:
@@ -116,7 +201,8 @@ def _logging(args: argparse.Namespace) -> Any:
     log = logging.getLogger("hybridkv")
     saved = (log.level, log.propagate)
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("hybridkv: %(levelname)s: %(name)s: %(message)s"))
+    handler.setFormatter(_CliLogFormat(f"hybridkv {args.command}", getattr(args, "l3", None)))
+    handler.addFilter(_once_unreachable())
     log.setLevel(level)
     log.addHandler(handler)
     log.propagate = False  # one copy on stderr, not another through the root logger
@@ -130,6 +216,30 @@ def _logging(args: argparse.Namespace) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; the exit status is 0 (done), 1 (a check failed), 2 (bad input).
+
+    A reader that closes stdout early (``hybridkv info | head -1``) ends the command
+    quietly with status 1, as Python's documentation on SIGPIPE recommends: stdout is
+    pointed at devnull so that the interpreter's final flush cannot fail again.
+    """
+    try:
+        try:
+            rc = _run(argv)
+        except SystemExit:  # --help, --version, usage errors: flush while the error is still ours
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        except (AttributeError, OSError, ValueError):  # stdout is not a file (a test's capture)
+            pass
+        return 1
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     restore_logging = _logging(args)
     try:
@@ -142,26 +252,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _verify(args)
         return _info(args)
     except (ValueError, ImportError, OSError) as exc:  # bad input, a missing extra, an unusable path
-        print(f"hybridkv: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        if isinstance(exc, BrokenPipeError):
+            raise
+        print(f"hybridkv {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     finally:
         restore_logging()
+
+
+def _progress(args: argparse.Namespace, label: str) -> Callable[[int, int], None] | None:
+    """A progress bar on stderr, only when stderr is a terminal: ``\\r`` redraws would
+    litter a pipe or a log file."""
+    if args.no_progress or not sys.stderr.isatty():
+        return None
+    from .replay import stderr_progress
+    return stderr_progress(label)
 
 
 def _load(args: argparse.Namespace) -> tuple[list, str]:
     from .traces import bundled_sample, load_trace
 
     path = args.trace or str(bundled_sample())
-    limit = getattr(args, "limit", None)
-    if limit is not None and limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {limit}")
-    block = getattr(args, "block_size", None)
-    if block is not None and block < 1:
-        raise ValueError(f"--block-size must be >= 1, got {block}")
-    requests = load_trace(path, limit=limit, block_size=block)
+    requests = load_trace(path, limit=getattr(args, "limit", None), block_size=getattr(args, "block_size", None))
     if not requests:
         raise ValueError(f"trace {path} has no requests")
     return requests, path
+
+
+def _trace_name(trace: str | None, n: int) -> str:
+    """What the run replayed, in words: the bundled sample is not the full trace that
+    the README's table comes from, and its figures differ."""
+    if trace is None:
+        return (f"bundled sample of the Mooncake conversation trace (its first 2,000 requests, "
+                f"{n:,} replayed; the README's table is the full trace)")
+    return trace
 
 
 def _tier_args(sp: argparse.ArgumentParser) -> None:
@@ -190,7 +314,7 @@ def _tier_config(args: argparse.Namespace) -> Any:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from .replay import SYSTEMS, replay, stderr_progress
+    from .replay import SYSTEMS, replay
 
     spec = _spec(args)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -205,12 +329,13 @@ def _replay(args: argparse.Namespace) -> int:
     budgets = args.budgets or [args.hbm_gb]
     runs = []
     for gb in budgets:
-        progress = None if (args.no_progress or not sys.stderr.isatty()) else stderr_progress(f"{gb:g} GB")
+        progress = _progress(args, f"{gb:g} GB")
         out = replay(requests, spec, int(gb * _GB), systems=systems, swa_checkpoint=args.swa_checkpoint,
                      chunk=args.chunk, extension_rule=not args.no_extension_rule, progress=progress,
                      check_every=args.check_every, tiers=_tier_config(args),
                      references=not args.no_references, eviction_ranking=args.eviction_ranking)
         out["trace"] = path
+        out["trace_name"] = _trace_name(args.trace, len(requests))
         out["hbm_gb"] = gb
         runs.append(_flatten(out))
     if args.plot:
@@ -234,7 +359,7 @@ def _l3_verdict(args: argparse.Namespace, runs: list[tuple[dict[str, Any], str |
     why = next((e for _, e in reversed(runs) if e), None)
     if reads or writes:
         line = (f"L3 {args.l3}: {reads:,} page reads and {writes:,} page writes failed "
-                f"(served as misses; last error: {why or 'skipped by the circuit breaker'})")
+                f"(served as misses; last error: {why or 'none: skipped while the backend was unreachable'})")
     else:
         line = f"L3 {args.l3}: no page read or write failed"
     print(line, file=sys.stderr if quiet else sys.stdout)
@@ -257,7 +382,8 @@ def _flatten(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def _print_replay(run: dict[str, Any]) -> None:
-    print(f"trace {run['trace']}: {run['requests']} requests, {run['input_tokens']:,} input tokens, "
+    print(f"trace: {run['trace_name']}")
+    print(f"{run['requests']:,} requests, {run['input_tokens']:,} input tokens, "
           f"model {run['model']}, budget {run['hbm_gb']:g} GB (10^9 bytes), page {run['page_size']}, "
           f"checkpoint {run['swa_checkpoint']}, extension rule {run['extension_rule']}, "
           f"trace blocks of {'/'.join(map(str, run.get('trace_block_sizes', [])))} tokens")
@@ -272,9 +398,9 @@ def _print_replay(run: dict[str, Any]) -> None:
         print(f"{name:<18}{r['token_hit_rate']:>10.4f}{r['hit_tokens']:>16,}"
               f"{r['prefill_flops_saved_fraction']:>12.4f}   ({r['label']})")
     print(f"{'bound':<18}{run['prefix_bound_hit_rate']:>10.4f}   (unlimited prefix cache)")
-    print(f"hybridkv / prefix bound = {run['ratio_vs_prefix_bound']:.3f}; "
-          + "; ".join(f"hybridkv / {k} = {run['ratio_vs_' + k]:.2f}x" for k in run["baselines"])
-          + f"; replay {run['elapsed_s']:.1f} s")
+    ratios = [f"hybridkv / prefix bound = {run['ratio_vs_prefix_bound']:.3f}"]
+    ratios += [f"hybridkv / {k} = {run['ratio_vs_' + k]:.2f}x" for k in run["baselines"]]
+    print("; ".join(ratios + [f"replay {run['elapsed_s']:.1f} s"]))
     if "l1_hit_tokens" in run:  # tiers: where hybridkv's hits came from
         print(f"tier hits (tokens): L1 {run['l1_hit_tokens']:,}, L2 {run['l2_hit_tokens']:,}, "
               f"L3 {run['l3_hit_tokens']:,}; bytes moved {run['bytes_moved'] / _GB:.3f} GB (10^9 bytes)")
@@ -317,11 +443,8 @@ def _plot(runs: list[dict[str, Any]], path: str, model: str) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     from .model.verify import TOLERANCE, run_verify
-    from .replay import stderr_progress
 
-    if args.requests < 1:
-        raise ValueError(f"--requests must be >= 1, got {args.requests}")
-    progress = None if args.no_progress else stderr_progress("verify")
+    progress = _progress(args, "verify")
     if getattr(args, "l2_gb", None) is not None or getattr(args, "l3", None):
         from .tiers.verify import run_tier_verify  # forced evict -> reload through L2/L3
         if args.l2_gb is None:
@@ -339,7 +462,8 @@ def _verify(args: argparse.Namespace) -> int:
     l3 = {"read_keys_failed": out.get("l3_backend_read_keys_failed", 0),
           "write_keys_failed": out.get("l3_backend_write_keys_failed", 0)}
     rc = _l3_verdict(args, [(l3, out.get("l3_last_error"))], args.json)
-    verdict = (f"{'PASS' if ok else 'FAIL'}: {out['requests']} requests, {out['mismatched_requests']} with "
+    verdict = (f"{'PASS' if ok else 'FAIL'}: {out['requests']} prompts ({args.requests} trace requests and "
+               f"a branch prompt after every third), {out['mismatched_requests']} with "
                f"logits off the dense forward (max |diff| {out['max_abs_diff']:.3g}, tolerance {TOLERANCE:g}), "
                f"{out['hit_tokens']:,} hit tokens")
     print(verdict, file=sys.stderr if args.json else sys.stdout)

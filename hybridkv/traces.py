@@ -123,8 +123,8 @@ def _load_file(p: Path, session: int, block_size: int | None = None) -> list[Tra
                         continue
                     try:
                         row = json.loads(line)
-                    except ValueError as exc:
-                        raise ValueError(f"{p}:{lineno}: malformed JSON ({_one_line(exc)})") from None
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"{p}:{lineno}: not valid JSON ({_json_error(exc, line)})") from None
                     try:
                         rows.append(_mooncake(row))
                     except _BadRecord as exc:
@@ -136,8 +136,8 @@ def _load_file(p: Path, session: int, block_size: int | None = None) -> list[Tra
                 raise ValueError(f"{p}: block_size applies to jsonl traces; kv-cache-tester sessions carry their own")
             try:
                 data = json.load(fh)
-            except ValueError as exc:
-                raise ValueError(f"{p}: malformed JSON ({_one_line(exc)})") from None
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{p}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
     except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise ValueError(f"{p}: cannot read the trace ({type(exc).__name__}: {_one_line(exc)})") from None
     if isinstance(data, dict) and "requests" in data:
@@ -155,6 +155,16 @@ class _BadRecord(Exception):
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
+
+
+def _json_error(exc: json.JSONDecodeError, line: str) -> str:
+    """The parser's complaint about one jsonl record, placed by the column within the
+    file's line: the parser's own "line 2 column 1" counts lines of the record string,
+    whose line 2 is just the record's end."""
+    text = line.rstrip("\r\n")
+    if exc.pos >= len(text):
+        return f"{exc.msg} at the end of the line"
+    return f"{exc.msg} at column {exc.pos + 1}"
 
 
 def _field(row: object, name: str, what: str = "record") -> object:

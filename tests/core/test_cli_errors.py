@@ -30,8 +30,9 @@ def test_empty_trace_and_limit_zero_exit_non_zero(tmp_path, capsys):
     assert main(["replay", str(empty), "--systems", "hybridkv"]) == 2
     err = capsys.readouterr()
     assert "no requests" in err.err and "inf" not in err.out
-    assert main(["replay", "--limit", "0"]) == 2
-    assert "--limit" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # a usage error: argparse's exit status 2
+        main(["replay", "--limit", "0"])
+    assert exc.value.code == 2 and "--limit" in capsys.readouterr().err
 
 
 def test_malformed_trace_is_one_line_not_a_traceback(tmp_path, capsys):
@@ -39,7 +40,7 @@ def test_malformed_trace_is_one_line_not_a_traceback(tmp_path, capsys):
     p.write_text(SAMPLE_LINE + '{"timestamp": 1, "input_length": 5}\n')
     assert main(["replay", str(p), "--systems", "hybridkv"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("hybridkv: error:") and "t.jsonl:2" in err and "hash_ids" in err
+    assert err.startswith("hybridkv replay: error:") and "t.jsonl:2" in err and "hash_ids" in err
     assert len(err.splitlines()) == 1
 
 
@@ -102,7 +103,8 @@ def test_text_output_has_per_tier_hits(tmp_path, capsys):
     assert "L1" in out and "L2" in out and "L3" in out and "tier hits" in out
 
 
-def test_verify_shows_progress_and_ends_with_one_verdict_line(capsys):
+def test_verify_shows_progress_and_ends_with_one_verdict_line(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # progress is drawn on a terminal only
     assert main(["verify", "--requests", "4"]) == 0
     cap = capsys.readouterr()
     lines = [ln for ln in cap.out.splitlines() if ln.strip()]

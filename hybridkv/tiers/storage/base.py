@@ -10,7 +10,10 @@ framed bytes (``_exists/_get/_put/_touch/_delete/_close`` and optionally
 Failure policy (issue 3 item 5): a backend that is down, slow, or returns
 truncated/corrupt bytes never raises into the caller and never returns wrong
 bytes.  Reads degrade to misses, writes to ``False``; each fault bumps a
-counter and logs a warning at most once per ``warn_interval_s`` per category.
+counter.  A backend whose calls start failing logs one WARNING (it is
+unreachable, with the first error) and every further failed call at DEBUG
+until a call succeeds again (INFO); other faults (corrupt values, oversized
+payloads) log a warning at most once per ``warn_interval_s`` per category.
 Only bad *arguments* raise (``TypeError``/``ValueError`` naming the argument),
 before anything is sent.
 """
@@ -180,6 +183,7 @@ class BaseBackend(ABC):
         self._last_warn: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
         self._closed = False
+        self._answering = True  # False from the first failed call until one succeeds
         #: the last read/write fault in one line (``"get: ConnectionError: ..."``), or None
         self.last_error: str | None = None
 
@@ -239,6 +243,32 @@ class BaseBackend(ABC):
         extra = f" ({suppressed} similar warnings suppressed)" if suppressed else ""
         logger.warning("%s backend: %s%s", self.scheme, message, extra)
 
+    def _call_failed(self, what: str, exc: BaseException) -> None:
+        """Log a failed call: one WARNING when the backend stops answering, DEBUG for the
+        rest (a down backend fails every call; one line says so).  Mutates the answering flag.
+
+        The WARNING record carries ``l3_unreachable`` (the error in one line) so that a
+        front end can word it for its users.
+        """
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        with self._stats_lock:
+            first, self._answering = self._answering, False
+        if first:
+            logger.warning("%s backend unreachable (%s, in %s); reads are misses and writes are dropped "
+                           "until it answers again", self.scheme, why, what, extra={"l3_unreachable": why})
+        else:
+            logger.debug("%s backend: %s failed (%s; breaker %s)", self.scheme, what, why, self.breaker.state)
+
+    def _call_succeeded(self) -> None:
+        """Close the breaker; log at INFO when a backend that had stopped answering answers again."""
+        self.breaker.record_success()
+        if not self._answering:  # unlocked read keeps the hot path cheap; the lock settles races
+            with self._stats_lock:
+                back = not self._answering
+                self._answering = True
+            if back:
+                logger.info("%s backend answers again", self.scheme)
+
     def stats(self) -> dict[str, int]:
         """Snapshot of the counters plus ``breaker_open`` (0/1) and ``breaker_trips``. O(1)."""
         with self._stats_lock:
@@ -271,10 +301,9 @@ class BaseBackend(ABC):
                 self._count(failed, n)
                 self.last_error = f"{op}: {type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
             self.breaker.record_failure()
-            self._warn(f"{op}:{category}", f"{op} of {n} keys failed ({type(exc).__name__}: {exc}); "
-                                           f"treated as a miss (breaker {self.breaker.state})")
+            self._call_failed(f"{op} of {n} keys", exc)
             return fallback()
-        self.breaker.record_success()
+        self._call_succeeded()
         return result
 
     # ------------------------------------------------------------ validation

@@ -126,7 +126,7 @@ class MooncakeBackend(BaseBackend):
         except ConnectionError as exc:
             self._count("errors")
             self.breaker.record_failure()
-            self._warn("connect", f"{exc}; the backend answers misses until it connects")
+            self._call_failed("connect", exc)
 
     # ------------------------------------------------------------ connection
     def _ensure(self) -> Any:
