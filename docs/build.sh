@@ -3,7 +3,8 @@
 #
 #   bash docs/build.sh [OUT_DIR]      (default: docs/_build/html)
 #
-# Installs the docs extra (sphinx, myst-parser) with the CPU torch pinned,
+# Installs the docs extra (sphinx, myst-parser) under a torch==2.13.0 constraint
+# (it keeps pip from replacing the installed torch),
 # then runs sphinx-build -W.  Set HYBRIDKV_DOCS_NO_INSTALL=1 to skip pip.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
