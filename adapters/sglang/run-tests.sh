@@ -4,9 +4,11 @@
 #   adapters/sglang/run-tests.sh [pytest args...]
 #   adapters/sglang/run-tests.sh --install-only     # create/refresh the venv, run nothing
 #
-# SGLang 0.5.23 pins a CUDA torch, so it is installed with --no-deps and its
-# pure-Python dependencies are installed under a constraint that keeps the
-# CPU torch==2.13.0.  The venv lives in adapters/sglang/.venv (gitignored, or
+# SGLang 0.5.23 pins a CUDA torch, so its pure-Python dependencies are installed
+# first under a torch==2.13.0 constraint (keeping the CPU torch installed here),
+# then sglang itself with --no-deps: in that order pip never checks sglang's own
+# pins (CUDA torch, flashinfer, ...), which this venv deliberately leaves out.
+# pip's output goes to $VENV/install.log, printed only if an install fails.  The venv lives in adapters/sglang/.venv (gitignored, or
 # $HYBRIDKV_SGLANG_VENV); a stamp file makes a second run skip all installs.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -26,19 +28,28 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+LOG="$VENV/install.log"
+pip_quietly() {
+    if ! "${PIP[@]}" "$@" >> "$LOG" 2>&1; then
+        echo "[run-tests] pip $* failed; the end of $LOG:" >&2
+        tail -n 100 "$LOG" >&2
+        exit 1
+    fi
+}
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
-    echo "[run-tests] installing sglang 0.5.23 and deps into $VENV (first run: ~2-3 min)"
+    echo "[run-tests] installing sglang 0.5.23 and deps into $VENV (first run: ~2-3 min; log $LOG)"
+    : > "$LOG"
     CONSTRAINT="$VENV/torch-constraint.txt"
     echo "torch==2.13.0" > "$CONSTRAINT"
-    "${PIP[@]}" install -c "$CONSTRAINT" "torch==2.13.0"
-    "${PIP[@]}" install --no-deps "sglang==0.5.23"
-    "${PIP[@]}" install -c "$CONSTRAINT" "${SGLANG_DEPS[@]}" "${CORE_DEPS[@]}"
+    pip_quietly install -c "$CONSTRAINT" "torch==2.13.0"
+    pip_quietly install -c "$CONSTRAINT" "${SGLANG_DEPS[@]}" "${CORE_DEPS[@]}"
+    pip_quietly install --no-deps "sglang==0.5.23"
     # The core and the adapter, editable, without letting pip touch torch again.
-    "${PIP[@]}" install -c "$CONSTRAINT" --no-deps --no-build-isolation -e "$ROOT" -e "$HERE"
+    pip_quietly install -c "$CONSTRAINT" --no-deps --no-build-isolation -e "$ROOT" -e "$HERE"
     echo "$WANT" > "$STAMP"
 fi
 if [ "${1:-}" = "--install-only" ]; then
     exit 0
 fi
 cd "$HERE"
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests "$@"
+exec "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider tests "$@"
