@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["AttnKind", "KVShape", "ModelSpec", "PRESETS", "preset_names"]
+__all__ = ["AttnKind", "KVGroupSpec", "KVShape", "ModelSpec", "PRESETS", "preset_names"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -57,6 +57,49 @@ class KVShape:
         return self.num_kv_heads * (self.k_head_dim + self.v_head_dim)
 
 
+@dataclass(frozen=True)
+class KVGroupSpec:
+    """One KV group: the layers that share an attention window and a KV shape.
+
+    A model is a list of groups (:attr:`ModelSpec.groups`), as vLLM's KV-cache
+    groups are: one full-attention group (``window is None``) and one group per
+    distinct sliding window.  A hit ending at ``L`` is usable by a sliding group
+    only if that group holds KV for ``[L - window, L)``; a full group needs
+    ``[0, L)``.
+
+    Attributes:
+        window: tokens a layer of the group attends back to; None: full attention.
+        layers: indices of the group's layers, ascending.
+        shape: per-layer, per-token KV shape.
+    """
+
+    window: int | None
+    layers: tuple[int, ...]
+    shape: KVShape
+
+    @property
+    def sliding(self) -> bool:
+        """True for a sliding-window group."""
+        return self.window is not None
+
+    @property
+    def kind(self) -> AttnKind:
+        return AttnKind.SWA if self.window is not None else AttnKind.FULL
+
+    @property
+    def name(self) -> str:
+        """``"full"`` or ``"swa-W"``: unique within a model."""
+        return "full" if self.window is None else f"swa-{self.window}"
+
+    def bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes one token costs across the group's layers (K and V)."""
+        return len(self.layers) * self.shape.elems_per_token() * dtype_bytes
+
+    def window_pages(self, page_size: int) -> int:
+        """Pages that can overlap the window ending on a page boundary (0: full)."""
+        return -(-self.window // page_size) if self.window is not None else 0
+
+
 def _canonical_dtype(dtype: str | torch.dtype) -> str:
     if isinstance(dtype, torch.dtype):
         for name, value in _DTYPES.items():
@@ -84,6 +127,11 @@ class ModelSpec:
         swa: KV shape of sliding-window layers.
         dtype: KV dtype name (``"bfloat16"``...).
         page_size: tokens per page; every pool and tree operation is page aligned.
+        layer_windows: per-layer sliding windows when they differ between
+            sliding layers (an entry per layer, 0 for full layers); empty: every
+            sliding layer attends ``window`` tokens.  ``window`` is then the
+            largest of them: the cache keeps SWA KV for the largest window,
+            which is window safe for every sliding group.
     """
 
     name: str
@@ -93,6 +141,7 @@ class ModelSpec:
     swa: KVShape
     dtype: str = "bfloat16"
     page_size: int = 64
+    layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         kinds = tuple(AttnKind(k) for k in self.layer_kinds)
@@ -108,6 +157,7 @@ class ModelSpec:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not isinstance(self.full, KVShape) or not isinstance(self.swa, KVShape):
             raise TypeError("full and swa must be KVShape instances")
+        object.__setattr__(self, "layer_windows", _check_layer_windows(self.layer_windows, kinds, self.window))
 
     # ------------------------------------------------------------------ derived
     @property
@@ -123,6 +173,22 @@ class ModelSpec:
     def swa_layers(self) -> tuple[int, ...]:
         """Indices of sliding-window layers."""
         return tuple(i for i, k in enumerate(self.layer_kinds) if k is AttnKind.SWA)
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding window of ``layer`` in tokens; None for a full-attention layer."""
+        if self.layer_kinds[layer] is AttnKind.FULL:
+            return None
+        return self.layer_windows[layer] if self.layer_windows else self.window
+
+    @property
+    def groups(self) -> tuple[KVGroupSpec, ...]:
+        """The model's KV groups: the full group first (if the model has full
+        layers), then one sliding group per distinct window, smallest first."""
+        by_window: dict[int | None, list[int]] = {}
+        for i in range(self.num_layers):
+            by_window.setdefault(self.layer_window(i), []).append(i)
+        order = sorted(by_window, key=lambda w: -1 if w is None else w)
+        return tuple(KVGroupSpec(w, tuple(by_window[w]), self.full if w is None else self.swa) for w in order)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -166,7 +232,8 @@ class ModelSpec:
     def fingerprint(self) -> str:
         """A string that changes whenever stored KV would not be interchangeable."""
         kinds = "".join("F" if k is AttnKind.FULL else "S" for k in self.layer_kinds)
-        return (f"{self.name}|{kinds}|W{self.window}|F{self.full.num_kv_heads}x{self.full.k_head_dim}"
+        windows = f"|LW{','.join(map(str, self.layer_windows))}" if self.layer_windows else ""
+        return (f"{self.name}|{kinds}|W{self.window}{windows}|F{self.full.num_kv_heads}x{self.full.k_head_dim}"
                 f"/{self.full.v_head_dim}|S{self.swa.num_kv_heads}x{self.swa.k_head_dim}"
                 f"/{self.swa.v_head_dim}|{self.dtype}|P{self.page_size}")
 
@@ -192,7 +259,9 @@ class ModelSpec:
                        name: str | None = None) -> "ModelSpec":
         """Build a spec from a Hugging Face ``config.json`` dict.
 
-        Understands ``layer_types`` (``"full_attention"`` / ``"sliding_attention"``,
+        Per-layer windows: ``sliding_window`` may be one int or a list with an
+        entry per layer (None or 0 for full layers; with ``layer_types`` the
+        entries of full layers are ignored).  Understands ``layer_types`` (``"full_attention"`` / ``"sliding_attention"``,
         gpt-oss, Gemma-3, recent transformers), MiMo's ``hybrid_layer_pattern``
         (0 = full, 1 = SWA) with ``swa_num_key_value_heads`` / ``swa_head_dim`` /
         ``swa_v_head_dim``, Gemma's ``sliding_window_pattern`` (every N-th layer
@@ -210,9 +279,7 @@ class ModelSpec:
         if not isinstance(n_layers, int) or n_layers < 1:
             raise ValueError("config['num_hidden_layers'] must be a positive int")
         kinds = _layer_kinds_from_config(cfg, n_layers)
-        window = cfg.get("sliding_window") or cfg.get("swa_window_size") or cfg.get("sliding_window_size")
-        if AttnKind.SWA in kinds and not window:
-            raise ValueError("config has sliding-window layers but no 'sliding_window'")
+        window, layer_windows = _windows_from_config(cfg, kinds)
         heads = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
         if not heads:
             raise ValueError("config needs 'num_key_value_heads' or 'num_attention_heads'")
@@ -224,8 +291,56 @@ class ModelSpec:
                       int(cfg.get("swa_v_head_dim") or v_dim))
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
         return cls(name=name or str(cfg.get("model_type") or cfg.get("name_or_path") or "hf-model"),
-                   layer_kinds=kinds, window=int(window or 1), full=full, swa=swa,
-                   dtype=str(dtype), page_size=page_size)
+                   layer_kinds=kinds, window=window, full=full, swa=swa,
+                   dtype=str(dtype), page_size=page_size, layer_windows=layer_windows)
+
+
+def _check_layer_windows(windows: object, kinds: tuple[AttnKind, ...], window: int) -> tuple[int, ...]:
+    """``windows`` as a tuple of ints (0 for full layers), validated against the kinds;
+    () when every sliding layer uses ``window`` (so uniform specs compare equal)."""
+    if not isinstance(windows, (tuple, list)):
+        raise TypeError(f"layer_windows must be a tuple of ints, got {type(windows).__name__}")
+    if not windows:
+        return ()
+    if len(windows) != len(kinds):
+        raise ValueError(f"layer_windows has {len(windows)} entries for {len(kinds)} layers")
+    out = []
+    for i, (w, k) in enumerate(zip(windows, kinds)):
+        if not isinstance(w, int) or isinstance(w, bool):
+            raise TypeError(f"layer_windows[{i}] must be an int, got {type(w).__name__}")
+        if k is AttnKind.FULL:
+            out.append(0)
+        elif w < 1:
+            raise ValueError(f"layer_windows[{i}] must be >= 1 for a sliding layer, got {w}")
+        else:
+            out.append(w)
+    sliding = [w for w in out if w]
+    if sliding and max(sliding) != window:
+        raise ValueError(f"window must be the largest of layer_windows ({max(sliding)}), got {window}")
+    return () if len(set(sliding)) <= 1 else tuple(out)
+
+
+def _windows_from_config(cfg: Mapping[str, Any], kinds: tuple[AttnKind, ...]) -> tuple[int, tuple[int, ...]]:
+    """``(window, layer_windows)`` of a HF config: ``sliding_window`` (or MiMo's
+    ``swa_window_size``) as one int or as a per-layer list."""
+    raw = cfg.get("sliding_window") or cfg.get("swa_window_size") or cfg.get("sliding_window_size")
+    if isinstance(raw, (list, tuple)):
+        if len(raw) != len(kinds):
+            raise ValueError(f"config['sliding_window'] has {len(raw)} entries for {len(kinds)} layers")
+        per_layer = []
+        for i, (w, k) in enumerate(zip(raw, kinds)):
+            if k is AttnKind.FULL:
+                per_layer.append(0)
+            elif not isinstance(w, int) or isinstance(w, bool) or w < 1:
+                raise ValueError(f"config['sliding_window'][{i}] must be a positive int for sliding layer {i}, "
+                                 f"got {w!r}")
+            else:
+                per_layer.append(w)
+        sliding = [w for w in per_layer if w]
+        return (max(sliding) if sliding else 1), (tuple(per_layer) if sliding else ())
+    if AttnKind.SWA in kinds and not raw:
+        raise ValueError("config has sliding-window layers but no 'sliding_window'")
+    return int(raw or 1), ()
 
 
 def _layer_kinds_from_config(cfg: Mapping[str, Any], n_layers: int) -> tuple[AttnKind, ...]:
@@ -250,6 +365,11 @@ def _layer_kinds_from_config(cfg: Mapping[str, Any], n_layers: int) -> tuple[Att
     if cfg.get("sliding_window_pattern"):
         every = int(cfg["sliding_window_pattern"])
         return tuple(AttnKind.FULL if (i + 1) % every == 0 else AttnKind.SWA for i in range(n_layers))
+    per_layer = cfg.get("sliding_window")
+    if isinstance(per_layer, (list, tuple)):  # one window per layer, None or 0 for full layers
+        if len(per_layer) != n_layers:
+            raise ValueError(f"config['sliding_window'] has {len(per_layer)} entries for {n_layers} layers")
+        return tuple(AttnKind.SWA if w else AttnKind.FULL for w in per_layer)
     if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
         return tuple(AttnKind.SWA for _ in range(n_layers))
     return tuple(AttnKind.FULL for _ in range(n_layers))

@@ -25,7 +25,7 @@ import torch
 from ..cache import HybridKVCache, Request, StepBatch
 from ..spec import AttnKind, KVShape, ModelSpec
 
-__all__ = ["ReferenceModel", "tiny_spec"]
+__all__ = ["ReferenceModel", "tiny_spec", "tiny_two_window_spec"]
 
 
 def tiny_spec(page_size: int = 4, window: int = 16) -> ModelSpec:
@@ -33,6 +33,16 @@ def tiny_spec(page_size: int = 4, window: int = 16) -> ModelSpec:
     kinds = ["full", "swa", "swa", "full", "swa", "swa"]
     return ModelSpec("tiny-hybrid", kinds, window, full=KVShape(2, 8, 6), swa=KVShape(4, 8, 6),
                      dtype="float64", page_size=page_size)
+
+
+def tiny_two_window_spec(page_size: int = 4, windows: tuple[int, int] = (8, 16)) -> ModelSpec:
+    """:func:`tiny_spec`'s layout with two sliding windows (layers 1, 4 and 2, 5):
+    three KV groups, as in models that mix local windows of several sizes."""
+    kinds = ["full", "swa", "swa", "full", "swa", "swa"]
+    small, large = windows
+    per_layer = (0, small, large, 0, small, large)
+    return ModelSpec("tiny-two-window", kinds, max(windows), full=KVShape(2, 8, 6), swa=KVShape(4, 8, 6),
+                     dtype="float64", page_size=page_size, layer_windows=per_layer)
 
 
 @dataclass
@@ -120,7 +130,7 @@ class ReferenceModel:
         scores = torch.einsum("qhd,khd->hqk", q, k) / np.sqrt(s.k_head_dim)
         allowed = kpos[None, :] <= qpos[:, None]
         if kind is AttnKind.SWA:
-            allowed &= kpos[None, :] > qpos[:, None] - self.spec.window
+            allowed &= kpos[None, :] > qpos[:, None] - self.spec.layer_window(i)
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         sink = self.layers[i].sink
         if sink is not None:

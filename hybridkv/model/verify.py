@@ -18,8 +18,9 @@ import torch
 
 from ..pools import arena_page_bytes
 from ..cache import CacheConfig, HybridKVCache
+from ..spec import ModelSpec
 from ..traces import TokenMaterializer, bundled_sample, load_trace
-from .reference import ReferenceModel, tiny_spec
+from .reference import ReferenceModel, tiny_spec, tiny_two_window_spec  # noqa: F401 (re-exported for verify users)
 
 __all__ = ["run_verify", "verify_requests", "scaled_prompts"]
 
@@ -93,10 +94,17 @@ def small_cache(spec: Any, *, full_pages: int = 150, swa_pages: int = 40, swa_ch
 
 
 def run_verify(trace: str | None = None, *, requests: int = 60, seed: int = 0,
-               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """The ``hybridkv verify`` job; returns its JSON dict (``progress(done, total)`` per request)."""
+               progress: Callable[[int, int], None] | None = None,
+               spec: ModelSpec | None = None) -> dict[str, Any]:
+    """The ``hybridkv verify`` job; returns its JSON dict (``progress(done, total)`` per request).
+
+    ``spec``: the float64 model to verify (default :func:`tiny_spec`); its KV
+    groups (windows, layers, shapes) are what the reference model runs."""
     t0 = time.perf_counter()
-    spec = tiny_spec()
+    if spec is None:
+        spec = tiny_spec()
+    elif not isinstance(spec, ModelSpec):
+        raise TypeError(f"spec must be a ModelSpec, got {type(spec).__name__}")
     model = ReferenceModel(spec, seed=seed)
     prompts = scaled_prompts(trace, requests)
     cache = small_cache(spec)
