@@ -46,9 +46,9 @@ def _budgets(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--budgets must be comma-separated numbers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError("--budgets needs positive numbers")
+        raise argparse.ArgumentTypeError(f"must be comma-separated numbers (got {text!r})") from None
+    if not values or not min(values) > 0:
+        raise argparse.ArgumentTypeError(f"must be positive numbers (got {text!r})")
     return values
 
 
@@ -77,8 +77,7 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hybridkv", description=__doc__,
-                                epilog="GB everywhere means 10^9 bytes.  Logs go to stderr.")
+    p = _Parser(prog="hybridkv", description=__doc__, epilog="GB everywhere means 10^9 bytes.  Logs go to stderr.")
     p.add_argument("--version", action="version", version=f"hybridkv {__version__}",
                    help="print the version and exit")
     p.add_argument("-v", "--verbose", action="count", default=0,
@@ -236,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(devnull, sys.stdout.fileno())
         except (AttributeError, OSError, ValueError):  # stdout is not a file (a test's capture)
             pass
+        finally:
+            os.close(devnull)
         return 1
 
 
