@@ -249,6 +249,7 @@ class WindowSafeTree:
         self._dead: list[TreeNode] = []  # leaves left without a held tail window: no hit can end in them
         self._ghost_hits: set[tuple[str, int]] = set()  # (namespace, token pos) where a match hit a ghost
         self._swa_heap: list[tuple[int, int, TreeNode]] = []      # unanchored SWA first
+        self._point_heap: list[tuple[int, int, TreeNode]] = []    # then predicted windows
         self._anchor_heap: list[tuple[int, int, TreeNode]] = []   # then tails/checkpoints
         # "value" ranking: leaves filed by reuse class, each list in recency order
         self.value_ranking = config.ranking == "value"
@@ -550,6 +551,7 @@ class WindowSafeTree:
             return  # (a window at the leaf's end is its tail's, already kept)
         leaf.anchor[cut - wp:cut] += 1
         leaf.points = [leaf.start // self.page_size + cut]
+        heapq.heappush(self._point_heap, (leaf.last_access, leaf.nid, leaf))
 
     def _safe_pages(self, path: list[tuple[TreeNode, int]], total: int) -> int:
         """:func:`window_safe_pages` of the matched path (``total`` pages).  The common
@@ -658,7 +660,7 @@ class WindowSafeTree:
         # lazy heaps collect stale entries; rebuilding at 4x the live nodes keeps
         # memory O(nodes) (the anchor heap was left out and grew without bound)
         limit = self.heap_limit()
-        if (len(self._swa_heap) > limit or len(self._anchor_heap) > limit
+        if (len(self._swa_heap) > limit or len(self._anchor_heap) > limit or len(self._point_heap) > limit
                 or len(self._leaf_heap) + len(self._reused_heap) > limit):
             self._rebuild_heaps()
 
@@ -677,16 +679,20 @@ class WindowSafeTree:
         return False
 
     def _rebuild_heaps(self) -> None:
-        leaves, reused, swa = [], [], []
+        leaves, reused, swa, points = [], [], [], []
         for node in self.iter_nodes():
             entry = (node.last_access, node.nid, node)
             if not node.children and node.lock == 0 and not self.value_ranking:  # value: filed instead
                 (leaves if node.seg == AdaptiveRanking.RECENT else reused).append(entry)
             if node.swa_valid:
                 swa.append(entry)
+                if node.points:
+                    points.append(entry)
         heapq.heapify(leaves)
         heapq.heapify(reused)
         heapq.heapify(swa)
+        heapq.heapify(points)
+        self._point_heap = points
         self._leaf_heap = leaves
         self._reused_heap = reused
         self._swa_heap = swa
@@ -710,6 +716,8 @@ class WindowSafeTree:
             up = [p for p in node.points if p <= cut_abs]
             upper.points = up or None
             node.points = [p for p in node.points if p > cut_abs] or None
+            if up:
+                heapq.heappush(self._point_heap, (upper.last_access, upper.nid, upper))
         if 0 <= node.mark <= node.start // self.page_size + pages:  # the prompt ended in the upper half
             upper.mark, node.mark = node.mark, -1
         node.key = node.key[cut:]
@@ -1075,6 +1083,8 @@ class WindowSafeTree:
             elif short_swa > 0:
                 got = self._evict_swa(freed_s, anchored=False)
                 if got == (0, 0):
+                    got = self._evict_point(freed_s)
+                if got == (0, 0):
                     got = self._evict_swa(freed_s, anchored=True)
                 if got == (0, 0):
                     got = self._evict_leaf(freed_f, freed_s, None)
@@ -1082,6 +1092,8 @@ class WindowSafeTree:
                 got = self._evict_swa(freed_s, anchored=False)
                 if got == (0, 0):
                     got = self._evict_leaf(freed_f, freed_s, -(-short_bytes // fb))
+                if got == (0, 0):
+                    got = self._evict_point(freed_s)
                 if got == (0, 0):
                     got = self._evict_swa(freed_s, anchored=True)
             if got == (0, 0):
@@ -1281,6 +1293,8 @@ class WindowSafeTree:
         return gone, int(swa.size)
 
     def _evict_swa(self, freed_s: list, anchored: bool) -> tuple[int, int]:
+        """Free the SWA of the least recently used node holding some: its unanchored
+        unpinned pages, or (``anchored``) all its unpinned pages.  Returns ``(0, freed)``."""
         mode = self.config.swa_eviction
         if mode == "none" or (anchored and mode != "page"):
             return 0, 0
@@ -1289,29 +1303,64 @@ class WindowSafeTree:
             t, _, node = heapq.heappop(heap)
             if node.key is None or not node.swa_valid or not self._fresh(heap, t, node):
                 continue
-            drop = node.swa >= 0
-            # only a locked node can hold pinned pages (a tree invariant): skip the lookup otherwise
-            pinned = self._pinned(node.swa) if node.lock else None
-            if mode == "node":
-                if pinned is not None and np.count_nonzero(pinned):
-                    continue
-            else:
-                if pinned is not None:
-                    drop &= ~pinned
-                if not anchored:
-                    drop &= node.anchor == 0
-            count = int(np.count_nonzero(drop))
-            if count == 0:
-                continue
-            freed_s.append(node.swa[drop])
-            node.swa = node.swa.copy()
-            node.swa[drop] = NO_PAGE
-            node.swa_valid -= count
-            self.swa_pages_cached -= count
-            if self.listeners:
-                self._emit("swa_remove", node)
-            return 0, count
+            count = self._drop_swa(node, freed_s, anchored)
+            if count:
+                return 0, count
         return 0, 0
+
+    def _evict_point(self, freed_s: list) -> tuple[int, int]:
+        """Predicted windows give way before tails, checkpoints and branch windows (a
+        bet on where requests will leave, while those end hits that happened): the
+        least recently used node's predicted windows stop being anchors and their SWA
+        that no other window anchors is freed.  Where the SWA pool is sized apart
+        from full KV for one window per cached sequence, a predicted window kept over
+        another sequence's tail cost that sequence its next hit.  Mutates the node's
+        anchors, points and SWA.  Returns ``(0, freed)``.  O(window + log n)."""
+        if self.config.swa_eviction != "page":
+            return 0, 0
+        heap = self._point_heap
+        while heap:
+            t, _, node = heapq.heappop(heap)
+            if node.key is None or not node.points or not self._fresh(heap, t, node):
+                continue
+            first = node.start // self.page_size
+            for p in node.points:
+                self._anchor_window(node, -1, p - first)
+            node.points = None
+            if node.parent is not None and node.parent.key is not None:
+                self._enqueue(node.parent, leaf=False)  # a window reaching above the node
+            count = self._drop_swa(node, freed_s, anchored=False) if node.swa_valid else 0
+            if node.swa_valid:
+                self._enqueue(node, leaf=False)
+            if count:
+                return 0, count
+        return 0, 0
+
+    def _drop_swa(self, node: TreeNode, freed_s: list, anchored: bool) -> int:
+        """Free ``node``'s unpinned SWA pages (only unanchored ones unless ``anchored``;
+        ``"node"`` eviction: all or none) into ``freed_s``.  Returns how many."""
+        drop = node.swa >= 0
+        # only a locked node can hold pinned pages (a tree invariant): skip the lookup otherwise
+        pinned = self._pinned(node.swa) if node.lock else None
+        if self.config.swa_eviction == "node":
+            if pinned is not None and np.count_nonzero(pinned):
+                return 0
+        else:
+            if pinned is not None:
+                drop &= ~pinned
+            if not anchored:
+                drop &= node.anchor == 0
+        count = int(np.count_nonzero(drop))
+        if count == 0:
+            return 0
+        freed_s.append(node.swa[drop])
+        node.swa = node.swa.copy()
+        node.swa[drop] = NO_PAGE
+        node.swa_valid -= count
+        self.swa_pages_cached -= count
+        if self.listeners:
+            self._emit("swa_remove", node)
+        return count
 
     def anchored(self, node: TreeNode) -> np.ndarray:
         """bool per page of ``node``: its SWA ends a likely hit (anchor count > 0).  O(pages)."""

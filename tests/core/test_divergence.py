@@ -244,3 +244,27 @@ def test_a_predicted_window_is_an_anchor_inside_the_leaf():
     t.evict(full_pages=7)
     assert t.num_nodes == 0 and t.full_pages_cached == 0
     t.check_invariants()
+
+
+def test_predicted_windows_give_way_before_other_sequences_tails():
+    """Where the SWA pool is short on its own (an engine that sizes SWA apart from
+    full KV, for one window per cached sequence), freeing SWA takes the predicted
+    windows before any sequence's tail: a predicted window kept over another
+    sequence's tail cost that sequence its next hit (the least recently used
+    node's windows used to go together, tail included)."""
+    t = _predicting_tree(3)
+    a, b = list(range(10)), list(range(100, 110))
+    t.insert(a, list(range(10)), list(range(100, 110)))
+    t.insert(b, list(range(10, 20)), list(range(110, 120)))
+    t.check_invariants()
+    # 12 pages of plain SWA (0-4 and 7 of each), then 4 more: two predicted windows' worth
+    assert t.evict(swa_pages=16) == (0, 16)
+    t.check_invariants()
+    for seq in (a, b):
+        leaf = t.match(seq + [999]).node
+        assert leaf is not None and leaf.points is None  # the predicted windows went
+        assert t.match(seq + [999]).length == 10, seq  # both tails stayed: both hit whole
+    assert list(leaf.swa >= 0) == [False] * 8 + [True, True]
+    assert t.evict(swa_pages=2) == (0, 2)  # then a tail, the least recently used one's
+    assert t.match(a + [999]).length == 0 and t.match(b + [999]).length == 10
+    t.check_invariants()
