@@ -10,7 +10,7 @@ sizes picked from the workload (``roomy`` ~ the replays' 594 GB regime, ``tight`
 * ``unified_default``  ``UnifiedRadixCache`` (FULL + SWA) at ``--swa-full-tokens-ratio`` 0.8;
 * ``unified_best``     the same at the swept ratio with the most hit tokens.
 
-    benchmarks/peers/in_engine.sh --json [--trace T] [--limit N]
+    benchmarks/peers/in_engine.sh --json [--trace T] [--limit N] [--systems hybridkv]
 
 ``--json`` prints one object ``{"sglang": [{"kv_bytes", "system", "swa_ratio",
 "hit_tokens", "input_tokens"}, ...]}`` on stdout; progress and every swept ratio
@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode tokens no later turn quotes (as when reasoning is stripped from the history) "
                          "instead of the answer the next turn quotes")
     ap.add_argument("--details", type=Path, help="write every run (pool sizes, sweep, timings) here as JSON")
+    ap.add_argument("--systems", default=",".join(em.SYSTEMS),
+                    help="comma-separated subset of hybridkv,unified (unified: the ratio sweep with its default "
+                         "and best rows; default both)")
     args = ap.parse_args(argv)
     if args.limit < 1:
         ap.error("--limit must be >= 1")
@@ -56,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [float(x) for x in args.ratios.split(",") if x]
     if any(not 0 < r <= 1 for r in ratios):
         ap.error("--ratios: SGLang accepts --swa-full-tokens-ratio in (0, 1]")
+    systems = tuple(x for x in args.systems.split(",") if x)
+    if not systems or any(x not in em.SYSTEMS for x in systems):
+        ap.error(f"--systems: a comma-separated subset of {','.join(em.SYSTEMS)}, got {args.systems!r}")
 
     def log(msg: str) -> None:
         print(f"[in-engine] {msg}", file=sys.stderr, flush=True)
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             f"input {s['input_tokens']})")
     try:
         rows = em.equal_memory(prompts, sizes, ratios=ratios, quoted_answers=not args.unquoted_answers,
-                               progress=log)
+                               progress=log, systems=systems)
     except ValueError as exc:  # a sample so small that its sizes cannot hold the running requests
         log(f"error: {exc} (the sizes scale with the sample: use a larger --limit)")
         return 2
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in main_rows if r.system == "hybridkv" and r.rejected]
     if args.details:
         args.details.write_text(json.dumps({"trace": str(args.trace), "limit": args.limit, "sizes": sizes,
-                                            "quoted_answers": not args.unquoted_answers,
+                                            "quoted_answers": not args.unquoted_answers, "systems": list(systems),
                                             "runs": [vars(r) for r in rows]}, indent=1))
     log(f"done in {time.perf_counter() - start:.0f} s")
     if args.json:

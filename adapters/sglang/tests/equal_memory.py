@@ -41,6 +41,7 @@ SWA_BYTES_PER_TOKEN = 307_200    # 60 SWA layers, same heads
 WINDOW = 128
 DEFAULT_RATIO = 0.8              # SGLang's --swa-full-tokens-ratio default
 RATIOS = (0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)  # SGLang accepts (0, 1]
+SYSTEMS = ("hybridkv", "unified")  # unified: the ratio sweep, unified_default and unified_best
 ROOMY_BOUND_SHARE = 0.83         # 31.8% / 38.3%: full-KV LRU vs prefix bound at 594 GB
 TIGHT_FRACTION = 0.1             # 59 GB / 594 GB
 CHUNK = 2048
@@ -206,10 +207,15 @@ def run_one(system: str, prompts: Sequence[np.ndarray], full: int, swa: int, *,
 
 def equal_memory(prompts: Sequence[np.ndarray], sizes: dict[str, dict], *, ratios: Sequence[float] = RATIOS,
                  sanity_every: int = 0, chunk: int = CHUNK, max_live: int = MAX_LIVE,
-                 quoted_answers: bool = True, progress: Callable[[str], None] | None = None) -> list[Row]:
+                 quoted_answers: bool = True, progress: Callable[[str], None] | None = None,
+                 systems: Sequence[str] = SYSTEMS) -> list[Row]:
     """hybridkv, unified_default and unified_best at every size (and, with
-    ``progress``, a line per run).  A ratio whose pools reject a request (SWA too
-    small for the running requests) is not eligible as ``unified_best``."""
+    ``progress``, a line per run); ``systems`` a subset of :data:`SYSTEMS`
+    (``"unified"``: the sweep and both of its rows).  A ratio whose pools reject a
+    request (SWA too small for the running requests) is not eligible as
+    ``unified_best``.  Raises ValueError naming ``systems`` for an unknown name."""
+    if isinstance(systems, str) or not systems or any(x not in SYSTEMS for x in systems):
+        raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}, got {systems!r}")
     rows: list[Row] = []
 
     def record(size, kv_bytes, system, ratio, full, swa) -> Row:
@@ -227,9 +233,12 @@ def equal_memory(prompts: Sequence[np.ndarray], sizes: dict[str, dict], *, ratio
 
     for size, info in sizes.items():
         kv_bytes = info["kv_bytes"]
-        split = hybridkv_split(kv_bytes, prompts, chunk, max_live)
-        rows.append(record(size, kv_bytes, "hybridkv", split.swa_full_tokens_ratio, split.full_tokens,
-                           split.swa_tokens))
+        if "hybridkv" in systems:
+            split = hybridkv_split(kv_bytes, prompts, chunk, max_live)
+            rows.append(record(size, kv_bytes, "hybridkv", split.swa_full_tokens_ratio, split.full_tokens,
+                               split.swa_tokens))
+        if "unified" not in systems:
+            continue
         sweep = []
         for r in sorted(set(ratios) | {DEFAULT_RATIO}):
             full, swa = pools_at_ratio(kv_bytes, FULL_BYTES_PER_TOKEN, SWA_BYTES_PER_TOKEN, r)

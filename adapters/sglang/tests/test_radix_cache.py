@@ -198,3 +198,33 @@ def test_match_rejects_bigram_keys():
     with pytest.raises(ValueError, match="bigram"):
         cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", [1, 2, 3]), is_bigram=True)))
     assert isinstance(cache.path_device_indices(cache.root_node), torch.Tensor)
+
+
+def test_predicted_windows_do_not_take_the_tails_of_a_swa_pool_sized_for_tails():
+    """SGLang sizes the SWA pool apart from full KV (``--swa-full-tokens-ratio``;
+    ``hybridkv_sglang.split`` plans one window per cached sequence).  With the
+    learned divergence model keeping a window before each new prompt's end, that
+    window's SWA must give way before other conversations' tails: every next turn
+    (the previous prompt, its output, a new message) hits its whole previous turn.
+    When the least recently used node's windows went together, the predicted
+    windows pushed the first conversations' tails out and their next turns hit
+    nothing."""
+    rng = np.random.default_rng(7)
+    n, length, d = 6, 1000, 300
+    prompts = [rng.integers(10, 30000, length).astype(np.int64) for _ in range(n)]
+    outputs = [rng.integers(10, 30000, 1).astype(np.int64) for _ in range(n)]
+    # full KV for everything; SWA for one request's prompt (one chunk) and window plus
+    # the n tails, not for the n predicted windows besides
+    cache, pools = _cache(full=30000, swa=length + 2 * W + n * (W + 2) + 64)
+    tree = cache.tree
+    tree.policy.pretail_pages = d  # the decision the model takes on re-asked documents, frozen
+    tree.divergence.observe = lambda dist, gain: False
+    driver = Driver(cache, pools, W, chunk=1024, max_live=1)
+    driver.run([(prompts[0], outputs[0], None)])
+    assert [node.points for node in tree.iter_nodes() if node.points] == [[length - d]]  # the window is kept
+    driver.run([(p, o, None) for p, o in zip(prompts[1:], outputs[1:])])
+    cache.sanity_check()
+    turns = [np.concatenate([p, o, rng.integers(10, 30000, 40)]) for p, o in zip(prompts, outputs)]
+    stats = driver.run([(t, 1, None) for t in turns])
+    cache.sanity_check()
+    assert stats.hits[-n:] == [length + 1] * n, stats.hits[-n:]
