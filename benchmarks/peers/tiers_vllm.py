@@ -62,28 +62,60 @@ import numpy as np  # noqa: E402
 
 from common import GB  # noqa: E402
 
-SYSTEMS = ("vllm-cpu", "hybridkv-l1", "hybridkv-l2", "hybridkv-l2-l3")
+SYSTEMS = ("vllm-cpu", "vllm-cpu-fs", "hybridkv-l1", "hybridkv-l2", "hybridkv-l2-l3")
 SAMPLED_TOKEN = 1  # the one output token of every request (its KV is never stored: prompt-only)
-MAX_IDLE_STEPS = 64  # bound on the steps an idle engine takes to drain its connector
+MAX_IDLE_S = 120.0  # bound on the time an engine may schedule nothing before the driver gives up
+IDLE_SLEEP_S = 0.0005  # between steps that schedule nothing (secondary-tier threads at work)
 
 
 # ------------------------------------------------------------------ the model stand-in
-def layer_specs(meta: dict[str, Any]) -> dict[str, Any]:
+def layer_specs(meta: dict[str, Any], scaled: bool = False) -> dict[str, Any]:
     """vLLM layer specs of the preset in ``meta`` (full and SWA layers
     interleaved as a real model's are; heads chosen so one token of one layer
-    costs the preset's bytes, see ``drive_vllm._layer_spec``)."""
+    costs the preset's bytes, see ``drive_vllm._layer_spec``).  ``scaled``:
+    the same layers with one head of size 1 (a page of a few hundred bytes),
+    for runs whose offload tier moves real bytes (see :func:`scaled_budgets`)."""
+    import torch
     from drive_vllm import _layer_spec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     nf, ns = int(meta["full_layers"]), int(meta["swa_layers"])
     if nf < 1 or ns < 0:
         raise ValueError(f"meta needs full_layers >= 1 and swa_layers >= 0, got {nf}, {ns}")
     f_bpt, s_bpt = meta["full_bpt"] // nf, (meta["swa_bpt"] // ns if ns else 0)
+    page, window = int(meta["page_size"]), int(meta["window"])
     specs: dict[str, Any] = {}
     for i in range(nf + ns):
         full = i * nf // (nf + ns) != (i + 1) * nf // (nf + ns)
-        specs[f"model.layers.{i}.self_attn.attn"] = _layer_spec(
-            "full" if full else "swa", f_bpt if full else s_bpt, meta["page_size"], meta["window"])
+        if not scaled:
+            spec = _layer_spec("full" if full else "swa", f_bpt if full else s_bpt, page, window)
+        elif full:
+            spec = FullAttentionSpec(block_size=page, num_kv_heads=1, head_size=1, dtype=torch.bfloat16)
+        else:
+            spec = SlidingWindowSpec(block_size=page, num_kv_heads=1, head_size=1, dtype=torch.bfloat16,
+                                     sliding_window=window)
+        specs[f"model.layers.{i}.self_attn.attn"] = spec
     return specs
+
+
+def scaled_budgets(vc: Any, meta: dict[str, Any], device_bytes: int, host_bytes: int) -> tuple[int, int]:
+    """Device and host bytes that give the scaled layer specs exactly the
+    device blocks and host chunks the real specs get from ``device_bytes``
+    and ``host_bytes`` (block sizes from vLLM's own KV-cache config; a host
+    chunk is one block rounded up to the host page, as ``CPUOffloadingSpec``
+    sizes it)."""
+    import mmap
+
+    real = kv_cache_config(vc, layer_specs(meta), device_bytes)
+    small = kv_cache_config(vc, layer_specs(meta, scaled=True), device_bytes)
+    real_block = real.kv_cache_tensors[0].size // real.num_blocks
+    small_block = small.kv_cache_tensors[0].size // small.num_blocks
+    chunks = host_bytes // _round_up(real_block, mmap.PAGESIZE)
+    return real.num_blocks * small_block, chunks * _round_up(small_block, mmap.PAGESIZE)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
 
 
 def _model_dir(root: Path, max_len: int) -> Path:
@@ -100,13 +132,15 @@ def _model_dir(root: Path, max_len: int) -> Path:
 
 
 def vllm_config(model_dir: Path, max_len: int, chunk: int, host_bytes: int,
-                retention: int | None) -> Any:
+                retention: int | None, fs_dir: Path | None = None) -> Any:
     """The ``VllmConfig`` a server gets from ``--max-model-len max_len
     --max-num-batched-tokens chunk --enable-prefix-caching
     --prefix-cache-retention-interval retention --kv-transfer-config
     '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
     "kv_connector_extra_config": {"cpu_bytes_to_use": host_bytes}}'``
-    (synchronous scheduling: one batch in flight, as this driver steps)."""
+    (synchronous scheduling: one batch in flight, as this driver steps).
+    ``fs_dir``: vLLM's tiering instead, ``"spec_name": "TieringOffloadingSpec"``
+    with the CPU primary tier and one ``"fs"`` secondary tier in that folder."""
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     if host_bytes <= 0:
@@ -117,22 +151,23 @@ def vllm_config(model_dir: Path, max_len: int, chunk: int, host_bytes: int,
     sched = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=16, max_model_len=max_len,
                             is_encoder_decoder=False, enable_chunked_prefill=True,
                             async_scheduling=False)
+    extra: dict[str, Any] = {"cpu_bytes_to_use": int(host_bytes)}
+    if fs_dir is not None:
+        extra.update(spec_name="TieringOffloadingSpec", secondary_tiers=[{"type": "fs", "root_dir": str(fs_dir)}])
     kv = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                          kv_connector_extra_config={"cpu_bytes_to_use": int(host_bytes)})
+                          kv_connector_extra_config=extra)
     return VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
                       kv_transfer_config=kv)
 
 
-def build_scheduler(vc: Any, specs: dict[str, Any], device_bytes: int) -> Any:
-    """vLLM's ``Scheduler`` over ``device_bytes`` of KV cache, set up as
-    ``EngineCore._initialize_kv_caches`` and ``EngineCore.__init__`` do.
-    Mutates ``vc.cache_config`` (``num_gpu_blocks``, ``block_size``) as the
-    engine does."""
+def kv_cache_config(vc: Any, specs: dict[str, Any], device_bytes: int) -> Any:
+    """The scheduler's ``KVCacheConfig`` for ``specs`` in ``device_bytes``, as
+    ``EngineCore._initialize_kv_caches`` makes it (layout resolved, then
+    ``get_kv_cache_configs`` and ``generate_scheduler_kv_cache_config``).
+    Mutates ``vc.cache_config.kv_cache_layout`` (resolved once, as the engine does)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core import kv_cache_utils as ku
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
 
     # Workers report their attention backends' layouts; without a worker the
     # layout is the one the offloading connector requires of them.
@@ -141,7 +176,19 @@ def build_scheduler(vc: Any, specs: dict[str, Any], device_bytes: int) -> Any:
     configs = ku.get_kv_cache_configs(vc, [specs], [int(device_bytes)])
     for c in configs:
         c.kv_cache_layout = layout.name
-    cfg = ku.generate_scheduler_kv_cache_config(configs)
+    return ku.generate_scheduler_kv_cache_config(configs)
+
+
+def build_scheduler(vc: Any, specs: dict[str, Any], device_bytes: int) -> Any:
+    """vLLM's ``Scheduler`` over ``device_bytes`` of KV cache, set up as
+    ``EngineCore._initialize_kv_caches`` and ``EngineCore.__init__`` do.
+    Mutates ``vc.cache_config`` (``num_gpu_blocks``, ``block_size``) as the
+    engine does."""
+    from vllm.v1.core import kv_cache_utils as ku
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    cfg = kv_cache_config(vc, specs, device_bytes)
     vc.cache_config.num_gpu_blocks = cfg.num_blocks
     vc.cache_config.block_size = min(g.kv_cache_spec.block_size for g in cfg.kv_cache_groups)
     block, hash_block = ku.resolve_kv_cache_block_sizes(cfg, vc)
@@ -182,9 +229,14 @@ def fake_output(sched: Any, so: Any) -> Any:
 
 
 def run_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], device_bytes: int,
-             host_bytes: int, retention: int | None, chunk: int = 8192) -> dict[str, Any]:
+             host_bytes: int, retention: int | None, chunk: int = 8192, fs_tier: bool = False,
+             scaled: bool = False) -> dict[str, Any]:
     """Replay ``seqs`` (token ids, namespace) one request at a time through
-    vLLM's scheduler with the CPU offloading connector; per-tier hit tokens."""
+    vLLM's scheduler with the offloading connector (CPU spec, or with
+    ``fs_tier`` the tiering spec: CPU + a file-system tier); per-tier hit
+    tokens.  ``scaled`` (forced by ``fs_tier``, whose tiers hold real bytes):
+    layer specs of a few hundred bytes a page, budgets giving the same block
+    and chunk counts (:func:`scaled_budgets`)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -192,41 +244,57 @@ def run_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], device_bytes
 
     if device_bytes <= 0:
         raise ValueError(f"device_bytes must be positive, got {device_bytes}")
+    scaled = scaled or fs_tier
     t0 = time.perf_counter()
     max_len = max(len(t) for t, _ in seqs) + int(meta["page_size"]) + 1
     with tempfile.TemporaryDirectory(prefix="hkv-tiers-vllm-") as tmp:
-        vc = vllm_config(_model_dir(Path(tmp), max_len), max_len, chunk, host_bytes, retention)
-        sched = build_scheduler(vc, layer_specs(meta), device_bytes)
-    hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(sched.hash_block_size, hash_fn)
-    params = SamplingParams(max_tokens=1)
-    totals = {"device": 0, "host": 0, "other": 0, "input_tokens": 0, "steps": 0, "requests": 0}
-    for i, (ids, ns) in enumerate(seqs):
-        # a list only while the request lives (Python ints cost ~36 bytes a token)
-        req = Request(f"r{i}", np.asarray(ids).tolist(), params, None, block_hasher=hasher,
-                      cache_salt=None if ns == "default" else ns)
-        sched.add_request(req)
-        totals["steps"] += _drain(sched, totals)
-        totals["input_tokens"] += len(ids)
-        totals["requests"] += 1
+        fs_dir = Path(tmp) / "fs" if fs_tier else None
+        vc = vllm_config(_model_dir(Path(tmp), max_len), max_len, chunk, host_bytes, retention, fs_dir)
+        dev, host = device_bytes, host_bytes
+        if scaled:
+            dev, host = scaled_budgets(vc, meta, device_bytes, host_bytes)
+            vc.kv_transfer_config.kv_connector_extra_config["cpu_bytes_to_use"] = host
+        sched = build_scheduler(vc, layer_specs(meta, scaled), dev)
+        hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(sched.hash_block_size, hash_fn)
+        params = SamplingParams(max_tokens=1)
+        totals = {"device": 0, "host": 0, "other": 0, "input_tokens": 0, "steps": 0, "requests": 0}
+        try:
+            for i, (ids, ns) in enumerate(seqs):
+                # a list only while the request lives (Python ints cost ~36 bytes a token)
+                req = Request(f"r{i}", np.asarray(ids).tolist(), params, None, block_hasher=hasher,
+                              cache_salt=None if ns == "default" else ns)
+                sched.add_request(req)
+                totals["steps"] += _drain(sched, totals)
+                totals["input_tokens"] += len(ids)
+                totals["requests"] += 1
+        finally:
+            sched.shutdown()
     conn = sched.connector.connector_scheduler
-    out = _row("vllm-cpu", totals, device_bytes, host_bytes)
+    out = _row("vllm-cpu-fs" if fs_tier else "vllm-cpu", totals, device_bytes, host_bytes)
     out.update({"retention_interval": retention, "num_gpu_blocks": sched.kv_cache_config.num_blocks,
-                "kv_cache_groups": len(sched.kv_cache_config.kv_cache_groups),
-                "block_size": sched.block_size, "cpu_chunks": getattr(conn.manager, "_num_chunks", None),
-                "steps": totals["steps"], "wall_s": round(time.perf_counter() - t0, 1),
-                "version": _vllm_version()})
-    sched.shutdown()
+                "kv_cache_groups": len(sched.kv_cache_config.kv_cache_groups), "block_size": sched.block_size,
+                "cpu_chunks": _cpu_chunks(conn.manager), "scaled_bytes": scaled, "steps": totals["steps"],
+                "wall_s": round(time.perf_counter() - t0, 1), "version": _vllm_version(fs_tier)})
     return out
+
+
+def _cpu_chunks(manager: Any) -> int | None:
+    """Host chunks of the CPU (primary) tier of an offloading manager."""
+    primary = getattr(manager, "primary_tier", manager)
+    return getattr(primary, "_num_chunks", None)
 
 
 def _drain(sched: Any, totals: dict[str, int]) -> int:
     """Step the engine until it has nothing to do (the request finished and
     the connector's jobs are done), adding each step's scheduler statistics
-    to ``totals`` (mutated); returns the number of steps.  Raises if the
-    engine does not go idle (a request that cannot be scheduled)."""
-    steps = idle = 0
+    to ``totals`` (mutated); returns the number of steps.  A step that
+    schedules nothing (a lookup or promotion of a secondary tier still
+    running on its threads) is followed by a short sleep.  Raises if the
+    engine stays idle for ``MAX_IDLE_S`` (a request that cannot be scheduled)."""
+    steps = 0
+    idle_since: float | None = None
     while sched.has_requests():
         so = sched.schedule()
         outputs = sched.update_from_output(so, fake_output(sched, so))
@@ -234,10 +302,15 @@ def _drain(sched: Any, totals: dict[str, int]) -> int:
             if eco.scheduler_stats is not None:
                 _add_stats(totals, eco.scheduler_stats)
         steps += 1
-        idle = idle + 1 if so.total_num_scheduled_tokens == 0 else 0
-        if idle > MAX_IDLE_STEPS:
-            raise RuntimeError(f"vLLM's scheduler did not go idle after {steps} steps "
+        if so.total_num_scheduled_tokens:
+            idle_since = None
+            continue
+        now = time.monotonic()
+        idle_since = now if idle_since is None else idle_since
+        if now - idle_since > MAX_IDLE_S:
+            raise RuntimeError(f"vLLM's scheduler stayed idle for {MAX_IDLE_S} s after {steps} steps "
                                f"({len(sched.waiting)} waiting, {len(sched.running)} running)")
+        time.sleep(IDLE_SLEEP_S)
     return steps
 
 
@@ -254,10 +327,11 @@ def _add_stats(totals: dict[str, int], stats: Any) -> None:
     totals["other"] += int(conn.hits) - host
 
 
-def _vllm_version() -> str:
+def _vllm_version(fs_tier: bool) -> str:
     import vllm
 
-    return f"vllm {vllm.__version__} Scheduler + OffloadingConnector(CPUOffloadingSpec)"
+    spec = "TieringOffloadingSpec: CPU + fs" if fs_tier else "CPUOffloadingSpec"
+    return f"vllm {vllm.__version__} Scheduler + OffloadingConnector({spec})"
 
 
 def _row(system: str, totals: dict[str, int], device_bytes: int, host_bytes: int) -> dict[str, Any]:
@@ -359,8 +433,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--host-gb", default="594", help="comma-separated host bytes (vLLM cpu_bytes_to_use, "
                    "hybridkv L2), GB (1e9)")
     p.add_argument("--retention", default="0", help="comma-separated prefix_cache_retention_interval values "
-                   "for vLLM (0 = its default; 'none' = dense)")
+                   "for vLLM (0 = its default; 'none' = dense); vllm-cpu-fs runs at the first only")
     p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--scaled", action="store_true", help="vllm-cpu with scaled bytes too (a check: the "
+                   "same block and chunk counts must give the same hits; vllm-cpu-fs always runs scaled)")
     args = p.parse_args(argv)
     args.systems = [s for s in args.systems.split(",") if s]
     bad = [s for s in args.systems if s not in SYSTEMS]
@@ -383,7 +459,7 @@ def run_all(args: argparse.Namespace, traces: Path) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="hkv-tiers-vllm-") as tmp:
         for name, reqs in load_traces(traces, args.mooncake_limit, args.sessions, Path(tmp)):
-            seqs = materialize(reqs) if "vllm-cpu" in args.systems else []
+            seqs = materialize(reqs) if any(x.startswith("vllm") for x in args.systems) else []
             if "hybridkv-l1" in args.systems:
                 rows.append({"trace": name, **run_hybridkv(reqs, spec, l1, 0, "l1", Path(tmp))})
                 _progress(rows[-1])
@@ -393,10 +469,14 @@ def run_all(args: argparse.Namespace, traces: Path) -> dict[str, Any]:
                     if f"hybridkv-{tiers}" in args.systems:
                         rows.append({"trace": name, **run_hybridkv(reqs, spec, l1, host, tiers, Path(tmp))})
                         _progress(rows[-1])
-                if "vllm-cpu" in args.systems:
-                    for ret in args.retention:
-                        rows.append({"trace": name, **run_vllm(seqs, meta, l1, host, ret)})
-                        _progress(rows[-1])
+                for k, ret in enumerate(args.retention):
+                    for system in ("vllm-cpu", "vllm-cpu-fs"):
+                        # the tiering run (minutes: real file I/O) only at the first retention value
+                        if system in args.systems and (system == "vllm-cpu" or k == 0):
+                            row = run_vllm(seqs, meta, l1, host, ret, fs_tier=system == "vllm-cpu-fs",
+                                           scaled=args.scaled)
+                            rows.append({"trace": name, **row})
+                            _progress(rows[-1])
     return {"model": spec.name, "l1_gb": args.l1_gb, "host_gb": args.host_gb, "extension_rule": "on",
             "mooncake_limit": args.mooncake_limit, "sessions": args.sessions, "rows": rows}
 
