@@ -112,5 +112,6 @@ def test_replay_of_a_qwen_trace_reports_its_block_size(tmp_path, capsys):
     assert out["token_hit_rate"] == pytest.approx(out["prefix_bound_hit_rate"])
     assert main(["replay", str(p), "--hbm-gb", "500", "--json", "--no-progress", "--block-size", "512"]) == 2
     assert "does not fit the given block_size 512" in capsys.readouterr().err
-    assert main(["replay", str(p), "--block-size", "0", "--no-progress"]) == 2
-    assert "--block-size must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # a usage error, refused by the parser
+        main(["replay", str(p), "--block-size", "0", "--no-progress"])
+    assert exc.value.code == 2 and "--block-size must be >= 1" in capsys.readouterr().err
