@@ -3,9 +3,12 @@
 vLLM side: its real ``Scheduler`` (``vllm.v1.core.sched.scheduler``), built
 the way ``EngineCore`` builds it (``get_kv_cache_configs`` on the model's
 layer specs and the device budget, ``generate_scheduler_kv_cache_config``,
-``resolve_kv_cache_block_sizes``), with ``--kv-transfer-config``
-``OffloadingConnector`` and its ``CPUOffloadingSpec`` (``cpu_bytes_to_use`` =
-the host budget; one offload chunk = one vLLM block, ``blocks_per_chunk`` 1).
+``resolve_kv_cache_block_sizes``), with the ``OffloadingConnector`` of
+``--kv-transfer-config``: ``vllm-cpu`` its ``CPUOffloadingSpec``
+(``cpu_bytes_to_use`` = the host budget; one offload chunk = one vLLM block,
+``blocks_per_chunk`` 1), ``vllm-cpu-fs`` its ``TieringOffloadingSpec`` (the
+CPU tier plus one ``fs`` file-system tier; run with scaled bytes, see
+:func:`scaled_budgets`), ``vllm-l1`` no connector.
 No model and no worker: this driver stands in for the model runner.  Each
 step it samples one token for every request whose prefill the step completes
 (``max_tokens=1``: the request then finishes, as a prompt-only replay), and
@@ -21,10 +24,11 @@ time; the engine keeps stepping while ``Scheduler.has_requests()`` (so the
 stores of a finished request's last blocks are issued and completed before
 the next request arrives, as an idle engine does).
 
-Hit tokens per tier come from vLLM's own statistics (``log_stats=True``,
-``Scheduler.make_stats`` after each request): ``prefix_cache_stats.hits``
-(device, ``KVCacheManager``) and ``connector_prefix_cache_stats.hits`` with
-its ``hits_by_source`` (host, from the offloading connector).
+Hit tokens per tier come from vLLM's own statistics (``log_stats=True``, the
+``SchedulerStats`` each ``update_from_output`` returns):
+``prefix_cache_stats.hits`` (device, ``KVCacheManager``) and
+``connector_prefix_cache_stats.hits_by_source`` (``host``; any other source,
+e.g. ``disk`` from the fs tier, is the L3 column).
 
 hybridkv side: :func:`hybridkv.replay.replay` (system ``hybridkv``, the same
 requests and the same token materialisation, one request at a time, chunked
@@ -32,9 +36,9 @@ prefill 8192) with L1 = the device bytes and a ``TierConfig`` with L2 = the
 host bytes (and L3 a file backend without limit); per-tier hit tokens from
 its tier stats.
 
-    python tiers_vllm.py [--json] [--traces DIR] [--mooncake-limit 3000] [--sessions 8]
-                         [--l1-gb 59] [--host-gb 594] [--retention 0]
-                         [--systems vllm-cpu,hybridkv-l2,hybridkv-l2-l3]
+    python tiers_vllm.py [--json] [--traces DIR] [--mooncake-limit 3000] [--sessions 16]
+                         [--l1-gb 59] [--host-gb 594] [--retention 0,16384,none]
+                         [--systems vllm-l1,vllm-cpu,vllm-cpu-fs,hybridkv-l1,hybridkv-l2,hybridkv-l2-l3]
 
 Run it with the vLLM venv's python (``tiers_vllm.sh`` does).
 """
@@ -62,7 +66,7 @@ import numpy as np  # noqa: E402
 
 from common import GB  # noqa: E402
 
-SYSTEMS = ("vllm-cpu", "vllm-cpu-fs", "hybridkv-l1", "hybridkv-l2", "hybridkv-l2-l3")
+SYSTEMS = ("vllm-l1", "vllm-cpu", "vllm-cpu-fs", "hybridkv-l1", "hybridkv-l2", "hybridkv-l2-l3")
 SAMPLED_TOKEN = 1  # the one output token of every request (its KV is never stored: prompt-only)
 MAX_IDLE_S = 120.0  # bound on the time an engine may schedule nothing before the driver gives up
 IDLE_SLEEP_S = 0.0005  # between steps that schedule nothing (secondary-tier threads at work)
@@ -132,7 +136,7 @@ def _model_dir(root: Path, max_len: int) -> Path:
 
 
 def vllm_config(model_dir: Path, max_len: int, chunk: int, host_bytes: int,
-                retention: int | None, fs_dir: Path | None = None) -> Any:
+                retention: int | None, fs_dir: Path | None = None, connector: bool = True) -> Any:
     """The ``VllmConfig`` a server gets from ``--max-model-len max_len
     --max-num-batched-tokens chunk --enable-prefix-caching
     --prefix-cache-retention-interval retention --kv-transfer-config
@@ -140,7 +144,8 @@ def vllm_config(model_dir: Path, max_len: int, chunk: int, host_bytes: int,
     "kv_connector_extra_config": {"cpu_bytes_to_use": host_bytes}}'``
     (synchronous scheduling: one batch in flight, as this driver steps).
     ``fs_dir``: vLLM's tiering instead, ``"spec_name": "TieringOffloadingSpec"``
-    with the CPU primary tier and one ``"fs"`` secondary tier in that folder."""
+    with the CPU primary tier and one ``"fs"`` secondary tier in that folder;
+    ``connector=False``: no ``--kv-transfer-config`` (the device cache alone)."""
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     if host_bytes <= 0:
@@ -157,7 +162,7 @@ def vllm_config(model_dir: Path, max_len: int, chunk: int, host_bytes: int,
     kv = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                           kv_connector_extra_config=extra)
     return VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
-                      kv_transfer_config=kv)
+                      kv_transfer_config=kv if connector else None)
 
 
 def kv_cache_config(vc: Any, specs: dict[str, Any], device_bytes: int) -> Any:
@@ -230,13 +235,14 @@ def fake_output(sched: Any, so: Any) -> Any:
 
 def run_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], device_bytes: int,
              host_bytes: int, retention: int | None, chunk: int = 8192, fs_tier: bool = False,
-             scaled: bool = False) -> dict[str, Any]:
+             scaled: bool = False, connector: bool = True) -> dict[str, Any]:
     """Replay ``seqs`` (token ids, namespace) one request at a time through
     vLLM's scheduler with the offloading connector (CPU spec, or with
     ``fs_tier`` the tiering spec: CPU + a file-system tier); per-tier hit
     tokens.  ``scaled`` (forced by ``fs_tier``, whose tiers hold real bytes):
     layer specs of a few hundred bytes a page, budgets giving the same block
-    and chunk counts (:func:`scaled_budgets`)."""
+    and chunk counts (:func:`scaled_budgets`).  ``connector=False``: no
+    offloading connector (``host_bytes`` unused), vLLM's device cache alone."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -249,7 +255,8 @@ def run_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], device_bytes
     max_len = max(len(t) for t, _ in seqs) + int(meta["page_size"]) + 1
     with tempfile.TemporaryDirectory(prefix="hkv-tiers-vllm-") as tmp:
         fs_dir = Path(tmp) / "fs" if fs_tier else None
-        vc = vllm_config(_model_dir(Path(tmp), max_len), max_len, chunk, host_bytes, retention, fs_dir)
+        vc = vllm_config(_model_dir(Path(tmp), max_len), max_len, chunk, host_bytes, retention, fs_dir,
+                         connector)
         dev, host = device_bytes, host_bytes
         if scaled:
             dev, host = scaled_budgets(vc, meta, device_bytes, host_bytes)
@@ -271,17 +278,20 @@ def run_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], device_bytes
                 totals["requests"] += 1
         finally:
             sched.shutdown()
-    conn = sched.connector.connector_scheduler
-    out = _row("vllm-cpu-fs" if fs_tier else "vllm-cpu", totals, device_bytes, host_bytes)
+    name = "vllm-cpu-fs" if fs_tier else "vllm-cpu" if connector else "vllm-l1"
+    out = _row(name, totals, device_bytes, host_bytes if connector else 0)
     out.update({"retention_interval": retention, "num_gpu_blocks": sched.kv_cache_config.num_blocks,
                 "kv_cache_groups": len(sched.kv_cache_config.kv_cache_groups), "block_size": sched.block_size,
-                "cpu_chunks": _cpu_chunks(conn.manager), "scaled_bytes": scaled, "steps": totals["steps"],
-                "wall_s": round(time.perf_counter() - t0, 1), "version": _vllm_version(fs_tier)})
+                "cpu_chunks": _cpu_chunks(sched.connector), "scaled_bytes": scaled, "steps": totals["steps"],
+                "wall_s": round(time.perf_counter() - t0, 1), "version": _vllm_version(fs_tier, connector)})
     return out
 
 
-def _cpu_chunks(manager: Any) -> int | None:
-    """Host chunks of the CPU (primary) tier of an offloading manager."""
+def _cpu_chunks(connector: Any) -> int | None:
+    """Host chunks of the CPU (primary) tier of an offloading connector (None without one)."""
+    if connector is None:
+        return None
+    manager = connector.connector_scheduler.manager
     primary = getattr(manager, "primary_tier", manager)
     return getattr(primary, "_num_chunks", None)
 
@@ -327,9 +337,11 @@ def _add_stats(totals: dict[str, int], stats: Any) -> None:
     totals["other"] += int(conn.hits) - host
 
 
-def _vllm_version(fs_tier: bool) -> str:
+def _vllm_version(fs_tier: bool, connector: bool) -> str:
     import vllm
 
+    if not connector:
+        return f"vllm {vllm.__version__} Scheduler, no KV connector"
     spec = "TieringOffloadingSpec: CPU + fs" if fs_tier else "CPUOffloadingSpec"
     return f"vllm {vllm.__version__} Scheduler + OffloadingConnector({spec})"
 
@@ -427,7 +439,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--traces", default=None, help="folder with weka/ and the Mooncake conversation jsonl "
                    "(default: $HYBRIDKV_TRACES or shared/traces beside the checkout)")
     p.add_argument("--mooncake-limit", type=int, default=3000, help="conversation requests (default 3000; 0 = skip)")
-    p.add_argument("--sessions", type=int, default=8, help="kv-cache-tester sessions (default 8; 0 = skip)")
+    p.add_argument("--sessions", type=int, default=16, help="kv-cache-tester sessions (default 16; 0 = skip)")
     p.add_argument("--model", default="mimo-v2.5-pro")
     p.add_argument("--l1-gb", type=float, default=59.0, help="device KV bytes of both systems, GB (1e9)")
     p.add_argument("--host-gb", default="594", help="comma-separated host bytes (vLLM cpu_bytes_to_use, "
@@ -469,6 +481,10 @@ def run_all(args: argparse.Namespace, traces: Path) -> dict[str, Any]:
                     if f"hybridkv-{tiers}" in args.systems:
                         rows.append({"trace": name, **run_hybridkv(reqs, spec, l1, host, tiers, Path(tmp))})
                         _progress(rows[-1])
+                if "vllm-l1" in args.systems and host_gb == args.host_gb[0]:
+                    rows.append({"trace": name, **run_vllm(seqs, meta, l1, host, args.retention[0],
+                                                           connector=False)})
+                    _progress(rows[-1])
                 for k, ret in enumerate(args.retention):
                     for system in ("vllm-cpu", "vllm-cpu-fs"):
                         # the tiering run (minutes: real file I/O) only at the first retention value
