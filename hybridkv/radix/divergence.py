@@ -34,6 +34,12 @@ bytes:
   of requests (the sample's).  A cache under no pressure keeps it whenever
   it gains anything; a workload whose requests extend their prompts (chats,
   agents) has few events and rarely keeps one.
+* the windows never take SWA that tails, checkpoints or branch windows hold:
+  the tree frees them before any of those (``WindowSafeTree.evict``).  Where
+  the SWA pool is sized on its own for one window per cached sequence (an
+  engine's SWA:full ratio), only leaf ghosts measure the margin, and a
+  window that displaced another sequence's tail would cost that sequence's
+  next hit unseen.
 
 Nothing is fitted to a trace: the offset is chosen from the observed
 distances, and the test compares two measured hit counts.  (Comparing with

@@ -1051,7 +1051,10 @@ class WindowSafeTree:
         Order: SWA that ends no likely hit (no anchor covers it), LRU first;
         then leaves, chosen by :class:`~hybridkv.radix.policy.AdaptiveRanking`
         and *trimmed* back to their last hittable window when that frees
-        enough (else removed whole); then anchored SWA.  When SWA cannot be
+        enough (else removed whole); then the divergence model's predicted
+        windows, LRU first; then anchored SWA (tails, checkpoints, branch
+        windows).  When only SWA is short (a SWA pool sized on its own), the
+        predicted windows and then anchored SWA go before leaves.  When SWA cannot be
         evicted on its own (``swa_eviction="none"``/``"node"`` with pins),
         leaves are evicted for it.  Locked full KV and pinned SWA are never
         touched.  Returns the pages freed ``(full, swa)``.
