@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sglang-ratios", default=None)
     p.add_argument("--from", dest="sources", nargs="+", default=None, help="run.sh --json outputs to render")
     p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--note", default=None, help="a line put first in results.md (e.g. the command that made the inputs)")
     args = p.parse_args(argv)
     if args.sources:
         outs = [json.loads(Path(f).read_text()) for f in args.sources]
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     dest = Path(args.out)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "results.json").write_text(json.dumps(out, indent=1))
-    md = table(out) + "\n\n" + ratios(out) + "\n"
+    md = (args.note + "\n\n" if args.note else "") + table(out) + "\n\n" + ratios(out) + "\n"
     (dest / "results.md").write_text(md)
     plot(out, dest / "hit_rate_vs_budget.png")
     print(md)
