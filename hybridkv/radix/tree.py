@@ -1326,12 +1326,14 @@ class WindowSafeTree:
             t, _, node = heapq.heappop(heap)
             if node.key is None or not node.points or not self._fresh(heap, t, node):
                 continue
-            first = node.start // self.page_size
+            first, wp = node.start // self.page_size, self.policy.window_pages
+            above = False  # a window reaching above the node (cut by a split)
             for p in node.points:
                 self._anchor_window(node, -1, p - first)
+                above = above or p - first < wp
             node.points = None
-            if node.parent is not None and node.parent.key is not None:
-                self._enqueue(node.parent, leaf=False)  # a window reaching above the node
+            if above and node.parent is not None and node.parent.key is not None:
+                self._enqueue(node.parent, leaf=False)  # its SWA there is plain SWA now
             count = self._drop_swa(node, freed_s, anchored=False) if node.swa_valid else 0
             if node.swa_valid:
                 self._enqueue(node, leaf=False)
