@@ -39,7 +39,25 @@ def _argparse_message(message: str) -> str:
 
 
 def _spec(args: argparse.Namespace) -> ModelSpec:
+    """The model of ``--hf-config`` (a Hugging Face config.json) if given, else the ``--model`` preset."""
+    if getattr(args, "hf_config", None):
+        return _hf_spec(args.hf_config, args.page_size)
     return ModelSpec.preset(args.model, page_size=args.page_size)
+
+
+def _hf_spec(path: str, page_size: int) -> ModelSpec:
+    """``ModelSpec.from_hf_config`` of the JSON file at ``path``; ValueError naming the option."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"--hf-config {path}: cannot read it ({exc.strerror or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--hf-config {path}: not valid JSON (line {exc.lineno} column {exc.colno})") from None
+    try:
+        return ModelSpec.from_hf_config(config, page_size=page_size)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"--hf-config {path}: {exc}") from None
 
 
 def _budgets(text: str) -> list[float]:
@@ -91,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", default="mimo-v2.5-pro", choices=preset_names(),
                         help="model preset (default: mimo-v2.5-pro)")
         sp.add_argument("--page-size", type=_int_at_least(1), default=64, help="tokens per page (default 64)")
+        sp.add_argument("--hf-config", default=None, metavar="PATH",
+                        help="your model's Hugging Face config.json (layer kinds, per-layer windows, KV "
+                             "shapes); replaces --model")
         sp.add_argument("--json", action="store_true", help="print one JSON object")
 
     r = sub.add_parser("replay", help="replay a trace through hybridkv and baselines")
@@ -151,6 +172,10 @@ def _verify_parser(sub: Any) -> None:
     n.add_argument("--quick", action="store_const", dest="requests", const=_QUICK_REQUESTS,
                    help=f"a short check: --requests {_QUICK_REQUESTS} ({_QUICK_REQUESTS * 4 // 3} prompts)")
     v.add_argument("--seed", type=int, default=0, help="reference model weights and branch seed (default 0)")
+    v.add_argument("--hf-config", default=None, metavar="PATH",
+                   help="verify your model's layout: the layer kinds and KV groups of this Hugging Face "
+                        "config.json, windows scaled as the prompts are (the largest becomes 16 tokens, "
+                        "the others keep their ratio), tiny float64 heads; time grows with the layer count")
     v.add_argument("--json", action="store_true", help="print one JSON object")
     v.add_argument("--no-progress", action="store_true",
                    help="no progress bar (it is drawn only when stderr is a terminal)")
@@ -446,14 +471,18 @@ def _verify(args: argparse.Namespace) -> int:
     from .model.verify import TOLERANCE, run_verify
 
     progress = _progress(args, "verify")
+    spec = None
+    if args.hf_config:
+        from .model.reference import scaled_spec
+        spec = scaled_spec(_hf_spec(args.hf_config, 64))
     if getattr(args, "l2_gb", None) is not None or getattr(args, "l3", None):
         from .tiers.verify import run_tier_verify  # forced evict -> reload through L2/L3
         if args.l2_gb is None:
             raise ValueError("--l3 needs --l2-gb (L3 loads go through the L2 host tier)")
         out = run_tier_verify(args.trace, requests=args.requests, seed=args.seed, l2_gb=args.l2_gb,
-                              l3=args.l3, write_policy=args.write_policy, progress=progress)
+                              l3=args.l3, write_policy=args.write_policy, progress=progress, spec=spec)
     else:
-        out = run_verify(args.trace, requests=args.requests, seed=args.seed, progress=progress)
+        out = run_verify(args.trace, requests=args.requests, seed=args.seed, progress=progress, spec=spec)
     ok = out["mismatched_requests"] == 0
     if args.json:
         print(json.dumps(out, indent=1))
@@ -486,6 +515,8 @@ def _info(args: argparse.Namespace) -> int:
         "dual_pool_full_tokens_max": budget // f if f else 0,
         "max_concurrent_windows": budget // (w * s) if s else 0,
         "concurrent_sequences": {},
+        "kv_groups": [{"name": g.name, "window": g.window, "layers": len(g.layers),
+                       "bytes_per_token": g.bytes_per_token(spec.dtype_bytes)} for g in spec.groups],
     }
     for ctx in (8192, 32768, 131072):
         single = budget // (ctx * (f + s))
@@ -496,6 +527,7 @@ def _info(args: argparse.Namespace) -> int:
         return 0
     print(f"{spec.name}: {spec.num_layers} layers ({len(spec.full_layers)} full, {len(spec.swa_layers)} SWA), "
           f"W={w}, {spec.dtype}, page {spec.page_size}")
+    print("KV groups: " + ", ".join(f"{g['name']} ({g['layers']} layers)" for g in out["kv_groups"]))
     print(f"bytes per token: full layers {f:,}, SWA layers {s:,}, all {f + s:,}")
     print(f"a {w}-token SWA window costs {w * s / 1e6:.1f} MB = {w * s / f:.0f} tokens of full KV")
     print(f"budget {args.hbm_gb:g} GB: single pool {out['single_pool_tokens']:,} tokens; "

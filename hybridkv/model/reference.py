@@ -25,7 +25,7 @@ import torch
 from ..cache import HybridKVCache, Request, StepBatch
 from ..spec import AttnKind, KVShape, ModelSpec
 
-__all__ = ["ReferenceModel", "tiny_spec", "tiny_two_window_spec"]
+__all__ = ["ReferenceModel", "scaled_spec", "tiny_spec", "tiny_two_window_spec"]
 
 
 def tiny_spec(page_size: int = 4, window: int = 16) -> ModelSpec:
@@ -42,6 +42,25 @@ def tiny_two_window_spec(page_size: int = 4, windows: tuple[int, int] = (8, 16))
     small, large = windows
     per_layer = (0, small, large, 0, small, large)
     return ModelSpec("tiny-two-window", kinds, max(windows), full=KVShape(2, 8, 6), swa=KVShape(4, 8, 6),
+                     dtype="float64", page_size=page_size, layer_windows=per_layer)
+
+
+def scaled_spec(spec: ModelSpec, *, window: int = 16, page_size: int = 4) -> ModelSpec:
+    """``spec``'s layers and KV groups at :func:`tiny_spec`'s scale, for the reference model.
+
+    Layer kinds are kept; the largest sliding window becomes ``window`` tokens and
+    every other window keeps its ratio to it (at least one page), as the verify
+    prompts are scaled-down trace prompts; KV shapes become tiny float64 ones.
+    """
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"spec must be a ModelSpec, got {type(spec).__name__}")
+    tiny = tiny_spec(page_size=page_size, window=window)
+    per_layer: tuple[int, ...] = ()
+    if spec.layer_windows:
+        per_layer = tuple(0 if w is None else max(page_size, round(window * w / spec.window))
+                          for w in map(spec.layer_window, range(spec.num_layers)))
+    top = max(per_layer) if per_layer else window
+    return ModelSpec(f"{spec.name}-scaled", spec.layer_kinds, top, full=tiny.full, swa=tiny.swa,
                      dtype="float64", page_size=page_size, layer_windows=per_layer)
 
 

@@ -112,5 +112,7 @@ def run_verify(trace: str | None = None, *, requests: int = 60, seed: int = 0,
                           on_request=None if progress is None else lambda i: progress(i + 1, len(prompts)))
     cache.check_invariants()
     out["trace"] = str(trace or bundled_sample())
+    out["model"] = spec.name
+    out["kv_groups"] = [g.name for g in spec.groups]
     out["elapsed_s"] = time.perf_counter() - t0
     return out

@@ -24,6 +24,7 @@ from ..cache import CacheConfig
 from ..model.reference import ReferenceModel, tiny_spec
 from ..model.verify import scaled_prompts, verify_requests
 from ..traces import bundled_sample
+from ..spec import ModelSpec
 from .tiered import TierConfig, TieredCache
 
 __all__ = ["run_tier_verify", "flush_l2"]
@@ -39,13 +40,16 @@ def flush_l2(cache: TieredCache) -> int:
 
 def run_tier_verify(trace: str | None = None, *, requests: int = 60, seed: int = 0, l2_gb: float = 1.0,
                     l3: str | None = None, write_policy: str = "write_back", l1_flush_every: int = 3,
-                    l2_flush_every: int = 7, progress: Any = None) -> dict[str, Any]:
+                    l2_flush_every: int = 7, progress: Any = None, spec: ModelSpec | None = None) -> dict[str, Any]:
     """Run the verify workload through L1/L2/L3 with forced reloads; returns its JSON dict
-    (``progress(done, total)`` is called after each request)."""
+    (``progress(done, total)`` is called after each request; ``spec``: the float64
+    model, default :func:`~hybridkv.model.reference.tiny_spec`)."""
     if l2_gb <= 0:
         raise ValueError(f"l2_gb must be > 0, got {l2_gb}")
+    if spec is not None and not isinstance(spec, ModelSpec):
+        raise TypeError(f"spec must be a ModelSpec, got {type(spec).__name__}")
     t0 = time.perf_counter()
-    spec = tiny_spec()
+    spec = spec or tiny_spec()
     model = ReferenceModel(spec, seed=seed)
     prompts = scaled_prompts(trace, requests)
     fpb, spb = arena_page_bytes(spec, "full"), arena_page_bytes(spec, "swa")
@@ -86,5 +90,7 @@ def run_tier_verify(trace: str | None = None, *, requests: int = 60, seed: int =
     out["l3"] = l3
     out["write_policy"] = write_policy
     out["trace"] = str(trace or bundled_sample())
+    out["model"] = spec.name
+    out["kv_groups"] = [g.name for g in spec.groups]
     out["elapsed_s"] = time.perf_counter() - t0
     return out

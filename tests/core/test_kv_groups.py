@@ -106,3 +106,46 @@ def test_verify_on_a_two_window_model_has_no_mismatch() -> None:
     out = run_verify(requests=8, spec=tiny_two_window_spec())
     assert out["mismatched_requests"] == 0, out
     assert out["hit_tokens"] > 0 and out["evicted_swa_tokens"] > 0, out
+
+
+def _two_window_config(tmp_path) -> str:  # noqa: ANN001
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_hf(model_type="two-window", head_dim=16, layer_types=_SIX,
+                                   sliding_window=[None, 512, 1024, None, 512, 1024])))
+    return str(path)
+
+
+def test_scaled_spec_keeps_layer_kinds_and_window_ratios() -> None:
+    from hybridkv.model.reference import scaled_spec
+
+    spec = ModelSpec.from_hf_config(_hf(layer_types=_SIX, sliding_window=[None, 512, 1024, None, 512, 1024]))
+    tiny = scaled_spec(spec)
+    assert tiny.layer_kinds == spec.layer_kinds and tiny.dtype == "float64"
+    assert [g.name for g in tiny.groups] == ["full", "swa-8", "swa-16"]
+    assert scaled_spec(ModelSpec.preset("gpt-oss-120b")).groups[1].window == 16
+    with pytest.raises(TypeError, match="spec"):
+        scaled_spec({"num_hidden_layers": 2})
+
+
+def test_cli_verify_runs_the_users_config(tmp_path, capsys) -> None:  # noqa: ANN001
+    from hybridkv.cli import main
+
+    rc = main(["verify", "--quick", "--no-progress", "--hf-config", _two_window_config(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "kv_groups: ['full', 'swa-8', 'swa-16']" in out and "PASS" in out
+
+
+def test_cli_hf_config_errors_are_one_line_naming_the_option(tmp_path, capsys) -> None:  # noqa: ANN001
+    from hybridkv.cli import main
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for path in (str(tmp_path / "missing.json"), str(bad)):
+        assert main(["info", "--hf-config", path]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("hybridkv info: error: --hf-config ") and "\n" not in err, err
+    assert main(["info", "--json", "--hf-config", _two_window_config(tmp_path)]) == 0
+    assert '"swa-512"' in capsys.readouterr().out
