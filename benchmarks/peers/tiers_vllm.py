@@ -59,8 +59,6 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("PYTHONHASHSEED", "0")
 
 import numpy as np  # noqa: E402
 
@@ -535,4 +533,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # vLLM reads these when it is imported (lazily, below main): set for the script's run
+    # only, never on import (a test importing this module must not change what later
+    # processes it starts inherit)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PYTHONHASHSEED", "0")
     raise SystemExit(main())

@@ -5,6 +5,7 @@ Scheduler and OffloadingConnector) and in hybridkv's L2 alike."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +34,16 @@ def _trace(fillers: int) -> list[TraceRequest]:
     reqs += [req(1000 * (k + 1), 1.0 + k) for k in range(fillers)]
     reqs.append(req(1, 10.0))  # the first prompt again
     return reqs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_environment():  # noqa: ANN202
+    """The drivers set VLLM_LOGGING_LEVEL=WARNING for their own runs; later tests start
+    servers that inherit this process's environment (and must log at INFO): restore it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")
