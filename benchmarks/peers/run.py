@@ -209,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _sequences(args: argparse.Namespace, seq_dir: Path) -> dict[str, Any]:
     """The token sequences in ``seq_dir``, materialised unless already there for the same replay."""
     t0 = time.perf_counter()
-    want = {"source": str(Path(args.trace).resolve()) if args.trace else "default", "limit": args.limit,
+    want = {"source": args.trace or "default", "limit": args.limit,
             "max_sessions": args.max_sessions, "model": args.model, "page_size": args.page_size,
             "extension_rule": "off" if args.no_extension_rule else "on"}
     meta = json.loads((seq_dir / "meta.json").read_text()) if (seq_dir / "meta.json").exists() else {}
