@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -92,55 +92,61 @@ SGLANG_RATIO_DEFAULT = 0.8  # SGLang's --swa-full-tokens-ratio
 SGLANG_RATIO_SWEEP: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)
 
 
-def parse_retention(text: str, arg: str = "--vllm-retention") -> list[int | None]:
-    """``"0,4096,none"`` -> ``[0, 4096, None]``: vLLM retention intervals in
-    tokens (``none`` = dense retention).  Raises ValueError naming ``arg`` for
-    an empty list, a negative or non-integer value, or a repeated one."""
+def _parse_list(text: str, arg: str, parse_one: Callable[[str], Any], *, fold: bool = False) -> list[Any]:
+    """The comma-separated values of ``text`` (stripped, lower-cased if ``fold``), each
+    through ``parse_one`` (which raises ValueError with its own message); ValueError
+    naming ``arg`` for an empty list or a repeated value, TypeError if ``text`` is not
+    a string."""
     if not isinstance(text, str):
         raise TypeError(f"{arg} must be a string, got {type(text).__name__}")
-    out: list[int | None] = []
-    for item in (x.strip().lower() for x in text.split(",")):
+    out: list[Any] = []
+    for item in (x.strip() for x in text.split(",")):
+        item = item.lower() if fold else item
         if not item:
             continue
-        if item == "none":
-            value: int | None = None
-        else:
-            try:
-                value = int(item)
-            except ValueError:
-                raise ValueError(f"{arg}: {item!r} is neither an integer nor 'none'") from None
-            if value < 0:
-                raise ValueError(f"{arg}: {value} is negative")
+        value = parse_one(item)
         if value in out:
             raise ValueError(f"{arg}: {item!r} is given twice")
         out.append(value)
     if not out:
         raise ValueError(f"{arg}: no values in {text!r}")
     return out
+
+
+def parse_retention(text: str, arg: str = "--vllm-retention") -> list[int | None]:
+    """``"0,4096,none"`` -> ``[0, 4096, None]``: vLLM retention intervals in
+    tokens (``none`` = dense retention).  Raises ValueError naming ``arg`` for
+    an empty list, a negative or non-integer value, or a repeated one."""
+
+    def one(item: str) -> int | None:
+        if item == "none":
+            return None
+        try:
+            value = int(item)
+        except ValueError:
+            raise ValueError(f"{arg}: {item!r} is neither an integer nor 'none'") from None
+        if value < 0:
+            raise ValueError(f"{arg}: {value} is negative")
+        return value
+
+    return _parse_list(text, arg, one, fold=True)
 
 
 def parse_ratios(text: str, arg: str = "--sglang-ratios") -> list[float]:
     """``"0.1,0.8"`` -> ``[0.1, 0.8]``: SGLang ``swa_full_tokens_ratio`` values.
     Raises ValueError naming ``arg`` for an empty list, a value that is not a
     positive finite number, or a repeated one."""
-    if not isinstance(text, str):
-        raise TypeError(f"{arg} must be a string, got {type(text).__name__}")
-    out: list[float] = []
-    for item in (x.strip() for x in text.split(",")):
-        if not item:
-            continue
+
+    def one(item: str) -> float:
         try:
             value = float(item)
         except ValueError:
             raise ValueError(f"{arg}: {item!r} is not a number") from None
         if not (0.0 < value < float("inf")):
             raise ValueError(f"{arg}: {item!r} must be a positive finite number")
-        if value in out:
-            raise ValueError(f"{arg}: {item!r} is given twice")
-        out.append(value)
-    if not out:
-        raise ValueError(f"{arg}: no values in {text!r}")
-    return out
+        return value
+
+    return _parse_list(text, arg, one)
 
 
 def format_retention(values: Sequence[int | None]) -> str:

@@ -62,7 +62,7 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 
-from common import GB  # noqa: E402
+from common import GB, parse_retention  # noqa: E402
 
 SYSTEMS = ("vllm-l1", "vllm-cpu", "vllm-cpu-fs", "hybridkv-l1", "hybridkv-l2", "hybridkv-l2-l3")
 SAMPLED_TOKEN = 1  # the one output token of every request (its KV is never stored: prompt-only)
@@ -427,10 +427,6 @@ def preset_meta(spec: Any) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ CLI
-def _retention(text: str) -> int | None:
-    return None if text.strip().lower() == "none" else int(text)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -453,7 +449,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if bad:
         p.error(f"--systems: unknown {bad}; choose from {', '.join(SYSTEMS)}")
     args.host_gb = [float(x) for x in args.host_gb.split(",") if x.strip()]
-    args.retention = [_retention(x) for x in args.retention.split(",") if x.strip()]
+    try:
+        args.retention = parse_retention(args.retention, "--retention")
+    except ValueError as exc:
+        p.error(str(exc))
     if args.l1_gb <= 0 or not args.host_gb or min(args.host_gb) <= 0:
         p.error("--l1-gb and --host-gb need positive numbers")
     return args

@@ -20,7 +20,7 @@ from ..pools import arena_page_bytes
 from ..cache import CacheConfig, HybridKVCache
 from ..spec import ModelSpec
 from ..traces import TokenMaterializer, bundled_sample, load_trace
-from .reference import ReferenceModel, tiny_spec, tiny_two_window_spec  # noqa: F401 (re-exported for verify users)
+from .reference import ReferenceModel, tiny_spec
 
 __all__ = ["run_verify", "verify_requests", "scaled_prompts"]
 
