@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["as_int_array", "as_token_array"]
+__all__ = ["as_int_array", "as_token_array", "check_int"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -48,3 +48,14 @@ def as_int_array(values: object, name: str, min_value: int = -1) -> np.ndarray:
 def as_token_array(tokens: object, name: str = "tokens") -> np.ndarray:
     """``tokens`` as 1-D int32 numpy; token ids must be in ``[0, 2**31)``."""
     return as_int_array(tokens, name, min_value=0)
+
+
+def check_int(value: object, name: str, minimum: int | None = None) -> int:
+    """``value`` as a Python int: an int or numpy integer, not a bool (``True`` is an
+    int to Python, never a page count).  ``minimum``: the smallest value allowed.
+    Raises ``TypeError``/``ValueError`` naming ``name``."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)

@@ -15,7 +15,14 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["AttnKind", "KVGroupSpec", "KVShape", "ModelSpec", "PRESETS", "preset_names"]
+__all__ = ["AttnKind", "KVGroupSpec", "KVShape", "ModelSpec", "PRESETS", "preset_names", "window_pages"]
+
+
+def window_pages(window: int, page_size: int) -> int:
+    """Pages that can overlap a ``window``-token window ending on a page boundary:
+    ``ceil(window / page_size)``.  The one definition every layer uses."""
+    return -(-window // page_size)
+
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -97,7 +104,7 @@ class KVGroupSpec:
 
     def window_pages(self, page_size: int) -> int:
         """Pages that can overlap the window ending on a page boundary (0: full)."""
-        return -(-self.window // page_size) if self.window is not None else 0
+        return window_pages(self.window, page_size) if self.window is not None else 0
 
 
 def _canonical_dtype(dtype: str | torch.dtype) -> str:
@@ -224,7 +231,7 @@ class ModelSpec:
     @property
     def window_pages(self) -> int:
         """Pages that can overlap a W-token window ending on a page boundary."""
-        return -(-self.window // self.page_size)
+        return window_pages(self.window, self.page_size)
 
     def with_page_size(self, page_size: int) -> "ModelSpec":
         return dataclasses.replace(self, page_size=page_size)
