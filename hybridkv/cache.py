@@ -263,7 +263,7 @@ class HybridKVCache:
         """Peek: window-safe hit for ``tokens`` without locking or touching LRU."""
         tokens = as_token_array(tokens)
         self._check_namespace(namespace)
-        return self.tree._match(tokens, namespace, max(0, len(tokens) - 1), False, False)
+        return self.tree.match_tokens(tokens, namespace, max(0, len(tokens) - 1), False, False)
 
     def begin(self, tokens: object, namespace: str = "default", rid: Any = None) -> Request:
         """Start a request: match its prompt, lock the hit.
@@ -283,7 +283,7 @@ class HybridKVCache:
         tokens = buf[:n_tokens]
         t0 = time.perf_counter()
         # the hit's page ids are copied once, straight from the nodes into the request
-        safe, raw_pages, parts, node = tree._match_parts(tokens, namespace, len(tokens) - 1, True, True)
+        safe, raw_pages, parts, node = tree.match_parts(tokens, namespace, len(tokens) - 1, True, True)
         self.last_match_us = (time.perf_counter() - t0) * 1e6
         handle = tree.lock(node)
         # room for every page of the prompt (+ some decode) so prefill never regrows
@@ -369,11 +369,11 @@ class HybridKVCache:
         """Give ``req`` ``need`` more pages of each kind, evicting if needed; raises
         :class:`CacheFullError` with ``req`` unchanged.  ``waiting``: ids of other
         requests (rows of a step not served yet) whose spare SWA is not released."""
-        got = self.pool._alloc(need, need)
+        got = self.pool.take(need, need)
         if got is None:
             short = self.pool.shortfall(need, need)
             self.tree.evict(short[0], short[1], short[2])
-            got = self.pool._alloc(need, need)
+            got = self.pool.take(need, need)
         if got is None and self.config.retention == "adaptive":
             # SWA that live requests kept while memory was spare is the cheapest to give back
             for live in self._live.values():
@@ -386,12 +386,12 @@ class HybridKVCache:
             sb = self.pool.swa_page_bytes
             short = self.pool.shortfall(need, need)
             self.tree.evict(short[0], max(0, short[1] - own), max(0, short[2] - own * sb))
-            got = self.pool._alloc(need, need)
+            got = self.pool.take(need, need)
             if got is None and own:
                 short = self.pool.shortfall(need, need)
                 if short[0] == 0 and short[1] <= own and short[2] <= own * sb:
                     self._release(req, force=True)
-                    got = self.pool._alloc(need, need)
+                    got = self.pool.take(need, need)
         if got is None:
             self.counters["rejected"] += 1
             raise CacheFullError(f"cannot allocate {need} pages in both pools "
@@ -518,7 +518,7 @@ class HybridKVCache:
             start = req.handle.node
             if start is not None and (not start.alive or start.start + len(start.key) != req.tree_pages * P):
                 start = None  # cannot happen while locked; the root walk is always right
-            res = self.tree._insert(req._tok[:aligned * P], req.full_pages[:aligned], req.swa_pages[:aligned],
+            res = self.tree.insert_tokens(req._tok[:aligned * P], req.full_pages[:aligned], req.swa_pages[:aligned],
                                     req.namespace, start=start, owned=True,  # the request ends here
                                     mark=req.prompt_len // P)
             new_pages = res.new_pages
@@ -646,7 +646,7 @@ class HybridKVCache:
         together crosses at once), else row by row with eviction; a row that cannot
         get its pages is failed (``nums[i] = 0``) and its appended tokens taken back."""
         total = sum(need for _, _, need, _ in pending)
-        got = self.pool._alloc(total, total)
+        got = self.pool.take(total, total)
         o = 0
         # rows that failed already, and rows still waiting for pages (they may yet fail),
         # are left as they were: no other row's growth releases their spare SWA

@@ -41,17 +41,17 @@ class PageAllocator:
         # directly (numpy indexes with intp ~4x faster than with int32)
         self._free = np.empty(min(self.capacity, _INITIAL), dtype=np.intp)
         self._nfree = 0
-        self._used = 0
+        self.used = 0
         self._scratch = np.empty(0, dtype=np.int32)  # for the O(n) repeat check
 
     # ---------------------------------------------------------------- queries
     @property
     def num_used(self) -> int:
-        return self._used
+        return self.used
 
     @property
     def num_free(self) -> int:
-        return self.capacity - self._used
+        return self.capacity - self.used
 
     def is_allocated(self, pages: np.ndarray) -> np.ndarray:
         """Boolean mask: which of ``pages`` are currently allocated."""
@@ -74,10 +74,11 @@ class PageAllocator:
             raise ValueError(f"n must be >= 0, got {n}")
         if n > self.num_free:
             return None
-        return self._take(n)
+        return self.take(n)
 
-    def _take(self, n: int) -> np.ndarray:
-        """:meth:`alloc` for internal callers that checked ``n <= num_free``."""
+    def take(self, n: int) -> np.ndarray:
+        """:meth:`alloc` without checks, for owners that checked ``n <= num_free``
+        (the pools, per chunk of every request).  O(n)."""
         nfree = self._nfree
         if n <= nfree:  # all recycled (the steady state), newest freed first
             ids = self._free[nfree - n:nfree][::-1]
@@ -94,7 +95,7 @@ class PageAllocator:
             out[nfree:] = np.arange(self._high, self._high + fresh, dtype=np.int32)
             self._high += fresh
             self._allocated[out.astype(np.intp)] = True
-        self._used += n
+        self.used += n
         return out
 
     def free(self, pages: object) -> None:
@@ -114,12 +115,13 @@ class PageAllocator:
             raise ValueError(f"pages contain ids outside the allocated range of pool {self.name!r}")
         if not self._allocated[arr].all():
             raise ValueError(f"pages contain ids that are not allocated in pool {self.name!r} (double free?)")
-        if arr.size > 1 and self._has_repeats(arr):
+        if arr.size > 1 and self.has_repeats(arr):
             raise ValueError(f"pages contain repeated ids (pool {self.name!r})")
         self.free_trusted(arr)
 
-    def _has_repeats(self, arr: np.ndarray) -> bool:
-        """O(n) duplicate check: the last write of each id wins in a scratch array."""
+    def has_repeats(self, arr: np.ndarray) -> bool:
+        """Whether int32 ids ``arr`` (in range) repeat an id.  O(n): the last write of
+        each id wins in a scratch array."""
         if self._scratch.size < self._high:
             self._scratch = np.empty(self._allocated.size, dtype=np.int32)
         order = np.arange(arr.size, dtype=np.int32)
@@ -140,7 +142,7 @@ class PageAllocator:
         ids[:] = arr
         self._allocated[ids] = False  # the intp copy indexes the bitmap (see __init__)
         self._nfree = need
-        self._used -= arr.size
+        self.used -= arr.size
 
     def _grow_bitmap(self, high: int) -> None:
         if high > self._allocated.size:
@@ -152,9 +154,9 @@ class PageAllocator:
     def check_invariants(self) -> None:
         """Verify accounting; raises AssertionError on any inconsistency.  O(capacity touched)."""
         alloc = self._allocated[:self._high]
-        assert int(alloc.sum()) == self._used, (self.name, int(alloc.sum()), self._used)
+        assert int(alloc.sum()) == self.used, (self.name, int(alloc.sum()), self.used)
         free = self._free[:self._nfree]
         assert np.unique(free).size == free.size, f"{self.name}: free list has duplicates"
         assert not alloc[free].any(), f"{self.name}: a free page is marked allocated"
-        assert self._used + self._nfree == self._high, (self.name, self._used, self._nfree, self._high)
-        assert 0 <= self._used <= self.capacity
+        assert self.used + self._nfree == self._high, (self.name, self.used, self._nfree, self._high)
+        assert 0 <= self.used <= self.capacity

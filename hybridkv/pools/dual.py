@@ -139,8 +139,8 @@ class DualPool:
 
     def free_bytes(self) -> int:
         # used_bytes() inlined (the cache asks at every chunk): no property calls
-        return (self.budget_bytes - self.full._used * self.full_page_bytes
-                - self.swa._used * self.swa_page_bytes)
+        return (self.budget_bytes - self.full.used * self.full_page_bytes
+                - self.swa.used * self.swa_page_bytes)
 
     def shortfall(self, n_full: int, n_swa: int) -> tuple[int, int, int]:
         """What must be freed before ``alloc(n_full, n_swa)`` can succeed.
@@ -164,19 +164,20 @@ class DualPool:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
-        return self._alloc(n_full, n_swa)
+        return self.take(n_full, n_swa)
 
-    def _alloc(self, n_full: int, n_swa: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """:meth:`alloc` for internal callers (ints already checked).  O(n)."""
+    def take(self, n_full: int, n_swa: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`alloc` without argument checks (ints >= 0 already checked), for the
+        cache, which allocates per chunk of every request.  O(n)."""
         fa, sa = self.full, self.swa
-        used_f, used_s = fa._used, sa._used
+        used_f, used_s = fa.used, sa.used
         fb, sb = self.full_page_bytes, self.swa_page_bytes
         # can_alloc, inlined: this runs for every chunk of every request
         if (n_full > fa.capacity - used_f or n_swa > sa.capacity - used_s
                 or (n_full + used_f) * fb + (n_swa + used_s) * sb > self.budget_bytes):
             return None
-        full = fa._take(n_full)
-        swa = sa._take(n_swa)
+        full = fa.take(n_full)
+        swa = sa.take(n_swa)
         if self._arena is not None:
             self._arena.assign(AttnKind.FULL, full)
             self._arena.assign(AttnKind.SWA, swa)

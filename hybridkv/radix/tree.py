@@ -31,6 +31,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from .._validate import as_int_array, as_token_array
+from ..spec import AttnKind
 from .divergence import DivergenceModel
 from .node import NO_PAGE, TreeNode, window_safe_pages
 from .policy import AdaptiveRanking, RetentionPolicy
@@ -271,14 +272,23 @@ class WindowSafeTree:
         self.listeners: list[Callable[[TreeEvent], None]] = []
         self.listener_errors = 0  # listener exceptions caught (logged; the tree stays consistent)
         self._event_queue: list[TreeEvent] | None = None  # events held until an update completes
+        # Called with (kind, int32 page ids) just before the tree gives pages back to
+        # ``pool`` (an eviction, a duplicate of an insert): the pages still hold their
+        # KV, so a tier below can copy them first.  A hook must not call into the tree.
+        self.free_listeners: list[Callable[[AttnKind, np.ndarray], None]] = []
+        self._pool_free_full = getattr(pool, "free_full_trusted", None) or pool.free_full
+        self._pool_free_swa = getattr(pool, "free_swa_trusted", None) or pool.free_swa
 
     # Pages the tree frees are its own: a pool may offer unchecked frees for them.
-    # Looked up per call: an owner may swap ``pool`` after construction (tiers).
     def _free_full(self, pages: np.ndarray) -> None:
-        (getattr(self.pool, "free_full_trusted", None) or self.pool.free_full)(pages)
+        for hook in self.free_listeners:
+            hook(AttnKind.FULL, pages)
+        self._pool_free_full(pages)
 
     def _free_swa(self, pages: np.ndarray) -> None:
-        (getattr(self.pool, "free_swa_trusted", None) or self.pool.free_swa)(pages)
+        for hook in self.free_listeners:
+            hook(AttnKind.SWA, pages)
+        self._pool_free_swa(pages)
 
     def _emit(self, kind: str, node: TreeNode, lo: int = 0, hi: int | None = None) -> None:
         """Tell listeners about ``node``'s pages ``[lo, hi)`` (only built when someone listens).
@@ -345,7 +355,7 @@ class WindowSafeTree:
             return m // self.page_size
         return int(np.argmax(node_key[:m] != b)) // self.page_size
 
-    def _walk(self, key: np.ndarray, namespace: str, limit: int) -> tuple[TreeNode, list[tuple[TreeNode, int]]]:
+    def walk(self, key: np.ndarray, namespace: str, limit: int) -> tuple[TreeNode, list[tuple[TreeNode, int]]]:
         """Follow ``key[:limit]``; returns root and [(node, matched_pages)].  O(depth + L/P)."""
         root = self._roots.get(namespace)
         path: list[tuple[TreeNode, int]] = []
@@ -390,12 +400,12 @@ class WindowSafeTree:
         Runtime complexity: O(depth + L / page_size) plus numpy compares of the
         matched tokens.  Mutates only recency (and node boundaries if ``split``).
         """
-        return self._match(as_token_array(key, "key"), namespace, max_len, split, touch)
+        return self.match_tokens(as_token_array(key, "key"), namespace, max_len, split, touch)
 
-    def _match(self, key: np.ndarray, namespace: str, max_len: int | None, split: bool,
+    def match_tokens(self, key: np.ndarray, namespace: str, max_len: int | None, split: bool,
                touch: bool) -> MatchResult:
         """:meth:`match` on an already validated key."""
-        safe, raw_pages, parts, node = self._match_parts(key, namespace, max_len, split, touch)
+        safe, raw_pages, parts, node = self.match_parts(key, namespace, max_len, split, touch)
         # copies: the caller may write into them, the nodes' arrays are the tree's
         if len(parts) == 1:
             n, take = parts[0]
@@ -408,7 +418,7 @@ class WindowSafeTree:
         size = self.page_size
         return MatchResult(safe * size, raw_pages * size, full, swa, node)
 
-    def _match_parts(self, key: np.ndarray, namespace: str, max_len: int | None, split: bool,
+    def match_parts(self, key: np.ndarray, namespace: str, max_len: int | None, split: bool,
                      touch: bool) -> tuple[int, int, list[tuple[TreeNode, int]], TreeNode | None]:
         """:meth:`_match` without building the page arrays: ``(safe_pages, raw_pages,
         [(node, pages taken)], node)``; the hit's pages are ``node.full[:taken]`` of
@@ -418,7 +428,7 @@ class WindowSafeTree:
         size = self.page_size
         limit = len(key) if max_len is None else min(len(key), int(max_len))
         limit -= limit % size
-        _, path = self._walk(key, namespace, limit)
+        _, path = self.walk(key, namespace, limit)
         raw_pages = 0
         for _, k in path:
             raw_pages += k
@@ -772,7 +782,7 @@ class WindowSafeTree:
         if n:
             self._check_owned(full, "full_pages", "full")
             self._check_owned(swa[swa >= 0], "swa_pages", "swa")
-        return self._insert(key, full, swa, namespace, mark=mark)
+        return self.insert_tokens(key, full, swa, namespace, mark=mark)
 
     def _check_owned(self, pages: np.ndarray, name: str, kind: str) -> None:
         """The tree frees what it takes without checks, so a page it is handed must be
@@ -783,11 +793,11 @@ class WindowSafeTree:
             return
         if not alloc.is_allocated(pages).all():
             raise ValueError(f"{name} holds ids that are not allocated in the {kind} pool")
-        if pages.size > 1 and alloc._has_repeats(pages):
+        if pages.size > 1 and alloc.has_repeats(pages):
             raise ValueError(f"{name} holds repeated ids")
 
     @_events_after
-    def _insert(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray, namespace: str, *,
+    def insert_tokens(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray, namespace: str, *,
                 start: TreeNode | None = None, owned: bool = False, mark: int = -1) -> InsertResult:
         """:meth:`insert` for internal callers: no validation.
 
@@ -948,7 +958,7 @@ class WindowSafeTree:
             if pages.size <= _SCALAR_PINS:
                 self._pin_ids(pages.tolist(), -1)
             else:
-                self._pin(pages, -1)
+                self.pin_swa(pages, -1)
         window = self.policy.window_pages
         n: TreeNode = node
         while n.parent is not None:
@@ -963,6 +973,29 @@ class WindowSafeTree:
                 self._enqueue(n, leaf=leafish, swa=window > 0)
             window -= len(n.full)
             n = n.parent
+
+    def lock_path(self, node: TreeNode | None, swa_pages: np.ndarray) -> LockHandle:
+        """Lock the path to ``node`` (full KV) and pin ``swa_pages`` (int32 SWA ids
+        the caller relies on), without :meth:`lock`'s requirement that the window
+        ending at ``node`` is held: a tier loading the missing window into L1 holds
+        what it has while it allocates.  Undo with :meth:`unlock`.  O(depth + pages)."""
+        if node is None:
+            return LockHandle(None)
+        n: TreeNode | None = node
+        while n is not None and n.parent is not None:
+            if n.lock == 0:
+                self.protected_full_pages += n.n_pages
+            n.lock += 1
+            n = n.parent
+        pages = np.asarray(swa_pages, dtype=np.int32)
+        self.pin_swa(pages, +1)
+        return LockHandle(node, pages)
+
+    def heap_sizes(self) -> dict[str, int]:
+        """Entries of each eviction heap (stale ones included: heaps are cleaned
+        lazily, see :meth:`heap_limit`), for memory figures and soak tests."""
+        return {"leaf": len(self._leaf_heap), "reused": len(self._reused_heap), "swa": len(self._swa_heap),
+                "point": len(self._point_heap), "anchor": len(self._anchor_heap), "dead": len(self._dead)}
 
     def _window_ids(self, node: TreeNode) -> list[int]:
         """SWA page ids of the last ``window_pages`` pages ending at ``node``, as
@@ -1015,7 +1048,7 @@ class WindowSafeTree:
         grown[:self._pins.size] = self._pins
         self._pins = grown
 
-    def _pin(self, pages: np.ndarray, delta: int) -> None:
+    def pin_swa(self, pages: np.ndarray, delta: int) -> None:
         if pages.size == 0:
             return
         top = int(pages.max()) + 1

@@ -32,7 +32,7 @@ serialises access with its lock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -66,10 +66,23 @@ class HostTier:
         self._anchor: OrderedDict[bytes, int] = OrderedDict()    # tails / checkpoints (last)
         self._base: dict[bytes, bytes] = {}  # SWA key -> full-KV key of its page (for events)
         self.listeners: list[TierListener] = []
+        # Called with (kind, int32 page ids) just before pages go back to ``pool``: the
+        # owner encodes a page with a queued L3 write before its data is reused.
+        self.free_listeners: list[Callable[[AttnKind, np.ndarray], None]] = []
         self.counters = {"evicted_full_pages": 0, "evicted_swa_pages": 0, "stored_full_pages": 0,
                          "stored_swa_pages": 0}
 
     # ---------------------------------------------------------------- lookup
+    def _free_full(self, pages: np.ndarray) -> None:
+        for hook in self.free_listeners:
+            hook(AttnKind.FULL, pages)
+        self.pool.free_full(pages)
+
+    def _free_swa(self, pages: np.ndarray) -> None:
+        for hook in self.free_listeners:
+            hook(AttnKind.SWA, pages)
+        self.pool.free_swa(pages)
+
     def lookup_full(self, keys: Sequence[bytes], *, touch: bool = False) -> np.ndarray:
         """Host full page of each key, ``-1`` where absent: int64 ``[n]``.  O(n)."""
         get = self._full.get
@@ -141,7 +154,7 @@ class HostTier:
             return False
         page = table.pop(victim)
         if stage == "full":
-            self.pool.free_full(np.array([page], dtype=np.int32))
+            self._free_full(np.array([page], dtype=np.int32))
             self.counters["evicted_full_pages"] += 1
             if self.listeners:
                 emit(self.listeners, TierEvent("L2", "remove", (victim,)))
@@ -151,7 +164,7 @@ class HostTier:
         return True
 
     def _free_swa_entry(self, key: bytes, page: int) -> None:
-        self.pool.free_swa(np.array([page], dtype=np.int32))
+        self._free_swa(np.array([page], dtype=np.int32))
         self.counters["evicted_swa_pages"] += 1
         base = self._base.pop(key, None)
         if base is not None and self.listeners:
@@ -172,8 +185,8 @@ class HostTier:
     def clear(self) -> int:
         """Drop every page (as a host restart would); returns pages dropped.  O(pages)."""
         n = 0
-        for table, free in ((self._full, self.pool.free_full), (self._swa, self.pool.free_swa),
-                            (self._anchor, self.pool.free_swa)):
+        for table, free in ((self._full, self._free_full), (self._swa, self._free_swa),
+                            (self._anchor, self._free_swa)):
             pages = np.fromiter(table.values(), dtype=np.int32, count=len(table))
             if pages.size:
                 free(pages)
@@ -190,9 +203,9 @@ class HostTier:
     def free(self, full_pages: np.ndarray, swa_pages: np.ndarray) -> None:
         """Give back pages from :meth:`alloc` that were not inserted."""
         if len(full_pages):
-            self.pool.free_full(full_pages)
+            self._free_full(full_pages)
         if len(swa_pages):
-            self.pool.free_swa(swa_pages)
+            self._free_swa(swa_pages)
 
     # --------------------------------------------------------------- insert
     def insert_full(self, keys: Sequence[bytes], pages: np.ndarray) -> None:
@@ -211,7 +224,7 @@ class HostTier:
                 new.append(k)
                 self.counters["stored_full_pages"] += 1
         if dup:
-            self.pool.free_full(np.asarray(dup, dtype=np.int32))
+            self._free_full(np.asarray(dup, dtype=np.int32))
         if new and self.listeners:
             from .payload import swa_key  # only hashed when someone listens
             flags = tuple(self.lookup_swa([swa_key(k) for k in new]) >= 0)
@@ -239,7 +252,7 @@ class HostTier:
                 self._base[k] = b
                 new.append(b)
         if dup:
-            self.pool.free_swa(np.asarray(dup, dtype=np.int32))
+            self._free_swa(np.asarray(dup, dtype=np.int32))
         if new and self.listeners:
             emit(self.listeners, TierEvent("L2", "swa_store", tuple(new), (True,) * len(new)))
 

@@ -124,14 +124,14 @@ class TierManager:
             failed = False
             try:
                 if tracked and self.read_breaker.state == "open":
-                    self._count("l3_reads_skipped")  # queued before the breaker opened: skip
+                    self.count("l3_reads_skipped")  # queued before the breaker opened: skip
                     tracked = False
                     result = None
                 else:
                     result = fn()
             except Exception as exc:  # noqa: BLE001 - the backend contract says it cannot raise; be sure
                 failed = True
-                self._count("l3_errors")
+                self.count("l3_errors")
                 logger.warning("L3 %s failed (%s: %s); treated as a miss", getattr(fn, "__name__", "op"),
                                type(exc).__name__, exc)
                 result = None
@@ -150,10 +150,11 @@ class TierManager:
                 fut.set_result(result)
 
     def _read_failed(self) -> None:
-        self._count("l3_read_failures")
+        self.count("l3_read_failures")
         self.read_breaker.record_failure()
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name`` (thread safe; the owner counts what it skipped)."""
         with self._lock:
             self.counters[name] += n
 
@@ -181,7 +182,7 @@ class TierManager:
         ``l3_reads_skipped``) when closed, the breaker refuses (``gated``) or the
         read queue is full.  ``fn`` may call :meth:`backend_exists` / :meth:`backend_get`."""
         if self._closed or (gated and self.read_gate() is None):
-            self._count("l3_reads_skipped")
+            self.count("l3_reads_skipped")
             return None
         with self._lock:
             if self._queued_reads >= self.max_queued_reads:
@@ -204,7 +205,7 @@ class TierManager:
 
     def timed_out(self, waited_s: float) -> None:
         """A caller stopped waiting for a read after ``waited_s``: count it (and tell the breaker)."""
-        self._count("l3_timeouts")
+        self.count("l3_timeouts")
         self._read_failed()
         logger.warning("L3 read did not finish within %.3g s; treated as a miss", waited_s)
 
@@ -218,12 +219,12 @@ class TierManager:
         """``backend.get``, counted (for read jobs on the read worker)."""
         if not keys:
             return []
-        self._count("l3_reads")
-        self._count("l3_read_pages", len(keys))
+        self.count("l3_reads")
+        self.count("l3_read_pages", len(keys))
         res = self.backend.get(keys)
         if len(res) != len(keys):
             return [None] * len(keys)
-        self._count("l3_read_hits", sum(v is not None for v in res))
+        self.count("l3_read_hits", sum(v is not None for v in res))
         return list(res)
 
     def exists(self, keys: Sequence[bytes], timeout_s: float | None = None) -> list[bool]:
@@ -305,15 +306,15 @@ class TierManager:
                 if len(got) != n:
                     raise ValueError(f"encode returned {len(got)} values for {n} keys")
                 keep = [i for i, v in enumerate(got) if v is not None]
-                self._count("l3_write_pages_gone", n - len(keep))
+                self.count("l3_write_pages_gone", n - len(keep))
                 ks, vs = [keys[i] for i in keep], [got[i] for i in keep]
                 ev = [ev_keys[i] for i in keep] if ev_keys is not None else None
                 if not ks:
                     return
             ok = self.backend.put(ks, vs)
             good = sum(bool(x) for x in ok)
-            self._count("l3_write_pages_ok", good)
-            self._count("l3_write_failed", len(ks) - good)
+            self.count("l3_write_pages_ok", good)
+            self.count("l3_write_failed", len(ks) - good)
             if ev is not None:
                 self._announce([k for k, o in zip(ev, ok) if o], swa)
 
@@ -357,11 +358,11 @@ class TierManager:
             if t is None or now - t >= self.touch_interval_s:
                 due.append(k)
                 last[k] = now
-        self._count("l3_touches_skipped", len(keys) - len(due))
+        self.count("l3_touches_skipped", len(keys) - len(due))
         if len(last) > 1_000_000:  # bounded memory: forget old stamps (only rate limiting suffers)
             last.clear()
         if due:
-            self._count("l3_touches", len(due))
+            self.count("l3_touches", len(due))
             self._submit(lambda: self.backend.touch(due), wait=False)
         return len(due)
 

@@ -163,42 +163,6 @@ class _PendingWrite:
         self.values: list[Any] = [None] * len(keys)
 
 
-class _EncodeBeforeFree:
-    """L2's pool as :class:`HostTier` sees it: a page with a queued L3 write is
-    encoded before it is freed (so no queued write loses its data)."""
-
-    def __init__(self, owner: "TieredCache", pool: Any) -> None:
-        self._owner = owner
-        self._pool = pool
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pool, name)
-
-    def free_full(self, pages: np.ndarray) -> None:
-        self._owner._l2_freeing(AttnKind.FULL, pages)
-        self._pool.free_full(pages)
-
-    def free_swa(self, pages: np.ndarray) -> None:
-        self._owner._l2_freeing(AttnKind.SWA, pages)
-        self._pool.free_swa(pages)
-
-
-class _BackupPool:
-    """The L1 tree's view of the pool: backs pages up to L2 before freeing them."""
-
-    def __init__(self, owner: "TieredCache") -> None:
-        self._owner = owner
-        self._pool = owner.pool
-
-    def free_full(self, pages: np.ndarray) -> None:
-        self._owner._on_l1_free(AttnKind.FULL, np.asarray(pages))
-        self._pool.free_full(pages)
-
-    def free_swa(self, pages: np.ndarray) -> None:
-        self._owner._on_l1_free(AttnKind.SWA, np.asarray(pages))
-        self._pool.free_swa(pages)
-
-
 class TieredCache(HybridKVCache):
     """A :class:`HybridKVCache` whose hits also come from L2 (host) and L3 (storage).
 
@@ -246,10 +210,10 @@ class TieredCache(HybridKVCache):
         self._stream = (torch.cuda.Stream(device=self.pool.buffers.device)
                         if real and self.pool.buffers.device.type == "cuda" else None)
         self.tier_counters = dict.fromkeys(_COUNTERS, 0)
-        self.tree.pool = _BackupPool(self)
+        self.tree.free_listeners.append(self._on_l1_free)  # back L1 pages up to L2 before they go
         self._pending_l3: dict[tuple[AttnKind, int], tuple[_PendingWrite, int]] = {}  # L2 page -> queued write
         self._unwritten: dict[bytes, tuple[_PendingWrite, int]] = {}  # L3 key -> queued write not yet put
-        self.host.pool = _EncodeBeforeFree(self, self.host.pool)
+        self.host.free_listeners.append(self._l2_freeing)  # encode queued L3 writes before L2 reuses a page
 
     # ================================================================= keys
     def _page_keys(self, tokens: np.ndarray, namespace: str, n_pages: int,
@@ -329,7 +293,7 @@ class TieredCache(HybridKVCache):
     def _l1_path(self, tokens: np.ndarray, namespace: str, limit: int
                  ) -> tuple[np.ndarray, np.ndarray, TreeNode | None]:
         """Full and SWA page ids of the raw (not window-safe) L1 token match."""
-        _, path = self.tree._walk(tokens, namespace, limit)  # same package: the tree's own walk
+        _, path = self.tree.walk(tokens, namespace, limit)
         if not path:
             return _EMPTY, _EMPTY, None
         full = np.concatenate([nd.full[:k] for nd, k in path])
@@ -387,7 +351,7 @@ class TieredCache(HybridKVCache):
                 return PrefetchHandle(list(waits.values())), False
             gate = self.l3.read_gate()  # claims the breaker's probe slot when half-open
             if gate is None:
-                self.l3._count("l3_reads_skipped")
+                self.l3.count("l3_reads_skipped")
                 return PrefetchHandle(list(waits.values())), False
             mine = [k for k, o in zip(fkeys, new_f) if o] + [k for k, o in zip(skeys, new_s) if o]
             box: dict[str, Future] = {}
@@ -533,7 +497,7 @@ class TieredCache(HybridKVCache):
             return
         assert (origin[fi] >= 2).all() and (h_full[fi] >= 0).all() and (h_swa[si] >= 0).all()
         keep_l1_swa = l1_swa[lo:min(n1, L)]
-        handle = self._lock_path(deepest, keep_l1_swa[keep_l1_swa >= 0])
+        handle = self.tree.lock_path(deepest, keep_l1_swa[keep_l1_swa >= 0])
         self._protect = (set(h_full[fi].tolist()), set(h_swa[si].tolist()))
         try:
             got = self.pool.alloc(fi.size, si.size)
@@ -575,23 +539,6 @@ class TieredCache(HybridKVCache):
         finally:
             self._protect = (set(), set())
             self.tree.unlock(handle)
-
-    def _lock_path(self, node: TreeNode | None, swa_pages: np.ndarray) -> LockHandle:
-        """Lock the L1 path to ``node`` (full KV) and pin ``swa_pages`` while a load
-        allocates (eviction must not free what the load relies on).  Like
-        :meth:`WindowSafeTree.lock` without its window requirement."""
-        tree = self.tree
-        if node is None:
-            return LockHandle(None)
-        n: TreeNode | None = node
-        while n is not None and n.parent is not None:
-            if n.lock == 0:
-                tree.protected_full_pages += n.n_pages
-            n.lock += 1
-            n = n.parent
-        pages = np.asarray(swa_pages, dtype=np.int32)
-        tree._pin(pages, +1)
-        return LockHandle(node, pages)
 
     def _copy(self, kind: AttnKind, src: Any, src_pages: np.ndarray, dst: Any, dst_pages: np.ndarray) -> None:
         """Copy pages of ``kind`` between L1 (``self``) and L2 (``self.host``) buffers."""
@@ -837,6 +784,12 @@ class TieredCache(HybridKVCache):
             logger.warning("L1 -> L2 backup failed (%s: %s); pages dropped", type(exc).__name__, exc)
 
     # ============================================================== misc
+    def clear_l2(self) -> int:
+        """Drop every L2 page (as a host restart would), under the tiers' lock;
+        listeners hear the removals.  Returns pages dropped.  O(pages)."""
+        with self._mutex:
+            return self.host.clear()
+
     @property
     def key_fingerprint(self) -> str:
         """Fingerprint in this cache's L2/L3 page keys (a KV-event publisher of its

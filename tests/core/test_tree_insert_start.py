@@ -1,4 +1,4 @@
-"""``WindowSafeTree._insert(start=node)``: the internal insert from a held node."""
+"""``WindowSafeTree.insert_tokens(start=node)``: the internal insert from a held node."""
 
 import numpy as np
 
@@ -30,7 +30,7 @@ def test_insert_from_start_equals_insert_from_root():
         full = np.r_[m.full_pages, 30:34].astype(np.int32)
         swa = np.r_[m.swa_pages, 80:84].astype(np.int32)
         if use_start:
-            res = t._insert(ext, full, swa, "default", start=m.node)
+            res = t.insert_tokens(ext, full, swa, "default", start=m.node)
         else:
             res = t.insert(ext, full, swa)
         assert res.new_pages == 4 and res.node is not None and res.node.start == 12
@@ -54,7 +54,7 @@ def test_insert_from_start_after_split_of_start_and_below():
     key = np.concatenate([a, [40, 41, 42, 43]]).astype(np.int32)
     full = np.r_[m.full_pages, 90, 91, 92].astype(np.int32)
     swa = np.r_[m.swa_pages, 95, 96, 97].astype(np.int32)
-    res = t._insert(key, full, swa, "default", start=m.node)
+    res = t.insert_tokens(key, full, swa, "default", start=m.node)
     assert res.new_pages == 2
     assert pool.full == [90] and pool.swa == [95]  # duplicate of the cached page 3 only
     t.unlock(h)
@@ -66,9 +66,9 @@ def test_insert_from_root_start_is_root_walk():
     pool = RecordingPool()
     t = WindowSafeTree(TreeConfig(2, 4), pool)
     key = np.arange(6, dtype=np.int32)
-    res = t._insert(key, np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int32), "ns",
+    res = t.insert_tokens(key, np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int32), "ns",
                     start=t.root("ns"))
     assert res.new_pages == 3
-    res = t._insert(key, np.arange(5, 8, dtype=np.int32), np.full(3, -1, np.int32), "ns", start=None)
+    res = t.insert_tokens(key, np.arange(5, 8, dtype=np.int32), np.full(3, -1, np.int32), "ns", start=None)
     assert res.new_pages == 0 and pool.full == [5, 6, 7]
     t.check_invariants()
