@@ -263,7 +263,8 @@ def metadata_bytes_per_token(cache: HybridKVCache) -> float:
         return 0.0
     t = cache.tree
     per_node = (sys.getsizeof(next(iter(t.iter_nodes()), None)) + 3 * 112 + 232 + 3 * 80 + 100) if nodes else 0
-    heap = (len(t._leaf_heap) + len(t._reused_heap) + len(t._swa_heap) + len(t._anchor_heap)) * 72
+    sizes = t.heap_sizes()
+    heap = (sizes["leaf"] + sizes["reused"] + sizes["swa"] + sizes["anchor"]) * 72
     return (arrays + nodes * per_node + heap) / tokens
 
 
