@@ -11,6 +11,7 @@ import sys
 from typing import Any, Callable, NoReturn, Sequence
 
 from . import __version__
+from .defaults import CHUNK, SWA_CHECKPOINT
 from .spec import ModelSpec, preset_names
 
 __all__ = ["main"]
@@ -121,9 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     common(r)
     r.add_argument("--hbm-gb", type=_positive_float, default=594.0,
                    help="KV budget in GB (10^9 bytes) for the preset (default 594)")
-    r.add_argument("--swa-checkpoint", type=_int_at_least(0), default=16384,
+    r.add_argument("--swa-checkpoint", type=_int_at_least(0), default=SWA_CHECKPOINT,
                    help="K: SWA checkpoint interval (0 = off)")
-    r.add_argument("--chunk", type=_int_at_least(1), default=8192, help="prefill chunk size in tokens")
+    r.add_argument("--chunk", type=_int_at_least(1), default=CHUNK, help="prefill chunk size in tokens")
     r.add_argument("--limit", type=_int_at_least(1), default=None, help="replay only the first N requests")
     r.add_argument("--block-size", type=_int_at_least(1), default=None,
                    help="tokens per hash id of a jsonl trace (default: from the data; 512 for Mooncake, "

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from .cache import CacheConfig, CacheFullError, HybridKVCache
+from .defaults import CHUNK, SWA_CHECKPOINT
 from .references import PageLog, prefill_flops, simulate_reference
 from .spec import ModelSpec
 from .traces import PrefixBound, TokenMaterializer, TraceRequest
@@ -43,7 +44,7 @@ SYSTEMS = ("hybridkv", "naive", "tombstone")
 TOMBSTONE_SWA_RATIO = 0.8
 
 
-def system_config(system: str, spec: ModelSpec, budget_bytes: int, *, swa_checkpoint: int = 16384,
+def system_config(system: str, spec: ModelSpec, budget_bytes: int, *, swa_checkpoint: int = SWA_CHECKPOINT,
                   device: str | None = "meta", eviction_ranking: str = "value") -> CacheConfig:
     """The :class:`CacheConfig` of ``system`` at ``budget_bytes``."""
     if system == "hybridkv":
@@ -125,7 +126,7 @@ def run_request(cache: HybridKVCache, tokens: np.ndarray, namespace: str, chunk:
 
 
 def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int, *,
-           systems: Iterable[str] = SYSTEMS, swa_checkpoint: int = 16384, chunk: int = 8192,
+           systems: Iterable[str] = SYSTEMS, swa_checkpoint: int = SWA_CHECKPOINT, chunk: int = CHUNK,
            extension_rule: bool = True, progress: Callable[[int, int], None] | None = None,
            check_every: int = 0, tiers: Any = None, references: bool = True,
            eviction_ranking: str = "value") -> dict[str, Any]:

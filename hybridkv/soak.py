@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .cache import CacheConfig, HybridKVCache
+from .defaults import CHUNK, SWA_CHECKPOINT
 from .replay import ReplayStats, run_request
 from .spec import ModelSpec
 from .traces import TokenMaterializer, TraceRequest, default_shared_traces, load_trace
@@ -61,7 +62,7 @@ def index_sizes(cache: HybridKVCache, depth: int = 3) -> dict[str, int]:
 
 
 def soak(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int, *, passes: int = 5,
-         chunk: int = 8192, swa_checkpoint: int = 16384, progress: bool = False) -> list[dict[str, Any]]:
+         chunk: int = CHUNK, swa_checkpoint: int = SWA_CHECKPOINT, progress: bool = False) -> list[dict[str, Any]]:
     """Replay ``requests`` ``passes`` times through one cache; one record per pass."""
     cache = HybridKVCache(spec, CacheConfig(budget_bytes=budget_bytes, swa_checkpoint=swa_checkpoint))
     tracing = tracemalloc.is_tracing()

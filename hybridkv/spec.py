@@ -15,6 +15,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ._validate import check_int
+
 __all__ = ["AttnKind", "KVGroupSpec", "KVShape", "ModelSpec", "PRESETS", "preset_names", "window_pages"]
 
 
@@ -53,11 +55,7 @@ class KVShape:
 
     def __post_init__(self) -> None:
         for name in ("num_kv_heads", "k_head_dim", "v_head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            object.__setattr__(self, name, check_int(getattr(self, name), name, 1))
 
     def elems_per_token(self) -> int:
         """Number of K plus V elements one layer stores per token."""
@@ -157,11 +155,7 @@ class ModelSpec:
         if not kinds:
             raise ValueError("layer_kinds must name at least one layer")
         for name in ("window", "page_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            object.__setattr__(self, name, check_int(getattr(self, name), name, 1))
         if not isinstance(self.full, KVShape) or not isinstance(self.swa, KVShape):
             raise TypeError("full and swa must be KVShape instances")
         object.__setattr__(self, "layer_windows", _check_layer_windows(self.layer_windows, kinds, self.window))
@@ -313,8 +307,7 @@ def _check_layer_windows(windows: object, kinds: tuple[AttnKind, ...], window: i
         raise ValueError(f"layer_windows has {len(windows)} entries for {len(kinds)} layers")
     out = []
     for i, (w, k) in enumerate(zip(windows, kinds)):
-        if not isinstance(w, int) or isinstance(w, bool):
-            raise TypeError(f"layer_windows[{i}] must be an int, got {type(w).__name__}")
+        w = check_int(w, f"layer_windows[{i}]")
         if k is AttnKind.FULL:
             out.append(0)
         elif w < 1:

@@ -30,6 +30,8 @@ from typing import Iterator
 
 import numpy as np
 
+from ._validate import check_int
+
 log = logging.getLogger(__name__)
 
 __all__ = ["TraceRequest", "TokenMaterializer", "PrefixBound", "load_trace", "jsonl_block_size", "bundled_sample",
@@ -89,10 +91,8 @@ def load_trace(path: str | os.PathLike, *, limit: int | None = None,
     or a ValueError names the first record that does not.  kv-cache-tester
     sessions carry their own ``block_size``; giving one for them is a ValueError.
     """
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
-        raise TypeError(f"block_size must be an int or None, got {type(block_size).__name__}")
-    if block_size is not None and block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if block_size is not None:
+        block_size = check_int(block_size, "block_size", 1)
     p = Path(path)
     if not p.exists():
         raise ValueError(f"trace path {str(p)!r} does not exist")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._validate import as_int_array as as_page_array
+from .._validate import check_int
 
 __all__ = ["PageAllocator"]
 
@@ -29,12 +30,8 @@ class PageAllocator:
     """
 
     def __init__(self, capacity: int, name: str = "pool") -> None:
-        if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool):
-            raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = check_int(capacity, "capacity", 0)
         self.name = name
-        self.capacity = int(capacity)
         self._high = 0  # ids [0, _high) have been handed out at least once
         self._allocated = np.zeros(min(self.capacity, _INITIAL), dtype=bool)
         # recycled ids live in _free[:_nfree]; intp, so a slice of it indexes the bitmap
@@ -68,10 +65,7 @@ class PageAllocator:
     # -------------------------------------------------------------- mutation
     def alloc(self, n: int) -> np.ndarray | None:
         """Allocate ``n`` pages; returns int32 ids, or None (nothing changed) if short."""
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool):
-            raise TypeError(f"n must be an int, got {type(n).__name__}")
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
+        n = check_int(n, "n", 0)
         if n > self.num_free:
             return None
         return self.take(n)

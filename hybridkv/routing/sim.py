@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..cache import CacheFullError, HybridKVCache, Request
+from ..defaults import CHUNK, SWA_CHECKPOINT
 from ..replay import system_config
 from ..spec import ModelSpec
 from ..tiers.keys import model_fingerprint
@@ -60,8 +61,8 @@ class SimConfig:
     prefill_overhead_s: float = 0.02
     tpot_s: float = 0.02
     time_scale: float = 1.0
-    chunk: int = 8192
-    swa_checkpoint: int = 16384
+    chunk: int = CHUNK
+    swa_checkpoint: int = SWA_CHECKPOINT
     queue: str = "uncached"
     max_wait_s: float = 30.0
     balance: float = 1.0

@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from .._validate import check_int
 from ..pools import DualPool
 from ..spec import AttnKind, ModelSpec
 from .events import TierEvent, TierListener, emit
@@ -54,13 +55,12 @@ class HostTier:
     """
 
     def __init__(self, spec: ModelSpec, budget_bytes: int, *, device: str | None = "meta") -> None:
-        if not isinstance(budget_bytes, (int, np.integer)) or isinstance(budget_bytes, bool):
-            raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
+        budget_bytes = check_int(budget_bytes, "budget_bytes")
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
         self.spec = spec
         # one arena of real host memory (pinned where CUDA exists) or accounting only
-        self.pool = DualPool(spec, budget_bytes=int(budget_bytes), device=device, pin=True)
+        self.pool = DualPool(spec, budget_bytes=budget_bytes, device=device, pin=True)
         self._full: OrderedDict[bytes, int] = OrderedDict()
         self._swa: OrderedDict[bytes, int] = OrderedDict()       # plain SWA (evicted first)
         self._anchor: OrderedDict[bytes, int] = OrderedDict()    # tails / checkpoints (last)

@@ -31,6 +31,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .._validate import check_int
+
 PageIndex = Union[torch.Tensor, np.ndarray, Sequence[int]]
 MaskLike = Union[torch.Tensor, np.ndarray, Sequence[bool], None]
 
@@ -99,11 +101,8 @@ def check_backend(backend: str) -> str:
 
 
 def check_page_size(page_size: object) -> int:
-    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
-        raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    return int(page_size)
+    """``page_size`` as an int >= 1 (TypeError / ValueError otherwise).  O(1)."""
+    return check_int(page_size, "page_size", 1)
 
 
 def _check_inner_contiguous(t: torch.Tensor, name: str) -> None:

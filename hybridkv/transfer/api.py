@@ -22,6 +22,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from .._validate import check_int
 from . import _layout as L
 from .cuda_kernel import StreamLike, load_cuda_kernel, resolve_stream, run_cuda
 from .host_kernel import load_host_kernel
@@ -37,14 +38,9 @@ def _warn_once(key: str, msg: str, *args: object) -> None:
         log.warning(msg, *args)
 
 
-def _check_threads(num_threads: Optional[int]) -> None:
-    if num_threads is None:
-        return
-    if isinstance(num_threads, bool) or not isinstance(num_threads, int):
-        raise TypeError(
-            f"num_threads must be None or an int, got {type(num_threads).__name__}")
-    if num_threads < 1:
-        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+def _check_threads(num_threads: object) -> Optional[int]:
+    """``num_threads`` as None or an int >= 1 (TypeError / ValueError otherwise)."""
+    return None if num_threads is None else check_int(num_threads, "num_threads", 1)
 
 
 def _cuda_library_available() -> bool:
@@ -148,7 +144,7 @@ def copy_pages(
     L.check_unique(di, "dst_pages")
     m = L.as_mask(mask, si.numel())
     lb, le = L.check_layers(layers, sg.num_layers)
-    _check_threads(num_threads)
+    num_threads = _check_threads(num_threads)
     L.check_no_alias((src_k, src_v), (dst_k, dst_v), si, di)
     named = {"src_k": src_k, "src_v": src_v, "dst_k": dst_k, "dst_v": dst_v}
     chosen = _resolve(backend, named)
@@ -223,7 +219,7 @@ def pack_pages(
     limit = L.check_slots(g, ps, "k")
     idx = L.as_index(pages, "pages")
     L.check_range(idx, limit, "pages")
-    _check_threads(num_threads)
+    num_threads = _check_threads(num_threads)
     if out is None:
         L.check_backend(backend)
         out = torch.empty((idx.numel(), g.page_elems(ps)), dtype=g.dtype, device=g.device)
@@ -259,7 +255,7 @@ def unpack_pages(
     idx = L.as_index(pages, "pages")
     L.check_range(idx, limit, "pages")
     L.check_unique(idx, "pages")
-    _check_threads(num_threads)
+    num_threads = _check_threads(num_threads)
     L.check_staging(staging, g, ps, idx.numel(), "staging")
     named = {"staging": staging, "k": k, "v": v}
     chosen = _resolve(backend, named)

@@ -44,6 +44,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from hybridkv.defaults import SWA_CHECKPOINT
 from hybridkv.radix import LockHandle, TreeConfig, TreeNode, WindowSafeTree
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
@@ -89,7 +90,8 @@ class HybridKVRadixCache(BasePrefixCache):
             must be an ``SWATokenToKVPoolAllocator`` and ``sliding_window_size``
             set.  EAGLE bigram keys are not supported.
         swa_checkpoint: K, tokens between SWA retention checkpoints (0: off);
-            default ``$HYBRIDKV_SWA_CHECKPOINT`` or 16384.
+            default ``$HYBRIDKV_SWA_CHECKPOINT`` or
+            :data:`hybridkv.defaults.SWA_CHECKPOINT`.
         swa_eviction: ``"page"`` (hybridkv), ``"node"`` or ``"none"``
             (baselines); default ``$HYBRIDKV_SWA_EVICTION`` or ``"page"``.
 
@@ -115,7 +117,7 @@ class HybridKVRadixCache(BasePrefixCache):
         self.pool = SGLangPagePool(self.token_to_kv_pool_allocator)
         if self.pool.page_size != self.page_size:
             raise ValueError(f"allocator page size {self.pool.page_size} != params.page_size {self.page_size}")
-        checkpoint = _env_int("HYBRIDKV_SWA_CHECKPOINT", 16384) if swa_checkpoint is None else swa_checkpoint
+        checkpoint = _env_int("HYBRIDKV_SWA_CHECKPOINT", SWA_CHECKPOINT) if swa_checkpoint is None else swa_checkpoint
         eviction = os.environ.get("HYBRIDKV_SWA_EVICTION", "page") if swa_eviction is None else swa_eviction
         # The tree's window is what every reader of the SWA pool needs (a fused
         # draft may read further back than the model's own window).
