@@ -24,35 +24,33 @@ request's SWA view holds a page id only where the request may read it: the
 pinned window of its cached prefix and its own unreleased pages.
 
 Validation happens once, at the public methods; internal calls (``_reserve``,
-``_append``, the tree's ``_match``/``_insert``) trust their callers.
+``_append``, the tree's ``match_parts``/``insert_tokens``) trust their callers.
+Page growth and SWA release live in :mod:`hybridkv.allocation` (a mixin of the
+cache), the step's record and row arguments in :mod:`hybridkv.step`, the
+policy in :mod:`hybridkv.cache_config`.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
 from ._validate import as_token_array
+from .allocation import CacheFullError, RequestPages
+from .cache_config import CacheConfig, check_count
 from .pools import DualPool
 from .radix import LockHandle, MatchResult, TreeConfig, WindowSafeTree
 from .radix.node import NO_PAGE
-from .radix.tree import RANKINGS, SWA_EVICTIONS
 from .spec import ModelSpec
+from .step import StepBatch, build_batch, check_distinct, step_counts, step_tokens
 
 __all__ = ["CacheConfig", "CacheFullError", "HybridKVCache", "Request", "StepBatch"]
 
-_RETENTION = ("adaptive", "eager", "dense", "none")
 _rids = itertools.count()
-_EMPTY64 = np.zeros(0, dtype=np.int64)
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
-
-class CacheFullError(RuntimeError):
-    """Not enough free or evictable memory; the request's state is unchanged."""
 
 
 def _own_tokens(tokens: object) -> tuple[np.ndarray, int]:
@@ -69,75 +67,6 @@ def _own_tokens(tokens: object) -> tuple[np.ndarray, int]:
         as_token_array(tokens)  # raises the ValueError that names the argument
     return buf, n
 
-
-def _count(value: object, name: str, minimum: int = 1) -> int:
-    """An int argument (bools rejected) >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {what}, got {value}")
-    return int(value)
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """Cache policy and budget.
-
-    Attributes:
-        budget_bytes: shared byte budget of both pools (see :class:`DualPool`);
-            with a real device the KV arena is exactly this big (rounded down
-            to whole blocks).
-        full_pages / swa_pages: fixed pool capacities (instead of, or as caps
-            under, ``budget_bytes``).
-        device: device of the KV arena (``"meta"``: accounting only, ``"cpu"``,
-            ``"cuda[:N]"``).
-        swa_checkpoint: K tokens between SWA retention checkpoints (0 = off).
-        retention: what happens to SWA pages that fall out of a live request's
-            window: ``"adaptive"`` keeps them while the budget has spare room
-            (> ``spare_fraction``) and frees all but checkpoints otherwise;
-            ``"eager"`` always frees all but checkpoints; ``"dense"`` keeps
-            all (the tree evicts them first under pressure); ``"none"`` never
-            releases (baselines that hold SWA for every cached token).
-        decode_release_interval: release out-of-window SWA every N decode tokens.
-        swa_eviction / anchor_branch_points: see :class:`TreeConfig`.
-        eviction_ranking: which leaf eviction takes, ``"value"`` (default:
-            lowest learned hit density), ``"adaptive"``, ``"arc"`` or ``"lru"``
-            (:class:`TreeConfig` ``ranking``; docs/policy.md).
-    """
-
-    budget_bytes: int | None = None
-    full_pages: int | None = None
-    swa_pages: int | None = None
-    device: str | None = "meta"
-    swa_checkpoint: int = 16384
-    retention: str = "adaptive"
-    spare_fraction: float = 0.02
-    decode_release_interval: int = 64
-    swa_eviction: str = "page"
-    anchor_branch_points: bool = True
-    eviction_ranking: str = "value"
-
-    def __post_init__(self) -> None:
-        if self.retention not in _RETENTION:
-            raise ValueError(f"retention must be one of {_RETENTION}, got {self.retention!r}")
-        if not 0.0 <= float(self.spare_fraction) < 1.0:
-            raise ValueError(f"spare_fraction must be in [0, 1), got {self.spare_fraction}")
-        if (not isinstance(self.decode_release_interval, int) or isinstance(self.decode_release_interval, bool)
-                or self.decode_release_interval < 1):
-            raise ValueError(f"decode_release_interval must be an int >= 1, got {self.decode_release_interval!r}")
-        for name in ("full_pages", "swa_pages"):
-            value = getattr(self, name)
-            if value is not None:
-                _count(value, name, minimum=1)
-        if self.budget_bytes is not None:
-            _count(self.budget_bytes, "budget_bytes", minimum=1)
-        # the tree checks these too, but under its own names (ranking): name the argument here
-        if self.eviction_ranking not in RANKINGS:
-            raise ValueError(f"eviction_ranking must be one of {RANKINGS}, got {self.eviction_ranking!r}")
-        if self.swa_eviction not in SWA_EVICTIONS:
-            raise ValueError(f"swa_eviction must be one of {SWA_EVICTIONS}, got {self.swa_eviction!r}")
-        _count(self.swa_checkpoint, "swa_checkpoint", minimum=0)
 
 
 class Request:
@@ -189,39 +118,8 @@ class Request:
                 f"finished={self.finished})")
 
 
-@dataclass
-class StepBatch:
-    """What :meth:`HybridKVCache.step` handed out for one engine step.
 
-    Row ``i`` is ``requests[i]``.  ``ok[i]`` is False where that request got
-    nothing (``errors[i]`` says why: :class:`CacheFullError` or a ``ValueError``
-    for a bad row); such a request is exactly as before the call.  For ok rows
-    positions ``[start[i], start[i] + num_new[i])`` now have slots:
-    ``full_slots[cu_new[i]:cu_new[i + 1]]`` / ``swa_slots[...]`` (logical
-    int64 token slots, ``page * page_size + offset``; map them to the arena's
-    blocks with ``cache.pool.buffers.of(kind).physical_slots``), and
-    ``seq_lens[i] = start[i] + num_new[i]`` is the KV length attention reads.
-    Pages added this step (for engines that keep block tables incrementally):
-    row ``new_rows[j]``'s page ``new_index[j]`` is ``new_full[j]`` / ``new_swa[j]``.
-    """
-
-    requests: list
-    ok: np.ndarray
-    errors: dict
-    start: np.ndarray
-    num_new: np.ndarray
-    cu_new: np.ndarray
-    full_slots: np.ndarray
-    swa_slots: np.ndarray
-    seq_lens: np.ndarray
-    new_rows: np.ndarray
-    new_index: np.ndarray
-    new_full: np.ndarray
-    new_swa: np.ndarray
-    committed: bool = field(default=False)
-
-
-class HybridKVCache:
+class HybridKVCache(RequestPages):
     """Window-safe prefix cache over dual Full/SWA pools for one engine worker.
 
     Args:
@@ -351,73 +249,12 @@ class HybridKVCache:
 
     def _check_reserve(self, req: Request, n: object) -> None:
         self._check_live(req)
-        if type(n) is not int or n < 1:  # plain positive ints (every call of a replay) skip _count
-            n = _count(n, "n")
+        if type(n) is not int or n < 1:  # plain positive ints (every call of a replay) skip check_count
+            n = check_count(n, "n")
         if req.computed + n > req.n_tokens:
             raise ValueError(f"n={n} goes past the request's {req.n_tokens} tokens "
                              f"({req.computed} computed; append_tokens first)")
 
-    def _reserve(self, req: Request, n: int) -> None:
-        end = req.computed + n
-        need = -(-end // self.page_size) - req.n_pages
-        if need > 0:
-            self._grow(req, need)
-        if end > req.allocated:
-            req.allocated = end
-
-    def _grow(self, req: Request, need: int, waiting: set | None = None) -> None:
-        """Give ``req`` ``need`` more pages of each kind, evicting if needed; raises
-        :class:`CacheFullError` with ``req`` unchanged.  ``waiting``: ids of other
-        requests (rows of a step not served yet) whose spare SWA is not released."""
-        got = self.pool.take(need, need)
-        if got is None:
-            short = self.pool.shortfall(need, need)
-            self.tree.evict(short[0], short[1], short[2])
-            got = self.pool.take(need, need)
-        if got is None and self.config.retention == "adaptive":
-            # SWA that live requests kept while memory was spare is the cheapest to give back
-            for live in self._live.values():
-                if live is not req and (waiting is None or id(live) not in waiting):
-                    self._release(live, force=True)
-            # the request's own spare SWA goes too, but only once the allocation is sure to
-            # succeed with it (a request that gets CacheFullError is left exactly as it
-            # was): evict what is short beyond it, then release it if that is enough
-            own = self._own_releasable(req)
-            sb = self.pool.swa_page_bytes
-            short = self.pool.shortfall(need, need)
-            self.tree.evict(short[0], max(0, short[1] - own), max(0, short[2] - own * sb))
-            got = self.pool.take(need, need)
-            if got is None and own:
-                short = self.pool.shortfall(need, need)
-                if short[0] == 0 and short[1] <= own and short[2] <= own * sb:
-                    self._release(req, force=True)
-                    got = self.pool.take(need, need)
-        if got is None:
-            self.counters["rejected"] += 1
-            raise CacheFullError(f"cannot allocate {need} pages in both pools "
-                                 f"(free bytes {self.pool.free_bytes()}, evictable full pages "
-                                 f"{self.tree.evictable_full_pages()}, swa {self.tree.evictable_swa_pages()})")
-        self._place(req, got[0], got[1])
-
-    def _own_releasable(self, req: Request) -> int:
-        """SWA pages ``_release(req, force=True)`` would free now.  O(1 + runs)."""
-        lo, cut = self._release_range(req)
-        if cut <= lo:
-            return 0
-        return sum(b - a for a, b in self._releasable_runs(req, lo, cut))
-
-    @staticmethod
-    def _place(req: Request, full: np.ndarray, swa: np.ndarray) -> None:
-        """Append freshly allocated pages to ``req`` (page arrays double when full)."""
-        lo = req.n_pages
-        hi = lo + len(full)
-        if hi > req.full_pages.size:
-            size = max(hi, 2 * req.full_pages.size)
-            req.full_pages = np.concatenate([req.full_pages, np.empty(size - req.full_pages.size, np.int32)])
-            req.swa_pages = np.concatenate([req.swa_pages, np.full(size - req.swa_pages.size, NO_PAGE, np.int32)])
-        req.full_pages[lo:hi] = full
-        req.swa_pages[lo:hi] = swa
-        req.n_pages = hi
 
     def commit(self, req: Request, n: int, *, release: bool | None = None) -> None:
         """Mark ``n`` more tokens as computed (their KV is written).
@@ -428,7 +265,7 @@ class HybridKVCache:
         """
         self._check_live(req)
         if type(n) is not int or n < 1:
-            n = _count(n, "n")
+            n = check_count(n, "n")
         if req.computed + n > req.allocated:
             raise ValueError(f"commit of n={n} passes the allocated slots: {req.computed} computed, "
                              f"slots handed out up to {req.allocated}")
@@ -454,48 +291,6 @@ class HybridKVCache:
         req.last_release = req.computed
         return self._release(req, force=False)
 
-    def _release_range(self, req: Request) -> tuple[int, int]:
-        """``(lo, cut)``: the pages ``[lo, cut)`` a release scans.  The tree's
-        RetentionPolicy gives the cut; only pages added since the last release are
-        scanned (``release_mark``): O(new pages) per release."""
-        cut = self.tree.policy.release_cut(req.computed)
-        return (req.release_mark if req.release_mark > req.tree_pages else req.tree_pages), cut
-
-    def _releasable_runs(self, req: Request, lo: int, cut: int) -> list[tuple[int, int]]:
-        """The runs of ``req``'s pages ``[lo, cut)`` its release frees (the policy keeps
-        checkpoint, divergence and predicted windows).  O(1 + runs)."""
-        rp = self.tree.policy
-        return rp.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len,
-                                  req.prompt_len // self.page_size if rp.pretail_pages >= 0 else 0)
-
-    def _release(self, req: Request, force: bool) -> int:
-        policy = self.config.retention
-        if policy in ("none", "dense"):
-            return 0
-        lo, cut = self._release_range(req)
-        if cut <= lo:
-            return 0  # nothing new to scan (checked first: it is cheaper than free_bytes)
-        if (policy == "adaptive" and not force
-                and self.pool.free_bytes() > self.config.spare_fraction * self.pool.budget_bytes):
-            return 0
-        req.release_mark = cut
-        # Pages from the release mark on were never released, so all hold SWA (checked
-        # by check_invariants): free the runs the policy releases, no per-page mask.
-        swa = req.swa_pages
-        runs = self._releasable_runs(req, lo, cut)
-        if not runs:
-            return 0
-        if len(runs) == 1:
-            a, b = runs[0]
-            gone = swa[a:b]  # a view: the pool copies the ids before they are overwritten below
-        else:
-            gone = np.concatenate([swa[a:b] for a, b in runs])
-        count = gone.size
-        self.pool.free_swa_trusted(gone)  # the request's own pages
-        for a, b in runs:
-            swa[a:b] = NO_PAGE
-        self.counters["released_swa_pages"] += count
-        return count
 
     # ================================================================ finish
     def finish(self, req: Request, cache: bool = True) -> int:
@@ -539,7 +334,7 @@ class HybridKVCache:
         """End ``req`` without caching anything it computed."""
         self.finish(req, cache=False)
 
-    # ============================================================ batch step
+
     def step(self, requests: Sequence[Request], new_tokens: object = None,
              num_new: object = None) -> StepBatch:
         """Append, allocate and hand out slots for a whole batch in one call.
@@ -562,30 +357,28 @@ class HybridKVCache:
         """
         reqs = list(requests) if not isinstance(requests, list) else requests
         B = len(reqs)
-        try:
-            distinct = len(set(reqs))  # requests hash by identity: ~4x cheaper than a set of ids
-        except TypeError:  # unhashable rows (not requests, reported per row below)
-            distinct = len({id(r) for r in reqs})
-        if distinct != B:  # two rows would both grow one request
-            first: dict[int, int] = {}
-            for i, r in enumerate(reqs):
-                j = first.setdefault(id(r), i)
-                if j != i:
-                    raise ValueError(f"requests[{i}] is the same request as requests[{j}]: "
-                                     "a request may appear once per step")
-        toks = self._step_tokens(new_tokens, B)
-        counts = self._step_counts(num_new, B)
-        P = self.page_size
-        live = self._live
+        check_distinct(reqs)
+        toks = step_tokens(new_tokens, B)
+        counts = step_counts(num_new, B)
         ok = np.ones(B, dtype=bool)
         errors: dict[int, Exception] = {}
         starts = [0] * B
         nums = [0] * B
-        fs: list = [0] * B
-        ss: list = [0] * B
-        multi = False
         grew: list[tuple[int, int, int]] = []
-        pending: list[tuple[int, Request, int, int]] = []  # rows that need pages: (row, req, need, appended)
+        pending = self._step_rows(reqs, toks, counts, ok, errors, starts, nums)
+        if pending:
+            self._step_grow(pending, ok, errors, nums, grew, reqs)
+        fs, ss, multi = self._step_slots(reqs, starts, nums)
+        return build_batch(reqs, ok, errors, starts, nums, fs, ss, multi, grew)
+
+    def _step_rows(self, reqs: list, toks: list | None, counts: list | None, ok: np.ndarray, errors: dict,
+                   starts: list, nums: list) -> list[tuple[int, Request, int, int]]:
+        """Append each row's new tokens and check its positions (``starts``/``nums``
+        set; a bad row fails in ``ok``/``errors`` with its tokens taken back).  Returns
+        the rows that need pages: ``(row, req, pages needed, tokens appended)``.  O(B)."""
+        P = self.page_size
+        live = self._live
+        pending: list[tuple[int, Request, int, int]] = []
         for i, req in enumerate(reqs):
             if live.get(id(req)) is not req:
                 ok[i] = False
@@ -618,9 +411,17 @@ class HybridKVCache:
             nums[i] = k
             if end > req.n_pages * P:
                 pending.append((i, req, -(-end // P) - req.n_pages, appended))
-        if pending:
-            self._step_grow(pending, ok, errors, nums, grew, reqs)
-        for i, req in enumerate(reqs):  # slots of every row that got its pages
+        return pending
+
+    def _step_slots(self, reqs: list, starts: list, nums: list) -> tuple[list, list, bool]:
+        """Slots of every row that got its pages (``nums[i] > 0``): an int per
+        single-token row, int64 arrays otherwise (then ``multi`` is True).  O(B + slots)."""
+        P = self.page_size
+        B = len(reqs)
+        fs: list = [0] * B
+        ss: list = [0] * B
+        multi = False
+        for i, req in enumerate(reqs):
             k = nums[i]
             if not k:
                 continue
@@ -637,107 +438,7 @@ class HybridKVCache:
                 multi = True
                 fs[i] = self._full_slots(req, start, end)
                 ss[i] = self._swa_slots(req, start, end)
-        return self._step_batch(reqs, ok, errors, starts, nums, fs, ss, multi, grew)
-
-    def _step_grow(self, pending: list, ok: np.ndarray, errors: dict, nums: list, grew: list,
-                   reqs: list) -> None:
-        """Pages for the rows of a step that cross a page boundary: one pool call for
-        all of them when memory is free (decode: every row of a batch that started
-        together crosses at once), else row by row with eviction; a row that cannot
-        get its pages is failed (``nums[i] = 0``) and its appended tokens taken back."""
-        total = sum(need for _, _, need, _ in pending)
-        got = self.pool.take(total, total)
-        o = 0
-        # rows that failed already, and rows still waiting for pages (they may yet fail),
-        # are left as they were: no other row's growth releases their spare SWA
-        waiting = {id(req) for _, req, _, _ in pending}
-        waiting.update(id(reqs[i]) for i in np.flatnonzero(~ok).tolist())
-        for i, req, need, appended in pending:
-            before = req.n_pages
-            if got is not None:
-                self._place(req, got[0][o:o + need], got[1][o:o + need])
-                o += need
-            else:
-                try:
-                    self._grow(req, need, waiting)
-                except CacheFullError as exc:
-                    req.n_tokens -= appended
-                    ok[i] = False
-                    errors[i] = exc
-                    nums[i] = 0
-                    continue
-            waiting.discard(id(req))
-            grew.append((i, before, req.n_pages))
-
-    @staticmethod
-    def _step_tokens(new_tokens: object, B: int) -> list | None:
-        if new_tokens is None:
-            return None
-        if isinstance(new_tokens, np.ndarray) or (hasattr(new_tokens, "numpy") and hasattr(new_tokens, "cpu")):
-            arr = new_tokens if isinstance(new_tokens, np.ndarray) else new_tokens.cpu().numpy()  # type: ignore[union-attr]
-            if arr.ndim != 1 or len(arr) != B:
-                raise ValueError(f"new_tokens must be 1-D with one entry per request ({B}), got shape {arr.shape}")
-            if arr.dtype.kind not in "iu":
-                raise TypeError(f"new_tokens must hold integers, got dtype {arr.dtype}")
-            if not arr.size:
-                return []
-            if arr.max() > _INT32_MAX:
-                raise ValueError("new_tokens holds ids >= 2**31")
-            out = arr.tolist()
-            return out if arr.min() >= 0 else [t if t >= 0 else None for t in out]
-        if not isinstance(new_tokens, (list, tuple)):
-            raise TypeError(f"new_tokens must be an int array or a sequence, got {type(new_tokens).__name__}")
-        if len(new_tokens) != B:
-            raise ValueError(f"new_tokens has {len(new_tokens)} entries for {B} requests")
-        out: list = []
-        for i, t in enumerate(new_tokens):
-            if t is None:
-                out.append(None)
-            elif isinstance(t, (int, np.integer)) and not isinstance(t, bool):
-                if not 0 <= t < 2**31:
-                    raise ValueError(f"new_tokens[{i}] must be a token id in [0, 2**31), got {t}")
-                out.append(int(t))
-            else:
-                arr = as_token_array(t, f"new_tokens[{i}]")
-                out.append(arr if len(arr) else None)
-        return out
-
-    @staticmethod
-    def _step_counts(num_new: object, B: int) -> list | None:
-        if num_new is None:
-            return None
-        if isinstance(num_new, (int, np.integer)) and not isinstance(num_new, bool):
-            return [int(num_new)] * B
-        arr = np.asarray(num_new)
-        if arr.ndim != 1 or len(arr) != B or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-            raise ValueError(f"num_new must be an int or a 1-D int array with {B} entries")
-        return arr.tolist()
-
-    def _step_batch(self, reqs: list, ok: np.ndarray, errors: dict, starts: list, nums: list, fs: list,
-                    ss: list, multi: bool, grew: list) -> StepBatch:
-        start = np.array(starts, dtype=np.int64)
-        num = np.array(nums, dtype=np.int64)
-        cu = np.zeros(len(reqs) + 1, dtype=np.int64)
-        num.cumsum(out=cu[1:])
-        if multi or errors:  # rows of several tokens, or failed rows holding no slot
-            keep = ok.tolist()
-            fs = [np.array([x], np.int64) if type(x) is int else x for x, o in zip(fs, keep) if o]
-            ss = [np.array([x], np.int64) if type(x) is int else x for x, o in zip(ss, keep) if o]
-            full = np.concatenate(fs) if fs else _EMPTY64
-            swa = np.concatenate(ss) if ss else _EMPTY64
-        else:
-            full = np.array(fs, dtype=np.int64)
-            swa = np.array(ss, dtype=np.int64)
-        if grew:
-            rows = np.concatenate([np.full(hi - lo, i, np.int64) for i, lo, hi in grew])
-            index = np.concatenate([np.arange(lo, hi, dtype=np.int64) for _, lo, hi in grew])
-            nf = np.concatenate([reqs[i].full_pages[lo:hi] for i, lo, hi in grew])
-            ns = np.concatenate([reqs[i].swa_pages[lo:hi] for i, lo, hi in grew])
-        else:
-            rows = index = _EMPTY64
-            nf = ns = np.zeros(0, np.int32)
-        return StepBatch(reqs, ok, errors, start, num.astype(np.int32), cu, full, swa, start + num,
-                         rows, index, nf, ns)
+        return fs, ss, multi
 
     def commit_step(self, batch: StepBatch, *, release: bool | None = None) -> None:
         """Commit every ok row of ``batch`` (their KV is written); see :meth:`commit`.

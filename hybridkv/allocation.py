@@ -1,0 +1,179 @@
+"""Page growth and SWA release of live requests: the allocation half of
+:class:`~hybridkv.cache.HybridKVCache`.
+
+:class:`RequestPages` is a mixin of the cache (it works on the cache's
+``pool``, ``tree``, ``config``, ``counters``, ``page_size`` and live
+requests), kept in its own module so the request facade stays small.  Its
+methods trust their callers: the cache's public methods validate first.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .radix.node import NO_PAGE
+
+if TYPE_CHECKING:
+    from .cache import Request
+    from .cache_config import CacheConfig
+    from .pools import DualPool
+    from .radix import WindowSafeTree
+
+__all__ = ["CacheFullError", "RequestPages"]
+
+
+class CacheFullError(RuntimeError):
+    """Not enough free or evictable memory; the request's state is unchanged."""
+
+
+class RequestPages:
+    """Pages of live requests: growth (evicting, then releasing spare SWA, as
+    memory requires) and the release of out-of-window SWA that the retention
+    policy allows.  A mixin of :class:`~hybridkv.cache.HybridKVCache`."""
+
+    pool: DualPool
+    tree: WindowSafeTree
+    config: CacheConfig
+    counters: dict
+    page_size: int
+    _live: dict
+
+    def _reserve(self, req: Request, n: int) -> None:
+        """Pages for positions up to ``req.computed + n`` (grows when needed).  O(new pages)."""
+        end = req.computed + n
+        need = -(-end // self.page_size) - req.n_pages
+        if need > 0:
+            self._grow(req, need)
+        if end > req.allocated:
+            req.allocated = end
+
+    def _grow(self, req: Request, need: int, waiting: set | None = None) -> None:
+        """Give ``req`` ``need`` more pages of each kind, evicting if needed; raises
+        :class:`CacheFullError` with ``req`` unchanged.  ``waiting``: ids of other
+        requests (rows of a step not served yet) whose spare SWA is not released."""
+        got = self.pool.take(need, need)
+        if got is None:
+            short = self.pool.shortfall(need, need)
+            self.tree.evict(short[0], short[1], short[2])
+            got = self.pool.take(need, need)
+        if got is None and self.config.retention == "adaptive":
+            # SWA that live requests kept while memory was spare is the cheapest to give back
+            for live in self._live.values():
+                if live is not req and (waiting is None or id(live) not in waiting):
+                    self._release(live, force=True)
+            # the request's own spare SWA goes too, but only once the allocation is sure to
+            # succeed with it (a request that gets CacheFullError is left exactly as it
+            # was): evict what is short beyond it, then release it if that is enough
+            own = self._own_releasable(req)
+            sb = self.pool.swa_page_bytes
+            short = self.pool.shortfall(need, need)
+            self.tree.evict(short[0], max(0, short[1] - own), max(0, short[2] - own * sb))
+            got = self.pool.take(need, need)
+            if got is None and own:
+                short = self.pool.shortfall(need, need)
+                if short[0] == 0 and short[1] <= own and short[2] <= own * sb:
+                    self._release(req, force=True)
+                    got = self.pool.take(need, need)
+        if got is None:
+            self.counters["rejected"] += 1
+            raise CacheFullError(f"cannot allocate {need} pages in both pools "
+                                 f"(free bytes {self.pool.free_bytes()}, evictable full pages "
+                                 f"{self.tree.evictable_full_pages()}, swa {self.tree.evictable_swa_pages()})")
+        self._place(req, got[0], got[1])
+
+    def _own_releasable(self, req: Request) -> int:
+        """SWA pages ``_release(req, force=True)`` would free now.  O(1 + runs)."""
+        lo, cut = self._release_range(req)
+        if cut <= lo:
+            return 0
+        return sum(b - a for a, b in self._releasable_runs(req, lo, cut))
+
+    @staticmethod
+    def _place(req: Request, full: np.ndarray, swa: np.ndarray) -> None:
+        """Append freshly allocated pages to ``req`` (page arrays double when full)."""
+        lo = req.n_pages
+        hi = lo + len(full)
+        if hi > req.full_pages.size:
+            size = max(hi, 2 * req.full_pages.size)
+            req.full_pages = np.concatenate([req.full_pages, np.empty(size - req.full_pages.size, np.int32)])
+            req.swa_pages = np.concatenate([req.swa_pages, np.full(size - req.swa_pages.size, NO_PAGE, np.int32)])
+        req.full_pages[lo:hi] = full
+        req.swa_pages[lo:hi] = swa
+        req.n_pages = hi
+
+    def _release_range(self, req: Request) -> tuple[int, int]:
+        """``(lo, cut)``: the pages ``[lo, cut)`` a release scans.  The tree's
+        RetentionPolicy gives the cut; only pages added since the last release are
+        scanned (``release_mark``): O(new pages) per release."""
+        cut = self.tree.policy.release_cut(req.computed)
+        return (req.release_mark if req.release_mark > req.tree_pages else req.tree_pages), cut
+
+    def _releasable_runs(self, req: Request, lo: int, cut: int) -> list[tuple[int, int]]:
+        """The runs of ``req``'s pages ``[lo, cut)`` its release frees (the policy keeps
+        checkpoint, divergence and predicted windows).  O(1 + runs)."""
+        rp = self.tree.policy
+        return rp.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len,
+                                  req.prompt_len // self.page_size if rp.pretail_pages >= 0 else 0)
+
+    def _release(self, req: Request, force: bool) -> int:
+        """Free ``req``'s out-of-window SWA runs the policy releases (``force``: even
+        while the adaptive policy sees spare memory).  Returns pages freed.  O(runs)."""
+        policy = self.config.retention
+        if policy in ("none", "dense"):
+            return 0
+        lo, cut = self._release_range(req)
+        if cut <= lo:
+            return 0  # nothing new to scan (checked first: it is cheaper than free_bytes)
+        if (policy == "adaptive" and not force
+                and self.pool.free_bytes() > self.config.spare_fraction * self.pool.budget_bytes):
+            return 0
+        req.release_mark = cut
+        # Pages from the release mark on were never released, so all hold SWA (checked
+        # by check_invariants): free the runs the policy releases, no per-page mask.
+        swa = req.swa_pages
+        runs = self._releasable_runs(req, lo, cut)
+        if not runs:
+            return 0
+        if len(runs) == 1:
+            a, b = runs[0]
+            gone = swa[a:b]  # a view: the pool copies the ids before they are overwritten below
+        else:
+            gone = np.concatenate([swa[a:b] for a, b in runs])
+        count = gone.size
+        self.pool.free_swa_trusted(gone)  # the request's own pages
+        for a, b in runs:
+            swa[a:b] = NO_PAGE
+        self.counters["released_swa_pages"] += count
+        return count
+
+    def _step_grow(self, pending: list, ok: np.ndarray, errors: dict, nums: list, grew: list,
+                   reqs: list) -> None:
+        """Pages for the rows of a step that cross a page boundary: one pool call for
+        all of them when memory is free (decode: every row of a batch that started
+        together crosses at once), else row by row with eviction; a row that cannot
+        get its pages is failed (``nums[i] = 0``) and its appended tokens taken back."""
+        total = sum(need for _, _, need, _ in pending)
+        got = self.pool.take(total, total)
+        o = 0
+        # rows that failed already, and rows still waiting for pages (they may yet fail),
+        # are left as they were: no other row's growth releases their spare SWA
+        waiting = {id(req) for _, req, _, _ in pending}
+        waiting.update(id(reqs[i]) for i in np.flatnonzero(~ok).tolist())
+        for i, req, need, appended in pending:
+            before = req.n_pages
+            if got is not None:
+                self._place(req, got[0][o:o + need], got[1][o:o + need])
+                o += need
+            else:
+                try:
+                    self._grow(req, need, waiting)
+                except CacheFullError as exc:
+                    req.n_tokens -= appended
+                    ok[i] = False
+                    errors[i] = exc
+                    nums[i] = 0
+                    continue
+            waiting.discard(id(req))
+            grew.append((i, before, req.n_pages))
