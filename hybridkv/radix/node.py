@@ -12,6 +12,8 @@ import itertools
 
 import numpy as np
 
+from ..window import safe_pages
+
 __all__ = ["TreeNode", "window_safe_pages", "NO_PAGE"]
 
 NO_PAGE = -1
@@ -20,6 +22,13 @@ _ids = itertools.count(1)
 
 class TreeNode:
     """One edge of the radix tree.
+
+    Fields, by owner: structure (``key``, ``full``, ``swa``, ``swa_valid``,
+    ``children``, ``parent``, ``start``, ``namespace``, ``nid``), locking
+    (``lock``), recency (``last_access``), retention (``anchor``, ``ends``,
+    ``branched``, ``points``, ``mark``: :mod:`~hybridkv.radix.retention`) and the
+    ranking's slots (``seg``, ``returns``, ``gap``, ``vcls``, ``since``: written
+    only by :mod:`~hybridkv.radix.rankings`).
 
     Attributes:
         key: int32 token ids, ``len(key) == n_pages * page_size``.
@@ -106,8 +115,9 @@ def window_safe_pages(segments: list[np.ndarray], window_pages: int) -> int:
     ``segments`` are the SWA page arrays along a matched path, in order; their
     concatenation ``v`` has ``M`` pages.  ``l = 0`` is always safe.
 
-    Runtime complexity: O(w) when the tail window is valid (the common case),
-    O(M) numpy work otherwise.
+    The rule is :func:`hybridkv.window.safe_pages`'s; this adds the common case's
+    shortcut.  Runtime complexity: O(w) when the tail window is valid (the
+    common case), O(M) numpy work otherwise.
     """
     total = 0
     for seg in segments:
@@ -128,10 +138,4 @@ def window_safe_pages(segments: list[np.ndarray], window_pages: int) -> int:
         i -= 1
     if tail_ok:
         return total
-    valid = np.concatenate(segments) >= 0
-    counts = np.zeros(total + 1, dtype=np.int64)
-    np.cumsum(valid, out=counts[1:])
-    ends = np.arange(1, total + 1)
-    starts = np.maximum(0, ends - window_pages)
-    good = np.flatnonzero(counts[ends] - counts[starts] == ends - starts)
-    return int(good[-1]) + 1 if good.size else 0
+    return safe_pages(np.concatenate(segments) >= 0, window_pages)

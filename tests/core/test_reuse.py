@@ -134,7 +134,7 @@ def test_reuse_state_stays_bounded_and_consistent_under_churn():
             cache.tree.check_invariants()   # includes: one open period per filed leaf or ghost
     tree = cache.tree
     assert tree.reuse.ghost_count() <= 4 * tree.num_nodes + 1024 and tree.reuse.observed > 0
-    assert len(tree._ghost_returns) <= 4097
+    assert len(tree.ranking._ghost_returns) <= 4097
 
 
 def _leaf(cache, tokens):

@@ -1,0 +1,311 @@
+"""Eviction for the prefix index: what goes when a pool is short.
+
+Order (:meth:`EvictionMixin.evict`): unanchored SWA (LRU first), then leaves
+(the ranking's victim, :mod:`~hybridkv.radix.rankings`, trimmed back to their
+last hittable window when that frees enough), then predicted windows, then
+anchored SWA.  SWA lives in three lazy heaps by recency (unanchored, predicted,
+anchored): touching a node costs O(1), stale entries are refreshed when they
+reach the top, and the heaps are rebuilt when they outgrow the live nodes.
+
+A mix-in of :class:`~hybridkv.radix.tree.WindowSafeTree`: the methods run on
+the tree's own state.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from .node import NO_PAGE, TreeNode
+from .events import deliver_after
+
+__all__ = ["EvictionMixin"]
+
+
+class EvictionMixin:
+    """Eviction of :class:`~hybridkv.radix.tree.WindowSafeTree`."""
+
+    def evictable_full_pages(self) -> int:
+        return self.full_pages_cached - self.protected_full_pages
+
+    def evictable_swa_pages(self) -> int:
+        return self.swa_pages_cached - self.protected_swa_pages
+
+    @deliver_after
+    def evict(self, full_pages: int = 0, swa_pages: int = 0, nbytes: int = 0) -> tuple[int, int]:
+        """Free at least ``full_pages`` full pages, ``swa_pages`` SWA pages and
+        ``nbytes`` bytes (weighted by page bytes), as far as unlocked data allows.
+
+        Order: SWA that ends no likely hit (no anchor covers it), LRU first;
+        then leaves, chosen by the ranking (:mod:`~hybridkv.radix.rankings`)
+        and *trimmed* back to their last hittable window when that frees
+        enough (else removed whole); then the divergence model's predicted
+        windows, LRU first; then anchored SWA (tails, checkpoints, branch
+        windows).  When only SWA is short (a SWA pool sized on its own), the
+        predicted windows and then anchored SWA go before leaves.  When SWA cannot be
+        evicted on its own (``swa_eviction="none"``/``"node"`` with pins),
+        leaves are evicted for it.  Locked full KV and pinned SWA are never
+        touched.  Returns the pages freed ``(full, swa)``.
+        Runtime: O(k log n) for k nodes visited.
+        """
+        for name, value in (("full_pages", full_pages), ("swa_pages", swa_pages), ("nbytes", nbytes)):
+            if not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        self.ranking.evict_started()
+        try:
+            return self._evict(full_pages, swa_pages, nbytes)
+        finally:
+            self.ranking.evict_done()
+
+    def _evict(self, full_pages: int, swa_pages: int, nbytes: int) -> tuple[int, int]:
+        freed_f: list[np.ndarray] = []
+        freed_s: list[np.ndarray] = []
+        nf = ns = 0
+        fb, sb = self.full_page_bytes, self.swa_page_bytes
+        while True:
+            short_full = full_pages - nf
+            short_swa = swa_pages - ns
+            short_bytes = nbytes - (nf * fb + ns * sb)
+            if short_full <= 0 and short_swa <= 0 and short_bytes <= 0:
+                break
+            got = (0, 0)
+            if short_full > 0:
+                got = self._evict_leaf(freed_f, freed_s, short_full)
+            elif short_swa > 0:
+                got = self._evict_swa(freed_s, anchored=False)
+                if got == (0, 0):
+                    got = self._evict_point(freed_s)
+                if got == (0, 0):
+                    got = self._evict_swa(freed_s, anchored=True)
+                if got == (0, 0):
+                    got = self._evict_leaf(freed_f, freed_s, None)
+            else:
+                got = self._evict_swa(freed_s, anchored=False)
+                if got == (0, 0):
+                    got = self._evict_leaf(freed_f, freed_s, -(-short_bytes // fb))
+                if got == (0, 0):
+                    got = self._evict_point(freed_s)
+                if got == (0, 0):
+                    got = self._evict_swa(freed_s, anchored=True)
+            if got == (0, 0):
+                break
+            nf += got[0]
+            ns += got[1]
+        if freed_f:
+            self._free_full(np.concatenate(freed_f))
+        if freed_s:
+            self._free_swa(np.concatenate(freed_s))
+        self.evicted_full_pages += nf
+        self.evicted_swa_pages += ns
+        return nf, ns
+
+    def _pop_leaf(self) -> TreeNode | None:
+        """The next evictable leaf: a dead one first (its pages serve no hit), then
+        the ranking's victim (:mod:`~hybridkv.radix.rankings`)."""
+        dead = self._dead
+        while dead:
+            node = dead.pop()
+            if node.key is not None and not node.children and not node.lock and node.parent is not None:
+                return node
+        return self.ranking.victim()
+
+    def _trim_point(self, node: TreeNode, want: int | None) -> int:
+        """Pages of leaf ``node`` to keep: the longest prefix that frees >= ``want``
+        pages and still ends at a held SWA window (a hit can end there); 0 = none."""
+        wp = self.policy.window_pages
+        n = len(node.full)
+        if want is None or want >= n or n <= wp:
+            return 0
+        valid = (node.swa >= 0).astype(np.int32)
+        c = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(valid, out=c[1:])
+        q = np.arange(wp, n - want + 1)
+        good = q[c[q] - c[q - wp] == wp]
+        return int(good[-1]) if good.size else 0
+
+    def _evict_leaf(self, freed_f: list, freed_s: list, want: int | None) -> tuple[int, int]:
+        node = self._pop_leaf()
+        if node is None:
+            return 0, 0
+        if want is not None and not self._window_held(node):
+            want = 1  # dead: keep what still ends at a held window, free the rest
+        keep = self._trim_point(node, want)
+        size = self.page_size
+        parent = node.parent
+        assert parent is not None
+        if node.ends:
+            self._anchor_window(node, -1)
+            node.ends = 0
+        if node.points:  # predicted windows past what stays go with the pages
+            first = node.start // size
+            for p in node.points:
+                if p > first + keep:
+                    self._anchor_window(node, -1, p - first)
+            node.points = [p for p in node.points if p <= first + keep] or None
+        if node.mark >= node.start // size + keep:  # the prompt's end went with the pages
+            node.mark = -1
+        gone_full = node.full[keep:]
+        swa = node.swa[keep:]
+        swa = swa[swa >= 0]
+        freed_f.append(gone_full)
+        if swa.size:
+            freed_s.append(swa)
+        gone = len(node.full) - keep
+        self.full_pages_cached -= gone
+        self.swa_pages_cached -= int(swa.size)
+        pos = node.start + keep * size
+        ghost = self._ghost_key(node.namespace, pos, node.key[keep * size:(keep + 1) * size])
+        if self.policy.branch_points:  # what the last bytes evicted would have hit: the margin
+            self.divergence.evicted(ghost, gone * self.full_page_bytes + int(swa.size) * self.swa_page_bytes,
+                                    gone, 4 * self.num_nodes + 1024)
+        self.ranking.leaf_shrunk(node, ghost, gone)
+        if self.listeners:
+            self._emit("remove", node, keep)
+        if keep:  # trimmed: still a leaf, its tail window now ends at the new end
+            node.key = node.key[:keep * size]
+            node.full = node.full[:keep]
+            node.swa = node.swa[:keep]
+            node.anchor = node.anchor[:keep].copy()
+            node.swa_valid -= int(swa.size)
+            self._reanchor(node)
+            self._enqueue(node, swa=False)
+            return gone, int(swa.size)
+        del parent.children[node.key[:size].tobytes()]
+        self.num_nodes -= 1
+        self.ranking.leaf_removed(node, parent, ghost, self.num_nodes)
+        node.key = None  # type: ignore[assignment]
+        node.parent = None
+        if parent.parent is not None:
+            self._reanchor(parent)
+            self._enqueue(parent)  # may be a leaf now; its tail became a leaf tail
+            if not parent.children and not parent.lock and not self._window_held(parent):
+                self._dead.append(parent)
+        return gone, int(swa.size)
+
+    def _evict_swa(self, freed_s: list, anchored: bool) -> tuple[int, int]:
+        """Free the SWA of the least recently used node holding some: its unanchored
+        unpinned pages, or (``anchored``) all its unpinned pages.  Returns ``(0, freed)``."""
+        mode = self.config.swa_eviction
+        if mode == "none" or (anchored and mode != "page"):
+            return 0, 0
+        heap = self._anchor_heap if anchored else self._swa_heap
+        while heap:
+            t, _, node = heapq.heappop(heap)
+            if node.key is None or not node.swa_valid or not self._fresh(heap, t, node):
+                continue
+            count = self._drop_swa(node, freed_s, anchored)
+            if count:
+                return 0, count
+        return 0, 0
+
+    def _evict_point(self, freed_s: list) -> tuple[int, int]:
+        """Predicted windows give way before tails, checkpoints and branch windows (a
+        bet on where requests will leave, while those end hits that happened): the
+        least recently used node's predicted windows stop being anchors and their SWA
+        that no other window anchors is freed.  Where the SWA pool is sized apart
+        from full KV for one window per cached sequence, a predicted window kept over
+        another sequence's tail cost that sequence its next hit.  Mutates the node's
+        anchors, points and SWA.  Returns ``(0, freed)``.  O(window + log n)."""
+        if self.config.swa_eviction != "page":
+            return 0, 0
+        heap = self._point_heap
+        while heap:
+            t, _, node = heapq.heappop(heap)
+            if node.key is None or not node.points or not self._fresh(heap, t, node):
+                continue
+            first, wp = node.start // self.page_size, self.policy.window_pages
+            above = False  # a window reaching above the node (cut by a split)
+            for p in node.points:
+                self._anchor_window(node, -1, p - first)
+                above = above or p - first < wp
+            node.points = None
+            if above and node.parent is not None and node.parent.key is not None:
+                self._enqueue(node.parent, leaf=False)  # its SWA there is plain SWA now
+            count = self._drop_swa(node, freed_s, anchored=False) if node.swa_valid else 0
+            if node.swa_valid:
+                self._enqueue(node, leaf=False)
+            if count:
+                return 0, count
+        return 0, 0
+
+    def _drop_swa(self, node: TreeNode, freed_s: list, anchored: bool) -> int:
+        """Free ``node``'s unpinned SWA pages (only unanchored ones unless ``anchored``;
+        ``"node"`` eviction: all or none) into ``freed_s``.  Returns how many."""
+        drop = node.swa >= 0
+        # only a locked node can hold pinned pages (a tree invariant): skip the lookup otherwise
+        pinned = self.pins.pinned(node.swa) if node.lock else None
+        if self.config.swa_eviction == "node":
+            if pinned is not None and np.count_nonzero(pinned):
+                return 0
+        else:
+            if pinned is not None:
+                drop &= ~pinned
+            if not anchored:
+                drop &= node.anchor == 0
+        count = int(np.count_nonzero(drop))
+        if count == 0:
+            return 0
+        freed_s.append(node.swa[drop])
+        node.swa = node.swa.copy()
+        node.swa[drop] = NO_PAGE
+        node.swa_valid -= count
+        self.swa_pages_cached -= count
+        if self.listeners:
+            self._emit("swa_remove", node)
+        return count
+
+    def _enqueue(self, node: TreeNode, leaf: bool = True, swa: bool = True) -> None:
+        """Make sure ``node`` has heap entries after a state change that can make
+        it evictable (new leaf, unlocked, lost a child, gained SWA)."""
+        entry = (node.last_access, node.nid, node)
+        if leaf and not node.children and node.lock == 0:
+            self.ranking.leaf_ready(node)
+        mode = self.config.swa_eviction
+        if swa and node.swa_valid and mode != "none":
+            heapq.heappush(self._swa_heap, entry)
+            if mode == "page":
+                heapq.heappush(self._anchor_heap, entry)
+        # lazy heaps collect stale entries; rebuilding at 4x the live nodes keeps
+        # memory O(nodes) (the anchor heap was left out and grew without bound)
+        limit = self.heap_limit()
+        if (len(self._swa_heap) > limit or len(self._anchor_heap) > limit or len(self._point_heap) > limit
+                or self.ranking.heap_entries() > limit):
+            self._rebuild_heaps()
+
+    def heap_limit(self) -> int:
+        """Entries a lazy heap may hold (stale ones included) before the heaps are
+        rebuilt from the live nodes: 4x the nodes + 4096, so their memory is O(nodes)."""
+        return 4 * self.num_nodes + 4096
+
+    @staticmethod
+    def _fresh(heap: list, t: int, node: TreeNode) -> bool:
+        """True if a popped entry is current; a stale one is pushed back with the
+        node's current recency (lazy LRU: touching a node costs O(1))."""
+        if t == node.last_access:
+            return True
+        heapq.heappush(heap, (node.last_access, node.nid, node))
+        return False
+
+    def _rebuild_heaps(self) -> None:
+        leaves, swa, points = [], [], []
+        for node in self.iter_nodes():
+            entry = (node.last_access, node.nid, node)
+            if not node.children and node.lock == 0:
+                leaves.append(node)
+            if node.swa_valid:
+                swa.append(entry)
+                if node.points:
+                    points.append(entry)
+        self.ranking.rebuild(leaves)
+        heapq.heapify(swa)
+        heapq.heapify(points)
+        self._point_heap = points
+        self._swa_heap = swa
+        self._anchor_heap = list(swa) if self.config.swa_eviction == "page" else []
+
+    def heap_sizes(self) -> dict[str, int]:
+        """Entries of each eviction heap (stale ones included: heaps are cleaned
+        lazily, see :meth:`heap_limit`), for memory figures and soak tests."""
+        return {"leaf": 0, "reused": 0, **self.ranking.heap_sizes(), "swa": len(self._swa_heap),
+                "point": len(self._point_heap), "anchor": len(self._anchor_heap), "dead": len(self._dead)}

@@ -1,0 +1,160 @@
+"""Which SWA windows the prefix index keeps: anchors, and the window-safe length of a path.
+
+A window is *anchored* when a hit is likely to end at it: a leaf's tail, a
+branch point, a retention checkpoint (:class:`~hybridkv.radix.policy.RetentionPolicy`)
+or a window the divergence model predicts (:mod:`~hybridkv.radix.learning`).
+Each page counts the anchored windows covering it (``TreeNode.anchor``);
+eviction frees unanchored SWA first.  The window rule itself (when a matched
+path is a usable hit) is :mod:`hybridkv.window`'s, reached through
+:func:`~hybridkv.radix.node.window_safe_pages`.
+
+A mix-in of :class:`~hybridkv.radix.tree.WindowSafeTree`: the methods run on
+the tree's own state.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from .node import TreeNode, window_safe_pages
+from .types import EMPTY
+
+__all__ = ["RetentionMixin"]
+
+
+class RetentionMixin:
+    """Anchors and window reads of :class:`~hybridkv.radix.tree.WindowSafeTree`."""
+
+    def _anchor_window(self, node: TreeNode, delta: int, end: int | None = None) -> None:
+        """Add ``delta`` to the anchor count of the ``window_pages`` pages ending at
+        ``node``'s end, or ``end`` pages into it (a predicted window), walking into the
+        parents."""
+        need = self.policy.window_pages
+        n: TreeNode | None = node
+        k = len(node.anchor) if end is None else end
+        while need > 0 and n is not None and n.parent is not None:
+            anchor = n.anchor
+            take = need if need < k else k
+            if take <= 4:  # a window of a few pages: scalar writes beat a slice ufunc
+                for i in range(k - take, k):
+                    anchor[i] += delta
+            else:
+                anchor[k - take:k] += delta
+            need -= take
+            n = n.parent
+            k = len(n.anchor) if n is not None else 0
+
+    def _wants_end_anchor(self, node: TreeNode) -> int:
+        """1 if a window ending at ``node`` is an anchor: a leaf's tail, or a branch
+        point, now or before (``node.branched``).  A point where requests diverged
+        once, e.g. the end of a document asked several questions, is where the next
+        one diverges too; dropping its window when all but one child are evicted
+        made the next question miss the whole document (the window's SWA was freed
+        as unanchored before any leaf)."""
+        k = len(node.children)
+        return int(k == 0 or (self.policy.branch_points and (k > 1 or node.branched)))
+
+    def _reanchor(self, node: TreeNode) -> None:
+        """Bring ``node``'s end anchor in line with its children (after they changed).  O(window)."""
+        if node.parent is None or node.key is None:
+            return
+        want = self._wants_end_anchor(node)
+        if want != node.ends:
+            self._anchor_window(node, want - node.ends)
+            node.ends = want
+
+    def _predict_window(self, leaf: TreeNode) -> None:
+        """Anchor the window ending ``policy.pretail_pages`` before new ``leaf``'s end
+        (where the learned divergence model expects requests to leave it), if the leaf
+        holds that window's SWA.  The window stays inside the leaf: no split, no extra
+        node; eviction can trim the leaf back to it like to a checkpoint.  O(window)."""
+        d, wp = self.policy.pretail_pages, self.policy.window_pages
+        cut = (leaf.mark - leaf.start // self.page_size if leaf.mark >= 0 else len(leaf.full)) - d
+        if d < 0 or cut < wp or cut >= len(leaf.full) or int(np.count_nonzero(leaf.swa[cut - wp:cut] >= 0)) < wp:
+            return  # (a window at the leaf's end is its tail's, already kept)
+        leaf.anchor[cut - wp:cut] += 1
+        leaf.points = [leaf.start // self.page_size + cut]
+        heapq.heappush(self._point_heap, (leaf.last_access, leaf.nid, leaf))
+
+    def anchored(self, node: TreeNode) -> np.ndarray:
+        """bool per page of ``node``: its SWA ends a likely hit (anchor count > 0).  O(pages)."""
+        return node.anchor > 0
+
+    def _window_ids(self, node: TreeNode) -> list[int]:
+        """SWA page ids of the last ``window_pages`` pages ending at ``node``, as
+        Python ints: a window is a few pages, where a list beats numpy calls."""
+        need = self.policy.window_pages
+        swa = node.swa
+        if 0 < need <= len(swa) and node.parent is not None:  # the window lies in ``node``
+            return swa[len(swa) - need:].tolist()
+        ids: list[int] = []
+        n: TreeNode | None = node
+        while need > 0 and n is not None and n.parent is not None:
+            swa = n.swa
+            k = len(swa)
+            take = need if need < k else k
+            ids[:0] = swa[k - take:].tolist()
+            need -= take
+            n = n.parent
+        return ids
+
+    def _window_pages(self, node: TreeNode) -> np.ndarray:
+        """SWA page ids of the last ``window_pages`` pages ending at ``node``."""
+        ids = self._window_ids(node)
+        return np.array(ids, dtype=np.int32) if ids else EMPTY
+
+    def _window_held(self, node: TreeNode) -> bool:
+        """True if every page of the window ending at ``node`` holds SWA."""
+        ids = self._window_ids(node)
+        return not ids or min(ids) >= 0
+
+    def _safe_pages(self, path: list[tuple[TreeNode, int]], total: int) -> int:
+        """:func:`window_safe_pages` of the matched path (``total`` pages).  The common
+        case, a held tail window, is checked on Python ints (a window is a few
+        pages); only a broken tail takes the numpy scan."""
+        need = self.policy.window_pages
+        if need > total:
+            need = total
+        i = len(path) - 1
+        while need > 0:
+            n, k = path[i]
+            take = k if k < need else need
+            if take and min(n.swa[k - take:k].tolist()) < 0:
+                return window_safe_pages([n.swa[:k] for n, k in path], self.policy.window_pages)
+            need -= take
+            i -= 1
+        return total
+
+    def _check_anchors(self) -> None:
+        """Anchor counts equal checkpoints + one window per tail / branch point; the
+        ranking's own invariants."""
+        expect: dict[int, np.ndarray] = {}
+        nodes = list(self.iter_nodes())
+        for node in nodes:
+            lo = node.start // self.page_size
+            expect[node.nid] = self.policy.checkpoint_mask(lo, lo + node.n_pages).astype(np.int32)
+
+        def window(node: TreeNode, k: int) -> None:  # expect the window ending k pages into node
+            need, n = self.policy.window_pages, node
+            while need > 0 and n is not None and n.parent is not None:
+                take = min(need, k)
+                expect[n.nid][k - take:k] += 1
+                need -= take
+                n = n.parent
+                k = n.n_pages if n is not None else 0
+
+        for node in nodes:
+            want = self._wants_end_anchor(node)
+            assert node.ends == want, (node, node.ends, want)
+            if want:
+                window(node, node.n_pages)
+            for p in node.points or ():  # predicted windows inside the node
+                k = p - node.start // self.page_size
+                assert 0 < k <= node.n_pages, (node, p)
+                window(node, k)
+            assert node.mark == -1 or 0 < node.mark - node.start // self.page_size <= node.n_pages, (node, node.mark)
+        for node in nodes:
+            assert np.array_equal(node.anchor, expect[node.nid]), (node, node.anchor, expect[node.nid])
+        self.ranking.check(nodes)

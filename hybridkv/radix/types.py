@@ -1,0 +1,169 @@
+"""The prefix index's vocabulary: its configuration, what its calls return, its events.
+
+Kept apart from :mod:`hybridkv.radix.tree` so the index, its retention rules
+(:mod:`~hybridkv.radix.retention`), eviction (:mod:`~hybridkv.radix.evict`)
+and the rankings (:mod:`~hybridkv.radix.rankings`) share them without
+importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..spec import window_pages
+from .node import TreeNode
+
+__all__ = ["TreeConfig", "TreeEvent", "MatchResult", "LockHandle", "InsertResult", "PagePool",
+           "RANKINGS", "SWA_EVICTIONS", "EMPTY"]
+
+EMPTY = np.zeros(0, dtype=np.int32)
+
+
+RANKINGS = ("value", "adaptive", "arc", "lru")  # TreeConfig.ranking
+SWA_EVICTIONS = ("page", "node", "none")  # TreeConfig.swa_eviction
+
+
+class PagePool(Protocol):
+    """What the tree needs from a pool: give pages back."""
+
+    def free_full(self, pages: np.ndarray) -> None: ...
+
+    def free_swa(self, pages: np.ndarray) -> None: ...
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Tree policy.
+
+    Attributes:
+        page_size: tokens per page (all keys are page aligned).
+        window: sliding window W in tokens.
+        swa_checkpoint: K; SWA pages in the W tokens before every multiple of
+            K are retention checkpoints (evicted last).  0 disables them.
+        swa_eviction: ``"page"`` (hybridkv: per-page SWA eviction, cheapest
+            SWA first), ``"node"`` (tombstone baseline: a node's SWA goes as a
+            whole, plain LRU) or ``"none"`` (naive baseline: SWA lives and
+            dies with full KV).
+        anchor_branch_points: treat the window before a branch point as a
+            checkpoint (shared system prompts end there).
+        ranking: which leaf eviction takes: ``"value"`` (default: the
+            lowest hit density, returns per tick held, learned online per
+            reuse class and idle time by
+            :class:`~hybridkv.radix.reuse.ReuseModel`), ``"adaptive"``
+            (ARC's RECENT/REUSED segment rule with reuse predicted per
+            sequence, :class:`~hybridkv.radix.policy.AdaptiveRanking`),
+            ``"arc"`` (the plain segment rule) or ``"lru"``.
+    """
+
+    page_size: int
+    window: int
+    swa_checkpoint: int = 0
+    swa_eviction: str = "page"
+    anchor_branch_points: bool = True
+    ranking: str = "value"
+
+    def __post_init__(self) -> None:
+        if self.ranking not in RANKINGS:
+            raise ValueError(f"ranking must be one of {RANKINGS}, got {self.ranking!r}")
+        for name in ("page_size", "window", "swa_checkpoint"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.swa_checkpoint < 0:
+            raise ValueError(f"swa_checkpoint must be >= 0, got {self.swa_checkpoint}")
+        if self.swa_eviction not in SWA_EVICTIONS:
+            raise ValueError(f"swa_eviction must be one of {SWA_EVICTIONS}, got {self.swa_eviction!r}")
+
+    @property
+    def window_pages(self) -> int:
+        return window_pages(self.window, self.page_size)
+
+    @property
+    def checkpoint_pages(self) -> int:
+        """Checkpoint interval in pages (K rounded up to a page multiple), 0 if off."""
+        return -(-self.swa_checkpoint // self.page_size) if self.swa_checkpoint else 0
+
+
+@dataclass
+class MatchResult:
+    """Result of :meth:`WindowSafeTree.match`.
+
+    ``length`` is the window-safe hit in tokens; ``raw_length`` the page-aligned
+    token match (for statistics: the gap is full KV without a usable window).
+    ``full_pages[i]`` / ``swa_pages[i]`` are the pages of ``[0, length)``
+    (``swa_pages`` is ``NO_PAGE`` where the tree holds no SWA).  ``node`` is
+    the node ending exactly at ``length`` when the match was split, else the
+    deepest node the hit touches.
+    """
+
+    length: int
+    raw_length: int
+    full_pages: np.ndarray
+    swa_pages: np.ndarray
+    node: TreeNode | None
+
+
+class LockHandle:
+    """What :meth:`WindowSafeTree.lock` pinned; give it back to :meth:`unlock`.
+
+    ``node``: the locked node (None: nothing locked).  ``swa_pages``: the
+    pinned SWA page ids (int32).  ``ids``: the same as Python ints when the
+    tree pinned a window (a few pages; the request path reads them without
+    building an array).  ``released``: :meth:`unlock` was called.
+    """
+
+    __slots__ = ("node", "_pages", "ids", "released")
+
+    def __init__(self, node: TreeNode | None, swa_pages: np.ndarray | None = None,
+                 ids: list[int] | None = None) -> None:
+        self.node = node
+        self._pages = swa_pages
+        self.ids = ids
+        self.released = False
+
+    @property
+    def swa_pages(self) -> np.ndarray:
+        if self._pages is None:
+            self._pages = np.array(self.ids, dtype=np.int32) if self.ids else EMPTY
+        return self._pages
+
+    def __repr__(self) -> str:
+        return f"LockHandle(node={self.node!r}, swa_pages={self.swa_pages!r}, released={self.released})"
+
+
+@dataclass
+class InsertResult:
+    """``node`` ends at the inserted key's end; ``new_pages`` pages were added."""
+
+    node: TreeNode | None
+    new_pages: int
+    adopted_swa_pages: int
+
+
+@dataclass(frozen=True)
+class TreeEvent:
+    """A change of what the tree caches, for listeners (KV-event publishers).
+
+    ``kind``: ``"store"`` (pages added), ``"remove"`` (full KV of the pages
+    dropped, SWA with it), ``"swa_store"`` (SWA re-adopted) or
+    ``"swa_remove"`` (SWA dropped, full KV kept).  The affected pages are
+    ``[start, end)`` in tokens; ``tokens`` holds the whole prefix ``[0, end)``
+    so a listener can hash page keys; ``swa_valid`` has one flag per affected
+    page as it is *after* the event.
+    """
+
+    kind: str
+    namespace: str
+    start: int
+    end: int
+    tokens: np.ndarray
+    swa_valid: np.ndarray
+
+
