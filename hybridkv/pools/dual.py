@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .._validate import check_int
 from ..spec import AttnKind, ModelSpec
 from .allocator import PageAllocator
 from .arena import ArenaLayout
@@ -93,10 +94,8 @@ class DualPool:
             raise TypeError(f"spec must be a ModelSpec, got {type(spec).__name__}")
         for name, value in (("full_pages", full_pages), ("swa_pages", swa_pages),
                             ("budget_bytes", budget_bytes)):
-            if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+            if value is not None:
+                check_int(value, name, minimum=0)
         dev = check_device(device)
         self.spec = spec
         real = dev is not None and dev.type != "meta"
@@ -159,11 +158,8 @@ class DualPool:
     # -------------------------------------------------------------- mutation
     def alloc(self, n_full: int, n_swa: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Allocate pages in both pools atomically; None (nothing changed) if short.  O(n)."""
-        for name, value in (("n_full", n_full), ("n_swa", n_swa)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+        check_int(n_full, "n_full", minimum=0)
+        check_int(n_swa, "n_swa", minimum=0)
         return self.take(n_full, n_swa)
 
     def take(self, n_full: int, n_swa: int) -> tuple[np.ndarray, np.ndarray] | None:

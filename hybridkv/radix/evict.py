@@ -267,7 +267,7 @@ class EvictionMixin:
             if mode == "page":
                 heapq.heappush(self._anchor_heap, entry)
         # lazy heaps collect stale entries; rebuilding at 4x the live nodes keeps
-        # memory O(nodes) (the anchor heap was left out and grew without bound)
+        # memory O(nodes); every heap counts, the anchor heap included
         limit = self.heap_limit()
         if (len(self._swa_heap) > limit or len(self._anchor_heap) > limit or len(self._point_heap) > limit
                 or self.ranking.heap_entries() > limit):

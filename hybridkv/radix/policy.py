@@ -169,7 +169,7 @@ class AdaptiveRanking:
 
     ``mode`` (``CacheConfig.eviction_ranking``):
 
-    * ``"adaptive"`` (the default before ``"value"``): the rule above with two refinements, both
+    * ``"adaptive"``: the rule above with two refinements, both
       from the rule's own logic rather than tuned constants.  (1) Reuse is
       predicted per *sequence*: a leaf that extends a ``REUSED`` leaf (the
       next turn of a conversation that already came back) starts in

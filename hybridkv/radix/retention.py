@@ -50,9 +50,8 @@ class RetentionMixin:
         """1 if a window ending at ``node`` is an anchor: a leaf's tail, or a branch
         point, now or before (``node.branched``).  A point where requests diverged
         once, e.g. the end of a document asked several questions, is where the next
-        one diverges too; dropping its window when all but one child are evicted
-        made the next question miss the whole document (the window's SWA was freed
-        as unanchored before any leaf)."""
+        one diverges too: its window stays anchored while one child is left, so the
+        next question still hits the whole document."""
         k = len(node.children)
         return int(k == 0 or (self.policy.branch_points and (k > 1 or node.branched)))
 

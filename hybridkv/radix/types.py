@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .._validate import check_int
 from ..spec import window_pages
 from .node import TreeNode
 
@@ -69,9 +70,7 @@ class TreeConfig:
         if self.ranking not in RANKINGS:
             raise ValueError(f"ranking must be one of {RANKINGS}, got {self.ranking!r}")
         for name in ("page_size", "window", "swa_checkpoint"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            object.__setattr__(self, name, check_int(getattr(self, name), name))
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.window < 1:
