@@ -243,7 +243,7 @@ class KVEventPublisher:
         """A store event of every L2 full page, with its L2 SWA validity.  O(L2 pages)."""
         from ..tiers.payload import swa_key
         host = self.tiered.host
-        keys = list(host._full)  # same family: the host's own index, read-only
+        keys = host.full_keys()
         flags = host.lookup_swa([swa_key(k) for k in keys]) >= 0
         return KVEvent("L2", "store", "", tuple(keys), tuple(bool(f) for f in flags))
 

@@ -114,6 +114,11 @@ class HostTier:
     def num_full_pages(self) -> int:
         return len(self._full)
 
+    def full_keys(self) -> list[bytes]:
+        """Keys of every stored full-KV page, least recently used first (a copy:
+        the index is unchanged).  O(full pages)."""
+        return list(self._full)
+
     @property
     def num_swa_pages(self) -> int:
         return len(self._swa) + len(self._anchor)

@@ -1,0 +1,38 @@
+"""HostTier's public read of its full-KV index."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridkv.spec import ModelSpec
+from hybridkv.tiers.host import HostTier
+
+
+def test_full_keys_lists_stored_full_pages_lru_first_and_is_a_copy():
+    spec = ModelSpec.preset("mimo-v2.5", page_size=4)
+    host = HostTier(spec, 4 * spec.bytes_per_page("full") + 4 * spec.bytes_per_page("swa"))
+    assert host.full_keys() == []
+    f, _ = host.alloc(3, 0)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    host.insert_full(keys, f)
+    assert host.full_keys() == keys
+    host.lookup_full(keys[:1], touch=True)  # a touched key becomes most recent
+    got = host.full_keys()
+    assert got == keys[1:] + keys[:1]
+    got.clear()
+    assert host.num_full_pages == 3 and len(host.full_keys()) == 3
+    host.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [True, 1.5, "8"])
+def test_budget_bytes_must_be_an_int(bad):
+    spec = ModelSpec.preset("mimo-v2.5", page_size=4)
+    with pytest.raises(TypeError, match="budget_bytes must be an int"):
+        HostTier(spec, bad)
+
+
+def test_budget_bytes_accepts_numpy_ints():
+    spec = ModelSpec.preset("mimo-v2.5", page_size=4)
+    host = HostTier(spec, np.int64(4 * spec.bytes_per_page("full")))
+    assert host.alloc(4, 0) is not None
