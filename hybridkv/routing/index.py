@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..spec import window_pages
 from ..tiers.keys import page_keys
+from ..window import safe_pages
 from .bus import BusError, EventBatch, EventBus
 
 __all__ = ["TIERS", "GlobalPrefixIndex", "HitPrediction"]
@@ -85,7 +87,7 @@ class GlobalPrefixIndex:
             raise ValueError(f"stale_after_s must be > 0, got {stale_after_s!r}")
         self.num_workers = num_workers
         self.page_size = page_size
-        self.window_pages = -(-window // page_size)
+        self.window_pages = window_pages(window, page_size)
         self.fingerprint = fingerprint
         self.bus = bus
         self.stale_after_s = float(stale_after_s)
@@ -261,17 +263,13 @@ class GlobalPrefixIndex:
         return keys
 
     def _safe_lengths(self, full: np.ndarray, swa: np.ndarray) -> np.ndarray:
-        """Window-safe lengths (tokens) from per-page bool matrices ``(pages, workers)``."""
+        """Window-safe lengths (tokens) from per-page bool matrices ``(pages, workers)``:
+        per worker, :func:`hybridkv.window.safe_pages` below its leading run of
+        full pages.  O(pages x workers) numpy work."""
         n = full.shape[0]
-        full_len = np.where(full.all(axis=0), n, np.argmin(full, axis=0))
-        counts = np.zeros((n + 1, full.shape[1]), dtype=np.int64)
-        np.cumsum(swa, axis=0, out=counts[1:])
-        ends = np.arange(1, n + 1)
-        starts = np.maximum(0, ends - self.window_pages)
-        good = (counts[ends] - counts[starts]) == (ends - starts)[:, None]
-        good &= ends[:, None] <= full_len[None, :]
-        best = np.where(good, ends[:, None], 0).max(axis=0)
-        return best.astype(np.int64) * self.page_size
+        full_len = np.where(full.all(axis=0), n, np.argmin(full, axis=0)).tolist()
+        best = [safe_pages(swa[:, w], self.window_pages, limit) for w, limit in enumerate(full_len)]
+        return np.asarray(best, dtype=np.int64) * self.page_size
 
     def pages(self, worker: int, tier: str = "L1") -> tuple[int, int]:
         """(full, swa) pages the index believes ``worker`` holds in ``tier``.  O(index size)."""

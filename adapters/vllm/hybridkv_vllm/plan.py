@@ -2,10 +2,11 @@
 
 Pure numpy, importable without vLLM, so the rules are unit-tested directly.
 
-Window rule (``../../DESIGN.md`` section 2, shared with the core tree): a
-prefix of ``L`` tokens is usable iff every position in ``[0, L)`` has full KV
-and every position in ``[max(0, L - W), L)`` has SWA KV, for each SWA group
-with window ``W``.  Hits are page aligned.
+Window rule (``../../DESIGN.md`` section 2): a prefix of ``L`` tokens is
+usable iff every position in ``[0, L)`` has full KV and every position in
+``[max(0, L - W), L)`` has SWA KV, for each SWA group with window ``W``.  Hits
+are page aligned.  The rule itself is :mod:`hybridkv.window`'s (the core tree
+and the tiers ask it too); this module maps vLLM's groups onto it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from hybridkv.spec import window_pages
+from hybridkv.window import groups_safe_pages, held_windows
 
 __all__ = [
     "GroupInfo",
@@ -48,9 +52,10 @@ class GroupInfo:
 def swa_first_page(end_pages: int, page_size: int, window: int) -> int:
     """First page whose SWA KV a hit ending at ``end_pages`` pages needs.
 
-    Covers positions ``[max(0, end - window), end)``.  O(1).
+    Covers positions ``[max(0, end - window), end)``: the last
+    :func:`hybridkv.spec.window_pages` pages before the end.  O(1).
     """
-    return max(0, end_pages * page_size - window) // page_size
+    return max(0, end_pages - window_pages(window, page_size))
 
 
 def window_safe_pages(full_present: np.ndarray, swa_present: Sequence[np.ndarray],
@@ -71,23 +76,10 @@ def window_safe_pages(full_present: np.ndarray, swa_present: Sequence[np.ndarray
         Pure; O(P * groups) numpy work, no per-page Python loop.
     """
     full_present = np.asarray(full_present, dtype=bool)
-    n = full_present.size
-    if n == 0:
-        return 0
     missing = np.flatnonzero(~full_present)
-    prefix = int(missing[0]) if missing.size else n
-    if prefix <= local_pages:
-        return prefix
-    ends = np.arange(local_pages + 1, prefix + 1)  # candidate hit ends, in pages
-    ok = np.ones(ends.size, dtype=bool)
-    for present, window in zip(swa_present, windows):
-        present = np.asarray(present, dtype=bool)[:prefix]
-        csum = np.concatenate(([0], np.cumsum(present, dtype=np.int64)))
-        lo = np.maximum(0, ends * page_size - window) // page_size
-        lo = np.maximum(lo, local_pages)  # the engine's own hit covers pages below
-        ok &= (csum[ends] - csum[lo]) == (ends - lo)
-    good = ends[ok]
-    return int(good[-1]) if good.size else 0
+    prefix = int(missing[0]) if missing.size else full_present.size
+    return groups_safe_pages(swa_present, [window_pages(w, page_size) for w in windows], prefix,
+                             local_pages)
 
 
 def window_safe_tokens(present: Sequence[np.ndarray], groups: Sequence[GroupInfo], unit: int,
@@ -122,14 +114,10 @@ def window_safe_tokens(present: Sequence[np.ndarray], groups: Sequence[GroupInfo
     ok = np.ones(ends.size, dtype=bool)
     for pres, g in zip(present, groups):
         bs = g.block_size
-        pres = np.asarray(pres, dtype=bool)[: last * unit // bs]
-        csum = np.concatenate(([0], np.cumsum(pres, dtype=np.int64)))
-        hi = ends // bs
-        lo = np.full(ends.size, local_tokens // bs, dtype=np.int64)
-        if g.is_swa:
-            lo = np.maximum(lo, np.maximum(0, ends - int(g.window)) // bs)  # type: ignore[arg-type]
-        # full groups: [local, L) complete, so a gap fails every end past it
-        ok &= (csum[hi] - csum[lo]) == (hi - lo)
+        pages = last * unit // bs
+        # a full group needs all of [local, L): a window as long as the whole hit
+        wp = window_pages(int(g.window), bs) if g.is_swa else pages  # type: ignore[arg-type]
+        ok &= held_windows(np.asarray(pres, dtype=bool)[:pages], ends // bs, wp, local_tokens // bs)
     good = ends[ok]
     return int(good[-1]) if good.size else 0
 
