@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import logging
 import math
 import os
 import threading
@@ -72,18 +71,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hybridkv.tiers.keys import model_fingerprint, page_keys
+from hybridkv.tiers.keys import page_keys
 from hybridkv.tiers.storage import open_backend
 
 from .config import ConnectorConfig
+from .groups import fingerprints, groups_from_config
 from .kvio import GroupBuffers, as_np_tokens, load_pages
 from .l2 import HostPageCache
+from .logs import logger, route_core_logs
 from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
-from .plan import GroupInfo, checkpoint_ends, pages_to_save, window_safe_tokens
+from .plan import checkpoint_ends, pages_to_save, window_safe_tokens
 from .saver import SaveThread
 
 if TYPE_CHECKING:
@@ -96,24 +95,9 @@ if TYPE_CHECKING:
 
 __all__ = ["HybridKVConnector", "HybridKVMetadata", "PageJob"]
 
-# vLLM configures the "vllm" logger (handler, format, VLLM_LOGGING_LEVEL); a
-# logger outside that namespace has no handler in a vLLM server and its lines
-# never appear.  hybridkv's own loggers ("hybridkv.*": backend faults) are
-# attached to the same handlers when the connector starts.
-logger = init_logger("vllm.hybridkv_vllm.connector")
-
 SENT_KEYS_MAX = 1 << 17  # recently saved keys the scheduler remembers (~15 MB)
-SHUTDOWN_DRAIN_S = 3.0
-LOAD_WAIT_S = 30.0  # a load waits at most this long for a queued save of its pages  # vLLM SIGKILLs an engine process ~5 s after SIGTERM
-
-
-def _route_core_logs() -> None:
-    core, vl = logging.getLogger("hybridkv"), logging.getLogger("vllm")
-    if not core.handlers and vl.handlers:
-        for h in vl.handlers:
-            core.addHandler(h)
-        core.setLevel(vl.level or logging.INFO)
-        core.propagate = False
+SHUTDOWN_DRAIN_S = 3.0  # vLLM SIGKILLs an engine process ~5 s after SIGTERM
+LOAD_WAIT_S = 30.0  # a load waits at most this long for a queued save of its pages
 
 
 def _shutdown_at_exit(ref: weakref.ref) -> None:
@@ -153,45 +137,6 @@ class _ReqState:
     reported: bool = False
 
 
-def _groups_from_config(kv_cache_config: KVCacheConfig) -> list[GroupInfo]:
-    groups = []
-    for i, g in enumerate(kv_cache_config.kv_cache_groups):
-        spec = g.kv_cache_spec
-        if isinstance(spec, SlidingWindowSpec):
-            window: int | None = int(spec.sliding_window)
-        elif isinstance(spec, FullAttentionSpec):
-            # With the hybrid manager off, vLLM keeps SWA layers' KV for every
-            # token (FullAttentionSpec with sliding_window set): all pages are valid.
-            window = None
-        else:
-            raise TypeError(f"HybridKVConnector: KV-cache group {i} has unsupported spec "
-                             f"{type(spec).__name__} (full attention and sliding window only)")
-        # Groups may differ in block size (vLLM equalises page bytes: MiMo-V2's
-        # full group gets 64-token blocks, its SWA groups 32): keys and block
-        # ids of a group are always at its own block size.
-        groups.append(GroupInfo(i, window, tuple(g.layer_names), int(spec.block_size)))
-    return groups
-
-
-def _fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                  groups: list[GroupInfo], model_id: str) -> dict[int, str]:
-    if not model_id:
-        hf = vllm_config.model_config.hf_config
-        model_id = os.path.basename(str(getattr(hf, "_name_or_path", "") or
-                                        vllm_config.model_config.model).rstrip("/"))
-    out = {}
-    for g in groups:
-        spec = kv_cache_config.kv_cache_groups[g.index].kv_cache_spec
-        desc = {"model": model_id, "group": g.index, "window": g.window,
-                "layers": list(g.layer_names), "block_size": spec.block_size,
-                "kv_heads": getattr(spec, "num_kv_heads", None),
-                "head_size": getattr(spec, "head_size", None),
-                "head_size_v": getattr(spec, "head_size_v", None),
-                "dtype": str(getattr(spec, "dtype", ""))}
-        out[g.index] = model_fingerprint(desc, "swa" if g.is_swa else "full")
-    return out
-
-
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 KV connector backed by hybridkv's L3 storage (see module docstring)."""
 
@@ -202,7 +147,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.cfg = ConnectorConfig.from_extra(extra)
-        self.groups = _groups_from_config(kv_cache_config)
+        self.groups = groups_from_config(kv_cache_config)
         # A hit must end on a block boundary of every group: the lcm (vLLM's
         # scheduler block size for mixed groups, and what it aligns local hits to).
         self.unit = math.lcm(*(g.block_size for g in self.groups))
@@ -211,10 +156,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"kv_connector_extra_config['checkpoint_interval'] "
                              f"({self.cfg.checkpoint_interval}) must be a multiple of the "
                              f"hit unit {self.unit} (lcm of the groups' block sizes)")
-        self.fingerprints = _fingerprints(vllm_config, kv_cache_config, self.groups,
-                                          self.cfg.model_id)
+        self.fingerprints = fingerprints(vllm_config, kv_cache_config, self.groups,
+                                         self.cfg.model_id)
         self.backend = open_backend(self.cfg.l3_url, **dict(self.cfg.backend_options or {}))
-        _route_core_logs()
+        route_core_logs()
         self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # totals (stats file)
         self._interval: dict[str, int] = {}  # increments since the last vLLM stats pull
         self._stats_lock = threading.Lock()

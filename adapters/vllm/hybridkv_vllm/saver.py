@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from .kvio import GroupBuffers, gather_host, store_rows
+from .logs import logger
 
 __all__ = ["SaveTask", "SaveThread"]
 
@@ -177,7 +178,6 @@ class SaveThread:
             try:
                 self._do(task)
             except Exception:  # noqa: BLE001 - a failed save is a future miss, never a crash
-                from .connector import logger
                 logger.exception("hybridkv: save of request %s failed", task.req_id)
                 if task.finish:
                     with self._lock:
