@@ -155,6 +155,10 @@ class HybridKVCache(RequestPages):
         self.last_match_us = 0.0  # duration of the tree match inside the last begin()
         self.counters = {"requests": 0, "hit_tokens": 0, "raw_match_tokens": 0, "input_tokens": 0,
                          "rejected": 0, "released_swa_pages": 0}
+        # L2/L3 beside the tree (a hybridkv.tiers TierCoordinator, set by TieredCache):
+        # called in begin (before_match, after_begin), finish (before_finish), stats
+        # and check_invariants; None: L1 only
+        self.lower_tiers: Any = None
 
     # ================================================================ match
     def match(self, tokens: object, namespace: str = "default") -> MatchResult:
@@ -173,7 +177,13 @@ class HybridKVCache(RequestPages):
         if n == 0:
             raise ValueError("tokens must not be empty")
         self._check_namespace(namespace)
-        return self._begin(buf, n, namespace, rid)
+        lower = self.lower_tiers
+        if lower is None:
+            return self._begin(buf, n, namespace, rid)
+        plan = lower.before_match(buf[:n], namespace)
+        req = self._begin(buf, n, namespace, rid)
+        lower.after_begin(req, plan)
+        return req
 
     def _begin(self, buf: np.ndarray, n_tokens: int, namespace: str, rid: Any) -> Request:
         """``buf``: the request's own token buffer (:func:`_own_tokens`), ``n_tokens`` used."""
@@ -303,6 +313,8 @@ class HybridKVCache(RequestPages):
         self._check_live(req)
         if not isinstance(cache, (bool, np.bool_)):
             raise TypeError(f"cache must be a bool, got {type(cache).__name__}")
+        if cache and self.lower_tiers is not None:
+            self.lower_tiers.before_finish(req)
         return self._finish(req, bool(cache))
 
     def _finish(self, req: Request, cache: bool) -> int:
@@ -541,7 +553,7 @@ class HybridKVCache(RequestPages):
         return list(self._live.values())
 
     def stats(self) -> dict[str, Any]:
-        """Counters and sizes (tokens)."""
+        """Counters and sizes (tokens), then the lower tiers' figures (if any)."""
         p = self.page_size
         out = dict(self.counters)
         out.update(
@@ -554,10 +566,13 @@ class HybridKVCache(RequestPages):
             used_bytes=self.pool.used_bytes(), budget_bytes=self.pool.budget_bytes,
             tensor_bytes=self.pool.tensor_bytes(), tree_nodes=self.tree.num_nodes,
         )
+        if self.lower_tiers is not None:
+            out.update(self.lower_tiers.stats())
         return out
 
     def check_invariants(self) -> None:
-        """Tree + pools + ownership: every used page is owned exactly once.  O(n)."""
+        """Tree + pools + ownership: every used page is owned exactly once; then the
+        lower tiers' own checks (if any).  O(n)."""
         self.tree.check_invariants()
         self.pool.check_invariants()
         owned_full = [n.full for n in self.tree.iter_nodes()]
@@ -577,3 +592,5 @@ class HybridKVCache(RequestPages):
         assert np.unique(swa).size == swa.size == self.pool.swa.num_used, \
             ("swa page ownership", np.unique(swa).size, swa.size, self.pool.swa.num_used)
         assert self.pool.full.is_allocated(full).all() and self.pool.swa.is_allocated(swa).all()
+        if self.lower_tiers is not None:
+            self.lower_tiers.check_invariants()

@@ -130,7 +130,7 @@ def test_repair_device_swa_backed_up_at_prefill_end():
     keys = cache._page_keys(p, "default", 8)
     # put the full KV into L2 only (as an earlier write-back of full pages would)
     pages = np.array([cache.tree.iter_nodes().__next__().full[i] for i in range(8)])
-    cache._store_l2(AttnKind.FULL, pages, keys, None)
+    cache.lower_tiers.backup.store_l2(AttnKind.FULL, pages, keys, None)
     assert (cache.host.lookup_swa([swa_key(k) for k in keys]) < 0).all()
     q = np.concatenate([p, rng.integers(0, 5000, 8)])
     run(cache, q)

@@ -52,7 +52,7 @@ class TierFaultMachine(RuleBasedStateMachine):
         self.rng = np.random.default_rng(seed)
         self.bases = [self.rng.integers(0, 64, 80).astype(np.int32) for _ in range(3)]
         self.fault = {"copy": False, "decode": False}
-        real_copy, real_decode = self.cache._copy, self.cache.codec.decode
+        real_copy, real_decode = self.cache.lower_tiers.copy, self.cache.codec.decode
 
         def copy(*a, **k):
             if self.fault["copy"]:
@@ -64,7 +64,7 @@ class TierFaultMachine(RuleBasedStateMachine):
                 raise RuntimeError("injected decode fault")
             return real_decode(*a, **k)
 
-        self.cache._copy = copy
+        self.cache.lower_tiers.copy = copy
         self.cache.codec.decode = decode
         self.requests = 0
 

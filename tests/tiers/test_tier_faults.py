@@ -123,11 +123,11 @@ def test_fault_while_loading_to_l1_leaks_nothing(where):
     ps = prompts(6, seed=6)
     check(ps, cache)
     evict_l1(cache)
-    real_copy, real_insert = cache._copy, cache.tree.insert
+    real_copy, real_insert = cache.lower_tiers.copy, cache.tree.insert
     state = {"armed": True}
 
     def bad_copy(kind, src, sp, dst, dp):
-        if state["armed"] and dst is cache:
+        if state["armed"] and dst is cache.pool:
             raise RuntimeError("H2D copy failed")
         return real_copy(kind, src, sp, dst, dp)
 
@@ -137,7 +137,7 @@ def test_fault_while_loading_to_l1_leaks_nothing(where):
         return real_insert(*a, **k)
 
     if where == "copy":
-        cache._copy = bad_copy
+        cache.lower_tiers.copy = bad_copy
     else:
         cache.tree.insert = bad_insert
     req = cache.begin(ps[0][1], ps[0][0])
@@ -151,15 +151,15 @@ def test_fault_while_loading_to_l1_leaks_nothing(where):
 
 def test_copy_raising_while_storing_to_l2_leaks_nothing():
     cache = tiered()
-    real_copy = cache._copy
+    real_copy = cache.lower_tiers.copy
     state = {"armed": True}
 
     def bad_copy(kind, src, sp, dst, dp):
-        if state["armed"] and dst is cache.host:
+        if state["armed"] and dst is cache.host.pool:
             raise RuntimeError("D2H copy failed")
         return real_copy(kind, src, sp, dst, dp)
 
-    cache._copy = bad_copy
+    cache.lower_tiers.copy = bad_copy
     ps = prompts(6, seed=7)
     check(ps, cache)
     assert cache.stats()["tier_errors"] > 0

@@ -1,0 +1,201 @@
+"""L1 -> L2 copies of a tier coordinator, and the page keys of L1 pages.
+
+:class:`L2Backup` registers the key of every page the L1 tree holds (so a
+page the tree frees can be named in L2), copies pages down as the write
+policy asks (``write_through``: a request's pages when it finishes;
+``write_back``: a page when the tree frees it, through the tree's
+``free_listeners``), and queues what enters L2 for L3.
+
+Repair cases (the MiMo stack's four): 1. device SWA the host lacks is copied
+down at prefill end under both policies; 4. retention checkpoints apply below
+L1: SWA pages that end a sequence or a checkpoint window are anchored (L2
+evicts unanchored SWA first, L3 receives only anchored SWA with
+``l3_swa="anchored"``), and the window that ends a hit is anchored in L1's
+registration and in L2 and queued for L3 (:meth:`L2Backup.anchor_hit_window`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..spec import AttnKind
+from .payload import swa_key
+
+if TYPE_CHECKING:
+    from ..cache import Request
+    from .coordinator import TierCoordinator
+
+__all__ = ["L2Backup"]
+
+logger = logging.getLogger("hybridkv.tiers")
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+class L2Backup:
+    """The L1 page-key registry and the L1 -> L2 copies of ``coordinator`` (its
+    host, codec, write queue, counters; everything under its mutex)."""
+
+    def __init__(self, coordinator: TierCoordinator) -> None:
+        self._co = coordinator
+        self._full_key: dict[int, bytes] = {}              # L1 full page -> page key
+        self._swa_key: dict[int, tuple[bytes, bool]] = {}  # L1 SWA page -> (page key, anchored)
+
+    # ======================================================== registration
+    def register(self, req: Request, aligned: int, keys: list[bytes]) -> None:
+        """Register the keys of ``req``'s own pages ``[tree_pages, aligned)`` (before
+        the tree takes them).  O(pages)."""
+        lo = req.tree_pages
+        for p, k in zip(req.full_pages[lo:aligned].tolist(), keys[lo:aligned]):
+            self._full_key[p] = k
+        swa = req.swa_pages[lo:aligned]
+        idx = lo + np.flatnonzero(swa >= 0)
+        for p, i, a in zip(req.swa_pages[idx].tolist(), idx.tolist(), self._anchored(idx, aligned).tolist()):
+            self._swa_key[p] = (keys[i], a)
+
+    def register_loaded(self, full_pages: np.ndarray, full_idx: np.ndarray, swa_pages: np.ndarray,
+                        swa_idx: np.ndarray, keys: list[bytes]) -> None:
+        """Register L1 pages loaded from L2: full page ``full_pages[j]`` holds page
+        ``full_idx[j]`` of ``keys``, likewise SWA (anchored).  O(pages)."""
+        for p, i in zip(full_pages.tolist(), full_idx.tolist()):
+            self._full_key[p] = keys[i]
+        for p, i in zip(swa_pages.tolist(), swa_idx.tolist()):
+            self._swa_key[p] = (keys[i], True)
+
+    def unregister(self, full_pages: np.ndarray, swa_pages: np.ndarray) -> None:
+        """Forget the keys of these L1 pages (a load that failed).  O(pages)."""
+        for p in full_pages.tolist():
+            self._full_key.pop(p, None)
+        for p in swa_pages.tolist():
+            self._swa_key.pop(p, None)
+
+    def check_registered(self) -> None:
+        """Every page the L1 tree holds has a registered key, no other page has.  O(n)."""
+        tree = self._co.tree
+        tree_full = {int(p) for nd in tree.iter_nodes() for p in nd.full.tolist()}
+        assert set(self._full_key) == tree_full, "L1 full pages and registered keys differ"
+        tree_swa = {int(p) for nd in tree.iter_nodes() for p in nd.swa[nd.swa >= 0].tolist()}
+        assert set(self._swa_key) == tree_swa, "L1 SWA pages and registered keys differ"
+
+    def _anchored(self, idx: np.ndarray, end: int) -> np.ndarray:
+        """Which page indices end a kept window: the tail before ``end`` or a checkpoint
+        (the tree's :class:`~hybridkv.radix.policy.RetentionPolicy` decides, as in L1)."""
+        return self._co.tree.policy.tier_anchored(idx, end)
+
+    def anchor_hit_window(self, req: Request, keys: list[bytes], h: int) -> None:
+        """Anchor the SWA window ``[h - W, h)`` that ends this hit (repair case 4).
+
+        L1 pages of the window are re-registered as anchored (write-back then
+        stores them anchored when the tree frees them, and write-through's
+        backup at finish keeps the flag); L2 copies are promoted to the
+        anchored class and queued for L3 if not known there.  O(window pages).
+        """
+        co = self._co
+        lo = max(0, h - co.spec.window_pages)
+        for i, p in zip(range(lo, h), req.swa_pages[lo:h].tolist()):
+            if p >= 0 and p in self._swa_key:
+                self._swa_key[p] = (keys[i], True)
+        swa_keys = [swa_key(k) for k in keys[lo:h]]
+        pages = co.host.lookup_swa(swa_keys)
+        have = pages >= 0
+        if have.any():
+            held = [k for k, o in zip(swa_keys, have.tolist()) if o]
+            co.host.anchor(held)
+            co.writes.queue(AttnKind.SWA, held, pages[have], base=[k for k, o in zip(keys[lo:h], have) if o])
+
+    # ============================================================== copies
+    def at_finish(self, req: Request, aligned: int, keys: list[bytes]) -> None:
+        """Copy ``req``'s pages ``[0, aligned)`` to L2 as the write policy asks:
+        write-through all the full KV L2 lacks, and the SWA L2 lacks (write-back:
+        only where L2 holds the full KV, repair case 1).  O(pages)."""
+        co = self._co
+        through = co.tiers.write_policy == "write_through"
+        have_full = co.host.lookup_full(keys[:aligned]) >= 0
+        if through:
+            missing_full = np.flatnonzero(~have_full)
+            self.store_l2(AttnKind.FULL, req.full_pages[missing_full], [keys[i] for i in missing_full], None)
+            have_full[:] = True
+        idx = np.flatnonzero(req.swa_pages[:aligned] >= 0)
+        if not through:
+            idx = idx[have_full[idx]]
+        if idx.size == 0:
+            return
+        swa_keys = [swa_key(keys[i]) for i in idx]
+        missing = co.host.lookup_swa(swa_keys) < 0
+        idx = idx[missing]
+        if not through:
+            co.counters["repair_swa_d2h_pages"] += idx.size
+        pages = req.swa_pages[idx]
+        # A window anchored since registration (it ended a hit) keeps its anchor.
+        marked = np.fromiter((self._swa_key.get(p, (b"", False))[1] for p in pages.tolist()),
+                             bool, count=idx.size)
+        self.store_l2(AttnKind.SWA, pages, [k for k, m in zip(swa_keys, missing) if m],
+                      self._anchored(idx, aligned) | marked, base=[keys[i] for i in idx])
+
+    def store_l2(self, kind: AttnKind, l1_pages: np.ndarray, keys: list[bytes],
+                 anchored: np.ndarray | None, base: list[bytes] | None = None) -> None:
+        """Copy L1 pages to new L2 pages (D2H), index them, queue their L3 write.
+
+        ``keys``: storage keys (SWA keys for SWA); ``base``: their full-KV page
+        keys (named in tier events).  L2 pages a load under way reads are not
+        evicted for room.  O(pages).
+        """
+        n = len(keys)
+        if n == 0:
+            return
+        co = self._co
+        protect_full, protect_swa = co.protected
+        got = co.host.alloc(n if kind is AttnKind.FULL else 0, n if kind is AttnKind.SWA else 0,
+                            protect=protect_full, protect_swa=protect_swa)
+        if got is None:
+            co.counters["l2_store_failed"] += n
+            return
+        host_pages = got[0] if kind is AttnKind.FULL else got[1]
+        try:
+            co.copy(kind, co.pool, l1_pages, co.host.pool, host_pages)
+        except BaseException:
+            co.host.free(host_pages if kind is AttnKind.FULL else _EMPTY,
+                         host_pages if kind is AttnKind.SWA else _EMPTY)
+            raise
+        if kind is AttnKind.FULL:
+            co.host.insert_full(keys, host_pages)
+        else:
+            co.host.insert_swa(keys, host_pages, anchored if anchored is not None else np.ones(n, bool), base)
+        c = co.counters
+        c["l1_to_l2_full_pages" if kind is AttnKind.FULL else "l1_to_l2_swa_pages"] += n
+        c["bytes_d2h"] += n * co.codec.nominal_bytes(kind)
+        sel = None
+        if kind is AttnKind.SWA and co.tiers.l3_swa == "anchored" and anchored is not None:
+            sel = np.asarray(anchored, bool)
+        co.writes.queue(kind, keys, host_pages, sel, base=base)
+
+    def on_l1_free(self, kind: AttnKind, pages: np.ndarray) -> None:
+        """The L1 tree frees ``pages`` (a tree free listener): drop their keys, back
+        them up to L2 first under write-back.  Never raises.  O(pages)."""
+        co = self._co
+        try:
+            with co.mutex:
+                if kind is AttnKind.FULL:
+                    keys = [self._full_key.pop(p, None) for p in pages.tolist()]
+                    bases = anchored = None
+                else:
+                    pairs = [self._swa_key.pop(p, None) for p in pages.tolist()]
+                    keys = [None if x is None else swa_key(x[0]) for x in pairs]
+                    bases = [None if x is None else x[0] for x in pairs]
+                    anchored = np.array([bool(x and x[1]) for x in pairs], dtype=bool)
+                if co.tiers.write_policy != "write_back":
+                    return
+                sel = np.array([k is not None for k in keys], dtype=bool)
+                if not sel.any():
+                    return
+                named = [k for k in keys if k is not None]
+                have = (co.host.lookup_full(named) if kind is AttnKind.FULL else co.host.lookup_swa(named)) >= 0
+                idx = np.flatnonzero(sel)[~have]
+                self.store_l2(kind, pages[idx], [keys[i] for i in idx],
+                              None if anchored is None else anchored[idx],
+                              base=None if bases is None else [bases[i] for i in idx])
+        except Exception as exc:  # noqa: BLE001 - freeing must go on; the backup is best effort
+            co.counters["tier_errors"] += 1
+            logger.warning("L1 -> L2 backup failed (%s: %s); pages dropped", type(exc).__name__, exc)

@@ -1,0 +1,400 @@
+"""The tier coordinator: L2 (host) and L3 (storage) beside a cache's L1 tree.
+
+A :class:`TierCoordinator` is owned by a
+:class:`~hybridkv.cache.HybridKVCache` (its ``lower_tiers``), which calls it at
+three documented points of a request:
+
+* :meth:`TierCoordinator.before_match`, in ``begin`` before the L1 match:
+  find the prompt's pages in L1/L2/L3, wait (bounded) for an L3 -> L2
+  read-ahead, load L2 -> L1 and insert into the tree;
+* :meth:`TierCoordinator.after_begin`, once the hit is locked: per-tier hit
+  figures, hot keys touched, the hit's window anchored;
+* :meth:`TierCoordinator.before_finish`, in ``finish(cache=True)`` before the
+  insert: the request's page keys registered, pages copied to L2 as the write
+  policy asks.
+
+Beside those it listens to the tree's ``free_listeners`` (a page leaving L1 is
+backed up to L2 first under write-back) and, through its
+:class:`~hybridkv.tiers.writes.L3WriteQueue`, to L2's.  It asks the tree only
+through public calls (``walk``, ``lock_path``, ``insert``, ``evict``,
+``unlock``).  Its lock (``mutex``) guards everything here; the L3 workers take
+it to land reads and encode writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .._validate import as_token_array
+from ..radix.node import NO_PAGE, TreeNode
+from ..spec import AttnKind, ModelSpec
+from ..transfer import copy_pages
+from .backup import L2Backup
+from .config import PageOrigin, TierConfig
+from .host import HostTier
+from .keys import page_keys
+from .manager import TierManager
+from .payload import PayloadCodec, RealPayload, ScaledPayload, swa_key
+from .reads import Landing, PrefetchHandle, ReadAhead, leading_true, window_safe
+from .storage import StorageBackend, open_backend
+from .writes import L3Keys, L3WriteQueue
+
+if TYPE_CHECKING:
+    from ..cache import Request
+    from ..pools import DualPool
+    from ..radix import WindowSafeTree
+
+__all__ = ["Residency", "TierCoordinator"]
+
+logger = logging.getLogger("hybridkv.tiers")
+_COUNTERS = ("l1_hit_tokens", "l2_hit_tokens", "l3_hit_tokens", "bytes_d2h", "bytes_h2d",
+             "bytes_l3_read", "bytes_l3_written", "l2_to_l1_full_pages", "l2_to_l1_swa_pages",
+             "l1_to_l2_full_pages", "l1_to_l2_swa_pages", "l3_to_l2_full_pages", "l3_to_l2_swa_pages",
+             "l3_clamped_pages", "repair_swa_d2h_pages", "repair_swa_h2d_pages", "l2_store_failed",
+             "l1_load_failed", "tier_errors", "l3_preexisting_hit_tokens")
+
+
+@dataclass
+class Residency:
+    """Where the pages of a prompt are in L1/L2 (taken under the mutex).
+
+    Attributes:
+        full / swa: :class:`PageOrigin` of each page's full / SWA KV (L1, L2 or NONE).
+        l2_full / l2_swa: the L2 page holding it (-1: absent).
+        l1_full / l1_swa: page ids of the raw (not window-safe) L1 match.
+        deepest: the node that match ends in (None: no L1 match).
+    """
+
+    full: np.ndarray
+    swa: np.ndarray
+    l2_full: np.ndarray
+    l2_swa: np.ndarray
+    l1_full: np.ndarray
+    l1_swa: np.ndarray
+    deepest: TreeNode | None
+
+
+class TierCoordinator:
+    """L2/L3 beside the L1 tree of one cache (see the module docstring).
+
+    Args:
+        spec: the model.
+        tree / pool: the cache's L1 tree and pools.
+        tiers: the :class:`TierConfig`.
+
+    Attributes: ``host`` (L2), ``l3`` (:class:`TierManager` or None),
+    ``backend``, ``codec``, ``counters`` (the tier counters), ``mutex``.
+    """
+
+    def __init__(self, spec: ModelSpec, tree: WindowSafeTree, pool: DualPool, tiers: TierConfig) -> None:
+        real = pool.buffers is not None and pool.buffers.device.type != "meta"
+        self.spec, self.tree, self.pool, self.tiers = spec, tree, pool, tiers
+        self.page_size = spec.page_size
+        self.host = HostTier(spec, int(tiers.l2_bytes), device=tiers.l2_device or ("cpu" if real else "meta"))
+        host_buffers = self.host.pool.buffers
+        self.codec: PayloadCodec = (RealPayload(spec, host_buffers)
+                                    if host_buffers is not None and host_buffers.device.type == "cpu"
+                                    else ScaledPayload(spec))
+        self.backend: StorageBackend | None = open_backend(tiers.l3) if isinstance(tiers.l3, str) else tiers.l3
+        self._owns_backend = isinstance(tiers.l3, str)
+        self.l3 = (TierManager(self.backend, timeout_s=tiers.l3_timeout_s, max_queued_writes=tiers.max_queued_writes,
+                               touch_interval_s=tiers.touch_interval_s, read_breaker=tiers.l3_read_breaker)
+                   if self.backend is not None else None)
+        self.fingerprint = spec.fingerprint()
+        self.mutex = threading.RLock()
+        self._stream = (torch.cuda.Stream(device=pool.buffers.device)
+                        if real and pool.buffers.device.type == "cuda" else None)
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.l3_keys = L3Keys()
+        self.writes = L3WriteQueue(self.l3, self.codec, self.mutex, self.l3_keys, self.counters)
+        self.landing = Landing(self.host, self.codec, self.l3, self.l3_keys, self.counters)
+        self.reads = (ReadAhead(self.l3, self.mutex, spec.window_pages, self.writes, self.landing, self.counters)
+                      if self.l3 is not None else None)
+        self.backup = L2Backup(self)
+        self._protect: tuple[set[int], set[int]] = (set(), set())  # L2 pages a load reads
+        tree.free_listeners.append(self.backup.on_l1_free)  # back L1 pages up to L2 before they go
+        self.host.free_listeners.append(self.writes.on_l2_freeing)  # encode queued L3 writes first
+
+    # ================================================================= keys
+    def page_keys(self, tokens: np.ndarray, namespace: str, n_pages: int,
+                  have: list[bytes] | None = None) -> list[bytes]:
+        """Keys of the first ``n_pages`` pages, extending ``have`` when given.  O(new pages)."""
+        have = have or []
+        if n_pages <= len(have):
+            return have[:n_pages]
+        P = self.page_size
+        more = page_keys(tokens[len(have) * P:n_pages * P], P, namespace=namespace,
+                         fingerprint=self.fingerprint, parent=have[-1] if have else None)
+        return have + more
+
+    @property
+    def protected(self) -> tuple[set[int], set[int]]:
+        """L2 pages (full, SWA) the L2 -> L1 load under way reads: an L2 store made
+        meanwhile (write-back of pages the load evicts) must not evict them."""
+        return self._protect
+
+    # ================================================================ begin
+    def prefetch(self, tokens: object, namespace: str = "default") -> PrefetchHandle:
+        """Start loading into L2 the L3 pages a later ``begin`` of ``tokens`` would use
+        (see :meth:`hybridkv.tiers.tiered.TieredCache.prefetch`).  Raises only for bad
+        arguments.  Runtime on the caller: key hashing O(L), one L1/L2 lookup per page."""
+        tokens = as_token_array(tokens)
+        if len(tokens) == 0:
+            raise ValueError("tokens must not be empty")
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+        keys = self.page_keys(tokens, namespace, (len(tokens) - 1) // self.page_size)
+        try:
+            return self._start_fetch(tokens, namespace, keys)[0]
+        except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
+            self.counters["tier_errors"] += 1
+            logger.warning("L3 prefetch failed (%s: %s)", type(exc).__name__, exc)
+            return PrefetchHandle()
+
+    def before_match(self, tokens: np.ndarray, namespace: str) -> tuple[list[bytes], np.ndarray]:
+        """Make the lower-tier hit of ``tokens`` (validated) resident in L1, before the
+        cache's L1 match.  Waits for L3 at most ``l3_timeout_s``, without the mutex.
+        Returns ``(page keys, origin per page of the hit)`` for :meth:`after_begin`.
+        Never raises for tier faults (logged, counted, an L1-only answer).
+        Runtime: key hashing O(L), one L2 lookup per page, the wait, the copies."""
+        n = (len(tokens) - 1) // self.page_size
+        keys = self.page_keys(tokens, namespace, n)
+        origin = np.zeros(n, dtype=np.int8)
+        if self.l3 is not None and n:
+            self._wait_for_l3(tokens, namespace, keys)
+        try:
+            with self.mutex:
+                origin = self._load(tokens, namespace, keys)
+        except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
+            self.counters["tier_errors"] += 1
+            logger.warning("tiered load failed (%s: %s); serving from L1 only", type(exc).__name__, exc)
+        return keys, origin
+
+    def after_begin(self, req: Request, plan: tuple[list[bytes], np.ndarray]) -> None:
+        """``req`` holds its L1 hit: record its keys and per-tier hit figures, touch
+        the served keys, anchor the hit's window.  O(hit pages)."""
+        keys, origin = plan
+        req.extra["page_keys"] = keys
+        self._account(req, keys, origin)
+
+    def _account(self, req: Request, keys: list[bytes], origin: np.ndarray) -> None:
+        """Per-tier hit tokens of ``req`` (added to the totals when it finishes with
+        ``cache=True``), L2 and L3 touches of the served keys, the hit's window
+        anchored (repair cases 3 and 4).  O(hit pages)."""
+        P = self.page_size
+        h = req.prefix_len // P
+        src = np.full(h, PageOrigin.L1, dtype=np.int8)
+        m = min(h, len(origin))
+        src[:m] = np.where(origin[:m] > PageOrigin.NONE, origin[:m], PageOrigin.L1)
+        per = {f"l{int(t)}_hit_tokens": int(np.count_nonzero(src == t)) * P for t in (PageOrigin.L1, PageOrigin.L2)}
+        per["l3_hit_tokens"] = int(np.count_nonzero(src >= PageOrigin.L3)) * P
+        per["l3_preexisting_hit_tokens"] = int(np.count_nonzero(src == PageOrigin.L3_PREEXISTING)) * P
+        req.extra["tiers"] = per
+        if not h:
+            return
+        with self.mutex:
+            self.host.lookup_full(keys[:h], touch=True)
+            try:
+                self.backup.anchor_hit_window(req, keys, h)
+            except Exception as exc:  # noqa: BLE001 - best effort, never fails the request
+                self.counters["tier_errors"] += 1
+                logger.warning("anchoring the hit window failed (%s: %s)", type(exc).__name__, exc)
+        if self.l3 is not None:  # repair 3: hot prefixes keep their L3 keys alive
+            served = [k for k, t in zip(keys[:h], src.tolist()) if t < PageOrigin.L3]
+            served += [swa_key(k) for k in keys[max(0, h - self.spec.window_pages):h]]
+            self.l3.touch(served)
+
+    def _wait_for_l3(self, tokens: np.ndarray, namespace: str, keys: list[bytes]) -> None:
+        """Start the read-ahead of what L1/L2 lack and wait for it (bounded; the
+        mutex is not held).  Faults are logged and counted."""
+        assert self.l3 is not None
+        try:
+            handle, probe = self._start_fetch(tokens, namespace, keys)
+            budget = self.tiers.l3_timeout_s
+            if not probe and not handle.wait(budget):
+                self.l3.timed_out(budget)
+        except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
+            self.counters["tier_errors"] += 1
+            logger.warning("L3 fetch failed (%s: %s); serving from L1/L2", type(exc).__name__, exc)
+
+    def _start_fetch(self, tokens: np.ndarray, namespace: str, keys: list[bytes]) -> tuple[PrefetchHandle, bool]:
+        """The read-ahead of ``keys`` (see :meth:`ReadAhead.start`)."""
+        if self.reads is None or not keys:
+            return PrefetchHandle(), False
+        with self.mutex:
+            res = self.resident(tokens, namespace, keys)
+            return self.reads.start(keys, res.full > PageOrigin.NONE, res.swa > PageOrigin.NONE)
+
+    def _l1_path(self, tokens: np.ndarray, namespace: str, limit: int
+                 ) -> tuple[np.ndarray, np.ndarray, TreeNode | None]:
+        """Full and SWA page ids of the raw (not window-safe) L1 token match."""
+        _, path = self.tree.walk(tokens, namespace, limit)
+        if not path:
+            return _EMPTY, _EMPTY, None
+        full = np.concatenate([nd.full[:k] for nd, k in path])
+        swa = np.concatenate([nd.swa[:k] for nd, k in path])
+        return full, swa, path[-1][0]
+
+    def resident(self, tokens: np.ndarray, namespace: str, keys: list[bytes]) -> Residency:
+        """Where the pages of ``keys`` are in L1 and L2 (under the mutex).  O(pages)."""
+        n = len(keys)
+        full = np.zeros(n, dtype=np.int8)
+        l1_full, l1_swa, deepest = self._l1_path(tokens, namespace, n * self.page_size)
+        n1 = len(l1_full)
+        full[:n1] = PageOrigin.L1
+        l2_full = np.full(n, -1, dtype=np.int64)
+        l2_full[n1:] = self.host.lookup_full(keys[n1:])
+        full[n1:][l2_full[n1:] >= 0] = PageOrigin.L2
+        swa = np.zeros(n, dtype=np.int8)
+        swa[:n1][l1_swa >= 0] = PageOrigin.L1
+        need = np.flatnonzero(swa == PageOrigin.NONE)
+        l2_swa = np.full(n, -1, dtype=np.int64)
+        if need.size:
+            l2_swa[need] = self.host.lookup_swa([swa_key(keys[i]) for i in need.tolist()])
+            swa[need[l2_swa[need] >= 0]] = PageOrigin.L2
+        return Residency(full, swa, l2_full, l2_swa, l1_full, l1_swa, deepest)
+
+    def _load(self, tokens: np.ndarray, namespace: str, keys: list[bytes]) -> np.ndarray:
+        """Make the L1/L2 hit resident in L1 (under the mutex); returns the
+        :class:`PageOrigin` of each page's full KV over the hit.  O(pages)."""
+        if not keys:
+            return np.zeros(0, dtype=np.int8)
+        wp = self.spec.window_pages
+        res = self.resident(tokens, namespace, keys)
+        origin = res.full
+        covered = leading_true(origin > PageOrigin.NONE)
+        origin[covered:] = PageOrigin.NONE
+        hit = window_safe(res.swa[:covered] > PageOrigin.NONE, wp)
+        if hit == 0:
+            return origin[:0]
+        self._to_l1(tokens, namespace, keys, res, hit, max(0, hit - wp))
+        self.landing.served(keys, origin, hit)
+        return origin[:hit]
+
+    def _to_l1(self, tokens: np.ndarray, namespace: str, keys: list[bytes], res: Residency, hit: int,
+               lo: int) -> None:
+        """L2 -> L1 for the full pages of ``[0, hit)`` past the L1 match and the SWA
+        window ``[lo, hit)``; insert into the tree.  The L1 match is locked meanwhile
+        (the eviction this allocation may cause cannot take it), the L2 sources are
+        protected.  O(pages)."""
+        n1 = len(res.l1_full)
+        full_idx = np.arange(min(n1, hit), hit)
+        swa_idx = lo + np.flatnonzero(res.swa[lo:hit] >= PageOrigin.L2)
+        if full_idx.size == 0 and swa_idx.size == 0:
+            return
+        from_full, from_swa = res.l2_full[full_idx], res.l2_swa[swa_idx]
+        assert (res.full[full_idx] >= PageOrigin.L2).all() and (from_full >= 0).all() and (from_swa >= 0).all()
+        keep_l1_swa = res.l1_swa[lo:min(n1, hit)]
+        handle = self.tree.lock_path(res.deepest, keep_l1_swa[keep_l1_swa >= 0])
+        self._protect = (set(from_full.tolist()), set(from_swa.tolist()))
+        try:
+            got = self.pool.alloc(full_idx.size, swa_idx.size)
+            if got is None:
+                short = self.pool.shortfall(full_idx.size, swa_idx.size)
+                self.tree.evict(short[0], short[1], short[2])
+                got = self.pool.alloc(full_idx.size, swa_idx.size)
+            if got is None:
+                self.counters["l1_load_failed"] += 1
+                return
+            new_full, new_swa = got
+            try:
+                self.copy(AttnKind.FULL, self.host.pool, from_full, self.pool, new_full)
+                self.copy(AttnKind.SWA, self.host.pool, from_swa, self.pool, new_swa)
+                full_ids = np.concatenate([res.l1_full[:min(n1, hit)], new_full]).astype(np.int32)
+                swa_ids = np.full(hit, NO_PAGE, dtype=np.int32)
+                swa_ids[swa_idx] = new_swa
+                self.backup.register_loaded(new_full, full_idx, new_swa, swa_idx, keys)
+                # insert raises only before it takes ownership (bad input), so on any
+                # exception above the new L1 pages are still ours to give back
+                self.tree.insert(tokens[:hit * self.page_size], full_ids, swa_ids, namespace)
+            except BaseException:
+                self.backup.unregister(new_full, new_swa)
+                self.pool.free_full(new_full)  # straight to the pool: nothing here is worth a backup
+                self.pool.free_swa(new_swa)
+                raise
+            c = self.counters
+            c["l2_to_l1_full_pages"] += full_idx.size
+            c["l2_to_l1_swa_pages"] += swa_idx.size
+            c["repair_swa_h2d_pages"] += int(np.count_nonzero(swa_idx < n1))
+            c["bytes_h2d"] += (full_idx.size * self.codec.nominal_bytes(AttnKind.FULL)
+                               + swa_idx.size * self.codec.nominal_bytes(AttnKind.SWA))
+        finally:
+            self._protect = (set(), set())
+            self.tree.unlock(handle)
+
+    def copy(self, kind: AttnKind, src: Any, src_pages: np.ndarray, dst: Any, dst_pages: np.ndarray) -> None:
+        """Copy pages of ``kind`` from pool ``src`` to pool ``dst`` (L1's ``self.pool``
+        or L2's ``self.host.pool``).  O(pages) bytes moved; nothing for meta pools."""
+        if len(src_pages) == 0:
+            return
+        sb, db = src.buffers, dst.buffers
+        if sb is None or db is None or "meta" in (sb.device.type, db.device.type):
+            return  # accounting only: no bytes to move
+        s, d = sb.of(kind), db.of(kind)
+        # both arenas share the model's block geometry: a page copy moves its blocks
+        copy_pages(s.k, s.v, d.k, d.v, s.blocks(src_pages), d.blocks(dst_pages),
+                   self.page_size, stream=self._stream)
+        if self._stream is not None:
+            self._stream.synchronize()  # the tree may hand the pages out right after
+
+    # ============================================================== finish
+    def before_finish(self, req: Request) -> None:
+        """``req`` finishes with ``cache=True``: add its hit figures to the totals,
+        register its pages' keys (write-back names them when the tree frees them)
+        and copy to L2 what the write policy asks for.  Faults are logged and
+        counted.  O(pages)."""
+        for k, v in req.extra.get("tiers", {}).items():
+            self.counters[k] += v
+        aligned = max(req.computed // self.page_size, req.tree_pages)
+        try:
+            with self.mutex:
+                keys = self.page_keys(req.tokens, req.namespace, aligned, req.extra.get("page_keys"))
+                self.backup.register(req, aligned, keys)
+                self.backup.at_finish(req, aligned, keys)
+        except Exception as exc:  # noqa: BLE001
+            self.counters["tier_errors"] += 1
+            logger.warning("tier backup at finish failed (%s: %s)", type(exc).__name__, exc)
+
+    # ============================================================== misc
+    def clear_l2(self) -> int:
+        """Drop every L2 page under the mutex; returns pages dropped.  O(pages)."""
+        with self.mutex:
+            return self.host.clear()
+
+    def l3_last_error(self) -> str | None:
+        """The L3 backend's last fault in one line, or None."""
+        return getattr(self.backend, "last_error", None)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait for queued L3 writes/touches; False on timeout (or True without L3)."""
+        return True if self.l3 is None else self.l3.flush(timeout_s)
+
+    def close(self) -> None:
+        """Stop the L3 worker (after draining) and close a backend opened from a URL."""
+        if self.l3 is not None:
+            self.l3.close()
+        if self._owns_backend and self.backend is not None:
+            self.backend.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Tier counters, ``l2_*`` host figures and ``l3_*`` manager/backend counters."""
+        out = dict(self.counters)
+        out.update({f"l2_{k}": v for k, v in self.host.stats().items()})
+        if self.l3 is not None:
+            out.update(self.l3.stats())
+            out.update({f"l3_backend_{k}": v for k, v in self.backend.stats().items()})
+        return out
+
+    def check_invariants(self) -> None:
+        """L2 accounting, and every page the L1 tree holds has a registered key.  O(n)."""
+        self.host.check_invariants()
+        self.backup.check_registered()
+
+
+_EMPTY = np.zeros(0, dtype=np.int32)
