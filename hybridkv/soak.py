@@ -36,8 +36,15 @@ _CONTAINERS = (list, dict, set, frozenset, collections.deque)
 
 
 def index_sizes(cache: HybridKVCache, depth: int = 3) -> dict[str, int]:
-    """``{"tree._leaf_heap": 1234, ...}``: entries of every container reachable
-    from ``cache`` through attributes of hybridkv objects (``depth`` levels)."""
+    """``{"tree._swa_heap": 1234, "pool.full._allocated": 5678, ...}``: entries of
+    every container (list, dict, set, deque; numpy arrays by size) reachable from
+    ``cache`` through attributes of hybridkv objects (``depth`` levels), named by
+    their attribute path.
+
+    Deliberately by reflection over ``__dict__`` / ``__slots__``, private
+    attributes included: the check is that no index grows, and an index that no
+    public call reports must not escape it.  The names are the objects' own and
+    follow their internals; read-only.  O(objects reached + containers)."""
     out: dict[str, int] = {}
     seen: set[int] = set()
 

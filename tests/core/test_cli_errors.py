@@ -1,4 +1,4 @@
-"""The CLI tells the user what is wrong (issue 14, item 4)."""
+"""The CLI tells the user what is wrong."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Bounded memory over time: replaying a trace again and again (fresh token
 ids each pass) through one cache must not grow its heap or any index after
-the first passes.  The tree's anchor heap grew without bound before it was
-rebuilt with the others (+100% from pass 2 to 4 here)."""
+the first passes.  Every lazy heap of the tree, the anchor heap included, is
+rebuilt at the same limit; one left out grows without bound (+100% from pass 2
+to 4 here)."""
 
 from __future__ import annotations
 

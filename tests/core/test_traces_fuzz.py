@@ -1,4 +1,4 @@
-"""Trace parsing tells the user what is wrong (issue 14, item 4): a malformed
+"""Trace parsing tells the user what is wrong: a malformed
 line names the file and line, a missing field is a one-line ValueError, and a
 fuzzed file either parses or raises exactly that kind of error."""
 

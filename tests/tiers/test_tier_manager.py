@@ -1,4 +1,4 @@
-"""The tier manager never stalls the engine (issue 14, item 3).
+"""The tier manager never stalls the engine.
 
 Reads have their own queue ahead of writes; ``begin`` waits for L3 at most
 ``l3_timeout_s`` in total and never while holding the cache's mutex;

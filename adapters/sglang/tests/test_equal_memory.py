@@ -10,10 +10,10 @@ requests, 13.7M tokens, three running at once); the sweep is reduced to 0.1
 and the default 0.8 (the full run's best ratio is 0.1 at the roomy size, and
 0.025-0.2 tie at the tight one).  Fewer requests do not
 see what the learned pre-tail window does to a SWA pool sized for tails: the
-divergence model first keeps a window after ~450 requests, and with the
-regression of 49aa984 (its windows displaced other sequences' tails) 800
-requests still beat the sweep (roomy 1,268,174 vs 1,010,726 hit tokens)
-while 1,000 fall below it (1,546,880 vs 1,944,956).  About 2-3 minutes on 2
+divergence model first keeps a window after ~450 requests, and a backend whose
+learned windows displace other sequences' tails still beats the sweep at 800
+requests (roomy 1,268,174 vs 1,010,726 hit tokens) while falling below it at
+1,000 (1,546,880 vs 1,944,956).  About 2-3 minutes on 2
 CPU cores.  The full-size run is ``benchmarks/peers/in_engine.sh``."""
 
 from __future__ import annotations

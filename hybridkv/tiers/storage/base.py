@@ -7,7 +7,7 @@ circuit breaker and rate-limited warnings.  A concrete backend only moves
 framed bytes (``_exists/_get/_put/_touch/_delete/_close`` and optionally
 ``_get_into`` for zero-copy reads).
 
-Failure policy (issue 3 item 5): a backend that is down, slow, or returns
+Failure policy: a backend that is down, slow, or returns
 truncated/corrupt bytes never raises into the caller and never returns wrong
 bytes.  Reads degrade to misses, writes to ``False``; each fault bumps a
 counter.  A backend whose calls start failing logs one WARNING (it is
