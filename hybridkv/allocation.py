@@ -177,3 +177,24 @@ class RequestPages:
                     continue
             waiting.discard(id(req))
             grew.append((i, before, req.n_pages))
+
+    def _check_page_ownership(self) -> None:
+        """Every used page is owned exactly once (by a tree node or a live request),
+        and each live request's page bookkeeping is consistent.  O(n)."""
+        owned_full = [n.full for n in self.tree.iter_nodes()]
+        owned_swa = [n.swa[n.swa >= 0] for n in self.tree.iter_nodes()]
+        for req in self._live.values():
+            owned_full.append(req.full_pages[req.tree_pages:req.n_pages])
+            s = req.swa_pages[req.tree_pages:req.n_pages]
+            owned_swa.append(s[s >= 0])
+            # _release relies on this: pages past the release mark were never released
+            assert (req.swa_pages[max(req.release_mark, req.tree_pages):req.n_pages] >= 0).all(), req
+            assert req.tree_pages <= req.n_pages
+            assert req.computed <= req.allocated <= min(req.n_tokens, req.n_pages * self.page_size)
+        full = np.concatenate(owned_full) if owned_full else np.zeros(0, np.int32)
+        swa = np.concatenate(owned_swa) if owned_swa else np.zeros(0, np.int32)
+        assert np.unique(full).size == full.size == self.pool.full.num_used, \
+            ("full page ownership", np.unique(full).size, full.size, self.pool.full.num_used)
+        assert np.unique(swa).size == swa.size == self.pool.swa.num_used, \
+            ("swa page ownership", np.unique(swa).size, swa.size, self.pool.swa.num_used)
+        assert self.pool.full.is_allocated(full).all() and self.pool.swa.is_allocated(swa).all()

@@ -140,9 +140,9 @@ class Landing:
         they landed get origin L3 (or L3_PREEXISTING: data older than this cache).
         Mutates ``origin``.  O(hit)."""
         for i in np.flatnonzero(origin[:hit] == PageOrigin.L2).tolist():
-            old = self._landed.pop(keys[i], None)
-            if old is not None:
-                origin[i] = PageOrigin.L3_PREEXISTING if old else PageOrigin.L3
+            predates = self._landed.pop(keys[i], None)
+            if predates is not None:
+                origin[i] = PageOrigin.L3_PREEXISTING if predates else PageOrigin.L3
 
 
 class ReadAhead:

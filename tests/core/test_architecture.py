@@ -14,8 +14,6 @@ import ast
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = [ROOT / "hybridkv", ROOT / "adapters" / "sglang" / "hybridkv_sglang",
             ROOT / "adapters" / "vllm" / "hybridkv_vllm"]
