@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._validate import as_token_array
+from ._validate import as_token_array, check_int
 from .allocation import CacheFullError, RequestPages
 from .cache_config import CacheConfig, check_count
 from .pools import DualPool
@@ -528,8 +528,7 @@ class HybridKVCache(RequestPages):
 
     def _check_range(self, req: Request, start: object, end: object) -> None:
         for name, v in (("start", start), ("end", end)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            check_int(v, name)
         if not (0 <= start <= end <= req.n_pages * self.page_size):  # type: ignore[operator]
             raise ValueError(f"positions [{start}, {end}) outside the request's slots "
                              f"[0, {req.n_pages * self.page_size})")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
+from ._validate import check_int
+from .defaults import SWA_CHECKPOINT
 from .radix.tree import RANKINGS, SWA_EVICTIONS
 
 __all__ = ["CacheConfig", "check_count"]
@@ -16,12 +16,11 @@ _RETENTION = ("adaptive", "eager", "dense", "none")
 
 def check_count(value: object, name: str, minimum: int = 1) -> int:
     """An int argument (bools rejected) >= ``minimum``, as an int.  O(1)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = check_int(value, name)
     if value < minimum:
         what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{name} must be {what}, got {value}")
-    return int(value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ class CacheConfig:
     full_pages: int | None = None
     swa_pages: int | None = None
     device: str | None = "meta"
-    swa_checkpoint: int = 16384
+    swa_checkpoint: int = SWA_CHECKPOINT
     retention: str = "adaptive"
     spare_fraction: float = 0.02
     decode_release_interval: int = 64

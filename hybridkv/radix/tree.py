@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .._validate import as_int_array, as_token_array
+from .._validate import as_int_array, as_token_array, check_int
 from ..spec import AttnKind
 from .divergence import DivergenceModel
 from .events import EventsMixin, deliver_after
@@ -328,11 +328,7 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
         self.root(namespace)  # validates the namespace
         mark = -1
         if prompt_len is not None:
-            if not isinstance(prompt_len, (int, np.integer)) or isinstance(prompt_len, bool):
-                raise TypeError(f"prompt_len must be an int or None, got {type(prompt_len).__name__}")
-            if prompt_len < 0:
-                raise ValueError(f"prompt_len must be >= 0, got {prompt_len}")
-            mark = int(prompt_len) // size
+            mark = check_int(prompt_len, "prompt_len", 0) // size
         if n:
             self._check_owned(full, "full_pages", "full")
             self._check_owned(swa[swa >= 0], "swa_pages", "swa")

@@ -29,6 +29,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .._validate import check_int
+
 __all__ = ["KEY_BYTES", "KINDS", "page_keys", "model_fingerprint", "key_hex"]
 
 #: Length of every page key in bytes (BLAKE2b digest size).  128 bits keeps
@@ -99,10 +101,7 @@ def page_keys(tokens: np.ndarray, page_size: int, *, namespace: str, fingerprint
     Does not mutate ``tokens``.  Complexity: O(len(tokens)) bytes hashed, one
     hashlib call per page.
     """
-    if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool):
-        raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    page_size = check_int(page_size, "page_size", 1)
     if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
         raise ValueError(f"parent must be None or a {KEY_BYTES}-byte key")
     data = _token_bytes(tokens)
