@@ -12,7 +12,11 @@ p90 and mean per request and the hit rate, then the median p50 of each version
 and their ratio.
 
     git worktree add /tmp/old <commit>
-    python benchmarks/request_path_ab.py /tmp/old . --rounds 4 [--budget-gb 594]
+    python benchmarks/request_path_ab.py /tmp/old . --rounds 4 [--budget-gb 594] [--step 128,4096,256]
+
+Then the batched decode step (``cache.step`` + ``commit_step`` of B requests
+with a C-token context, ``--step B,C,STEPS``), alternated the same way: the
+median of each run's median step, per request.
 
 A checkout's ``replay._make_cache(system, spec, budget, swa_checkpoint, tiers)``
 builds the cache (present since the first replay).
@@ -64,6 +68,56 @@ print(json.dumps({"p50": float(np.percentile(us, 50)), "p90": float(np.percentil
                   "mean": float(np.mean(us)), "hit_rate": hit / max(1, total)}))
 """
 
+_STEP_CHILD = r"""
+import json, sys, time
+import numpy as np
+root, preset, page, batch, context, steps = sys.argv[1:7]
+sys.path.insert(0, root)
+import hybridkv
+assert hybridkv.__file__.startswith(root), hybridkv.__file__
+from hybridkv import CacheConfig, HybridKVCache, ModelSpec
+spec = ModelSpec.preset(preset, page_size=int(page))
+batch, context, steps = int(batch), int(context), int(steps)
+cache = HybridKVCache(spec, CacheConfig(budget_bytes=4000 * 10**9, device="meta"))
+rng = np.random.default_rng(0)
+reqs = [cache.begin(rng.integers(0, 50000, context).astype(np.int32)) for _ in range(batch)]
+while True:
+    left = [r for r in reqs if r.computed < r.n_tokens]
+    if not left:
+        break
+    b = cache.step(left, num_new=np.array([min(8192, r.n_tokens - r.computed) for r in left]))
+    cache.commit_step(b)
+toks = rng.integers(0, 50000, (steps, batch))
+per_step = []
+for s in range(steps):
+    t0 = time.perf_counter()
+    b = cache.step(reqs, new_tokens=toks[s])
+    cache.commit_step(b)
+    per_step.append(time.perf_counter() - t0)
+    assert b.ok.all()
+print(json.dumps({"us_per_request_step": float(np.median(per_step)) / batch * 1e6}))
+"""
+
+
+def _step_ab(roots: list[str], args: argparse.Namespace, cwd: str) -> None:
+    """The batched decode step (``cache.step`` + ``commit_step``, B requests of a
+    C-token context), alternated like the request path; medians of step medians."""
+    batch, context, steps = (int(x) for x in args.step.split(","))
+    runs: dict[str, list[float]] = {r: [] for r in roots}
+    for i in range(args.rounds):
+        for root in roots:
+            res = subprocess.run([sys.executable, "-c", _STEP_CHILD, root, args.preset, str(args.page_size),
+                                  str(batch), str(context), str(steps)],
+                                 capture_output=True, text=True, check=True, cwd=cwd)
+            us = json.loads(res.stdout.strip().splitlines()[-1])["us_per_request_step"]
+            runs[root].append(us)
+            print(f"step round {i + 1} {root}: {us:.3f} us per request per step (B {batch}, C {context})",
+                  flush=True)
+    med = {root: statistics.median(runs[root]) for root in roots}
+    base, new = roots
+    print(f"median batched step: {base} {med[base]:.3f} us, {new} {med[new]:.3f} us, "
+          f"ratio {med[new] / med[base]:.3f}")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,7 +130,12 @@ def main() -> None:
     ap.add_argument("--preset", default="mimo-v2.5-pro")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
+    ap.add_argument("--step", default="128,4096,256", metavar="B,C,STEPS",
+                    help="batched decode step A/B: batch, context, steps (default 128,4096,256; 'none': skip)")
     args = ap.parse_args()
+    if args.step != "none" and (len(args.step.split(",")) != 3
+                                or not all(x.strip().isdigit() and int(x) > 0 for x in args.step.split(","))):
+        raise ValueError(f"--step must be B,C,STEPS (three positive ints) or 'none', got {args.step!r}")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -101,9 +160,12 @@ def main() -> None:
                 runs[root].append(r)
                 print(f"round {i + 1} {root}: p50 {r['p50']:.1f} us, p90 {r['p90']:.1f} us, "
                       f"mean {r['mean']:.1f} us, hit rate {r['hit_rate']:.2%}", flush=True)
-    med = {root: statistics.median(r["p50"] for r in runs[root]) for root in roots}
-    base, new = roots
-    print(f"median p50: {base} {med[base]:.1f} us, {new} {med[new]:.1f} us, ratio {med[new] / med[base]:.3f}")
+        med = {root: statistics.median(r["p50"] for r in runs[root]) for root in roots}
+        base, new = roots
+        print(f"median p50: {base} {med[base]:.1f} us, {new} {med[new]:.1f} us, ratio {med[new] / med[base]:.3f}",
+              flush=True)
+        if args.step != "none":
+            _step_ab(roots, args, tmp)
 
 
 if __name__ == "__main__":

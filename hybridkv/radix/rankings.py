@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+
 from .node import TreeNode
 from .policy import AdaptiveRanking
 from .reuse import BUCKETS as _AGE_BUCKETS, EDGES as _AGE_EDGES, INV_WIDTH as _AGE_INV_WIDTH
@@ -64,12 +65,18 @@ class Ranking:
     # -- recency -----------------------------------------------------------
     def touch(self, node: TreeNode, now: int) -> None:
         """A request used ``node`` at ``now``.  A node used again moves to REUSED."""
+        self._promote(node, now)
+
+    def _promote(self, node: TreeNode, now: int) -> bool:
+        """Stamp ``node``'s access; True when it moved from RECENT to REUSED."""
         node.last_access = now
-        if node.seg == RECENT:
-            node.seg = REUSED
-            n = len(node.full)
-            self.pages[RECENT] -= n
-            self.pages[REUSED] += n
+        if node.seg != RECENT:
+            return False
+        node.seg = REUSED
+        n = len(node.full)
+        self.pages[RECENT] -= n
+        self.pages[REUSED] += n
+        return True
 
     def leaf_ready(self, node: TreeNode) -> None:
         """``node`` is an unlocked leaf: file it as a candidate."""
@@ -166,14 +173,8 @@ class SegmentRanking(Ranking):
         self._ghost_hits: set[tuple[str, int]] = set()  # where a match hit a ghost: its re-insert is proven reuse
 
     def touch(self, node: TreeNode, now: int) -> None:
-        node.last_access = now
-        if node.seg == RECENT:
-            node.seg = REUSED
-            n = len(node.full)
-            self.pages[RECENT] -= n
-            self.pages[REUSED] += n
-            if not node.children and node.lock == 0:
-                heapq.heappush(self._reused_heap, (now, node.nid, node))
+        if self._promote(node, now) and not node.children and node.lock == 0:
+            heapq.heappush(self._reused_heap, (now, node.nid, node))
 
     def leaf_ready(self, node: TreeNode) -> None:
         heapq.heappush(self._recent_heap if node.seg == RECENT else self._reused_heap, (node.last_access, node.nid, node))
@@ -252,14 +253,9 @@ class ValueRanking(Ranking):
         self._branch_returns: dict[tuple[str, int], tuple[int, float]] = {}
 
     def touch(self, node: TreeNode, now: int) -> None:
-        node.last_access = now
         if node.vcls >= 0:
             self._by_class[node.vcls].move_to_end(node.nid)
-        if node.seg == RECENT:
-            node.seg = REUSED
-            n = len(node.full)
-            self.pages[RECENT] -= n
-            self.pages[REUSED] += n
+        self._promote(node, now)
 
     def filed_leaves(self) -> int:
         return sum(map(len, self._by_class))
