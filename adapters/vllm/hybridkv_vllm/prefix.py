@@ -1,0 +1,540 @@
+"""hybridkv's window-safe tree as vLLM 0.32's device prefix cache.
+
+vLLM keeps its block pool, its block tables, its KV tensors and its kernels;
+:class:`HybridKVCacheManager` (a ``KVCacheManager``) decides what is a hit and
+which cached blocks stay:
+
+* **hits** (``get_computed_blocks``): ``WindowSafeTree.match`` of the request's
+  tokens (one token left to compute), split so a node ends at the hit and
+  locked; the full groups get the path's blocks, every sliding-window group
+  gets its blocks for the window before the hit and vLLM's null block before
+  that.  A hit is window safe for every sliding-window group: the tree's window
+  is the largest group window, and a tree page holds SWA only where every
+  sliding-window group holds its block.
+* **what is cached** (``free`` / ``pop_blocks_for_free``, i.e. at finish and at
+  preemption): the request's computed page-aligned prefix goes into the tree,
+  which takes one reference (``BlockPool.touch``) on each block it keeps.  The
+  sliding-window blocks that vLLM frees while a request advances are held
+  first where hybridkv's retention policy keeps them (checkpoint, divergence
+  and predicted windows; all of them while more than ``spare_fraction`` of the
+  blocks are free, the ``adaptive`` rule of :class:`hybridkv.CacheConfig`).
+* **what goes** (``allocate_slots`` short of blocks): first the holds of live
+  requests that the policy would release, then ``WindowSafeTree.evict`` by
+  blocks (SWA that ends no likely hit first, then leaves by the tree's
+  ranking); the tree returns a block with ``BlockPool.free_blocks`` and drops
+  its hash (``evict_blocks``) so vLLM's KV events say it is gone.
+
+vLLM's own hash table still records every computed block (``cache_blocks``:
+BlockStored events, its metrics) but is never read for a hit.  Blocks vLLM
+cached that the tree does not keep lose their hash when the request ends, so
+the events agree with what can hit.
+
+Tree page ids: a full page is the block id of the first full group (the other
+full groups' blocks at that position, if any, in :attr:`BlockPagePool.more`);
+an SWA page is the block id of the first sliding-window group, the other
+groups' blocks in the same table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hybridkv.cache_config import CacheConfig
+from hybridkv.defaults import SWA_CHECKPOINT
+from hybridkv.radix import LockHandle, TreeConfig, WindowSafeTree
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+
+__all__ = ["BlockPagePool", "HybridKVCacheManager", "PrefixOptions", "classify_groups"]
+
+_NO_PAGE = -1
+#: group specs the tree pages (exact types: subclasses such as sink or RSWA
+#: attention change what a block holds)
+_FULL_SPECS = (FullAttentionSpec, MLAAttentionSpec)
+_SWA_SPECS = (SlidingWindowSpec, SlidingWindowMLASpec)
+
+
+@dataclass(frozen=True)
+class PrefixOptions:
+    """The tree's policy inside vLLM.
+
+    Attributes:
+        swa_checkpoint: K tokens between retention checkpoints (0: off).
+        retention: ``"adaptive"`` (hold every out-of-window SWA block while more
+            than ``spare_fraction`` of the blocks are free, else only the
+            policy's windows) or ``"sparse"`` (only the policy's windows).
+        spare_fraction: see ``retention``.
+        ranking: the tree's leaf ranking (:class:`hybridkv.radix.TreeConfig`).
+    """
+
+    swa_checkpoint: int = SWA_CHECKPOINT
+    retention: str = "adaptive"
+    spare_fraction: float = CacheConfig.spare_fraction
+    ranking: str = "value"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.swa_checkpoint, bool) or not isinstance(self.swa_checkpoint, int) or self.swa_checkpoint < 0:
+            raise ValueError(f"swa_checkpoint must be an int >= 0, got {self.swa_checkpoint!r}")
+        if self.retention not in ("adaptive", "sparse"):
+            raise ValueError(f"retention must be 'adaptive' or 'sparse', got {self.retention!r}")
+        if not 0.0 <= float(self.spare_fraction) < 1.0:
+            raise ValueError(f"spare_fraction must be in [0, 1), got {self.spare_fraction!r}")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> PrefixOptions:
+        """Options from ``kv_connector_extra_config`` keys ``hybridkv_swa_checkpoint``,
+        ``hybridkv_retention``, ``hybridkv_spare_fraction``, ``hybridkv_ranking``."""
+        extra = extra or {}
+        kw: dict[str, Any] = {}
+        for name in ("swa_checkpoint", "retention", "spare_fraction", "ranking"):
+            key = f"hybridkv_{name}"
+            if key in extra:
+                kw[name] = extra[key]
+        return cls(**kw)
+
+
+def classify_groups(kv_cache_config: Any) -> tuple[list[int], list[int], int, int]:
+    """``(full group ids, sliding-window group ids, block size, largest window)``.
+
+    Raises ValueError naming the group when a group is neither full nor
+    sliding-window attention (Mamba, chunked local, cross attention) or block
+    sizes differ: the tree pages all groups alike.
+    """
+    full: list[int] = []
+    swa: list[int] = []
+    sizes: set[int] = set()
+    window = 0
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if type(spec) in _SWA_SPECS:
+            swa.append(gid)
+            window = max(window, int(spec.sliding_window))
+        elif type(spec) in _FULL_SPECS:
+            full.append(gid)
+        else:
+            raise ValueError(f"kv_cache_groups[{gid}] is {type(spec).__name__}: hybridkv's prefix cache "
+                             "handles full and sliding-window attention groups only")
+        sizes.add(int(spec.block_size))
+    if not full:
+        raise ValueError("kv_cache_groups: no full-attention group; hybridkv's prefix cache needs one")
+    if not swa:
+        raise ValueError("kv_cache_groups: no sliding-window group; hybridkv's prefix cache is for hybrid "
+                         "models (vLLM's own serves full attention alone)")
+    if len(sizes) != 1:
+        raise ValueError(f"kv_cache_groups: block sizes differ ({sorted(sizes)}); hybridkv pages all groups alike")
+    return full, swa, sizes.pop(), window
+
+
+class BlockPagePool:
+    """hybridkv's ``PagePool`` over vLLM's ``BlockPool``: the tree owns one
+    reference on every block it caches and gives it back here."""
+
+    def __init__(self, block_pool: Any) -> None:
+        self.block_pool = block_pool
+        #: page id -> the other groups' blocks of that page (full and SWA ids differ:
+        #: a block belongs to one group at a time)
+        self.more: dict[int, tuple[Any, ...]] = {}
+        #: page ids the tree holds a reference on
+        self.owned = np.zeros(len(block_pool.blocks), dtype=bool)
+        self.freed_blocks = 0
+
+    def take(self, first: Any, rest: tuple[Any, ...], *, held: bool = False) -> int:
+        """The page ``first`` (+ ``rest``, the other groups' blocks) handed to the tree:
+        one tree reference on each, unless the tree holds this very page already
+        (then a ``held`` reference the caller passes on is given back).  ``held``:
+        the caller's own reference becomes the tree's.  O(groups)."""
+        pid = first.block_id
+        blocks = (first,) + rest
+        if self.owned[pid]:
+            if held:
+                self.block_pool.free_blocks(blocks)
+            return pid
+        if not held:
+            self.block_pool.touch(blocks)
+        self.owned[pid] = True
+        if rest:
+            self.more[pid] = rest
+        return pid
+
+    def _free(self, pages: np.ndarray) -> None:
+        bp = self.block_pool
+        blocks = []
+        self.owned[pages] = False
+        for p in pages.tolist():
+            blocks.append(bp.blocks[p])
+            blocks.extend(self.more.pop(p, ()))
+        bp.free_blocks(blocks)
+        self.freed_blocks += len(blocks)
+        # a block nobody holds now cannot hit: drop its hash so KV events say so
+        gone = {b.block_id for b in blocks if b.ref_cnt == 0 and b.block_hash is not None}
+        if gone:
+            bp.evict_blocks(gone)
+
+    def free_full(self, pages: np.ndarray) -> None:
+        self._free(pages)
+
+    def free_swa(self, pages: np.ndarray) -> None:
+        self._free(pages)
+
+
+@dataclass
+class _Live:
+    """A request the manager knows: its lock on the tree and the SWA blocks held for it."""
+
+    request: Any
+    handle: LockHandle
+    hit_pages: int = 0
+    raw_pages: int = 0
+    #: page index -> every SWA group's block there, one extra reference each
+    held: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    scan_mark: int = 0  # pages before it were looked at for holds
+
+
+class HybridKVCacheManager(KVCacheManager):
+    """vLLM's ``KVCacheManager`` with hybridkv's tree deciding hits and eviction.
+
+    Built from the manager vLLM's scheduler made (:meth:`adopt`): same block
+    pool, coordinator and settings.  Not thread-safe (vLLM's scheduler is
+    single-threaded).
+    """
+
+    @classmethod
+    def adopt(cls, manager: KVCacheManager, options: PrefixOptions | None = None) -> HybridKVCacheManager:
+        """A manager over ``manager``'s block pool and coordinator (``manager`` is
+        not to be used afterwards).  Raises ValueError for groups the tree cannot
+        page (see :func:`classify_groups`) or a manager with caching off."""
+        if not isinstance(manager, KVCacheManager):
+            raise TypeError(f"manager must be vLLM's KVCacheManager, got {type(manager).__name__}")
+        if not manager.enable_caching:
+            raise ValueError("enable_prefix_caching is off: hybridkv's prefix cache has nothing to decide")
+        if manager.use_eagle:
+            raise ValueError("speculative decoding (EAGLE/MTP drafts) is not supported by hybridkv's prefix cache")
+        self = cls.__new__(cls)
+        self.__dict__.update(manager.__dict__)
+        self._init_tree(options or PrefixOptions())
+        return self
+
+    def _init_tree(self, options: PrefixOptions) -> None:
+        self.options = options
+        self.full_groups, self.swa_groups, self.page_size, window = classify_groups(self.kv_cache_config)
+        managers = self.coordinator.single_type_managers
+        self._swa_managers = [managers[g] for g in self.swa_groups]
+        self.tree_config = TreeConfig(self.page_size, max(window, 1), options.swa_checkpoint, "page",
+                                      ranking=options.ranking)
+        self.pool = BlockPagePool(self.block_pool)
+        self._live: dict[str, _Live] = {}
+        self.counters = {"lookups": 0, "hit_tokens": 0, "raw_match_tokens": 0, "inserted_pages": 0,
+                         "held_swa_pages": 0, "released_holds": 0, "evicted_blocks": 0,
+                         "insert_skipped": 0, "checkpoint_unlocked": 0}
+        self._new_tree()
+
+    def _new_tree(self) -> None:
+        self.tree = WindowSafeTree(self.tree_config, self.pool, full_page_bytes=len(self.full_groups),
+                                   swa_page_bytes=max(1, len(self.swa_groups)))
+
+    # ------------------------------------------------------------ helpers
+    @staticmethod
+    def namespace(request: Any) -> str:
+        """Requests share tree nodes only with the same LoRA adapter and cache salt."""
+        lora = getattr(request, "lora_request", None)
+        return f"{getattr(lora, 'lora_name', None)!r}/{getattr(request, 'cache_salt', None)!r}"
+
+    def _cacheable(self, request: Any) -> bool:
+        """Multimodal and prompt-embedding requests: their KV is not a function of token ids alone."""
+        return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+
+    def _unlock(self, req_id: str) -> _Live | None:
+        live = self._live.pop(req_id, None)
+        if live is not None:
+            self.tree.unlock(live.handle)
+        return live
+
+    def _release_held(self, live: _Live) -> None:
+        if live.held:
+            self.block_pool.free_blocks([b for blocks in live.held.values() for b in blocks])
+            live.held = {}
+
+    # --------------------------------------------------------------- hits
+    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
+        """Window-safe hit from the tree, locked until the request is freed.  O(depth + L/P)."""
+        self._drop_lookup(request)  # an earlier lookup for a request vLLM did not schedule
+        if not self.prefix_cache_lookup_enabled(request) or not self._cacheable(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        self.counters["lookups"] += 1
+        P = self.page_size
+        limit = (request.num_tokens - 1) // P * P
+        if limit < P:
+            self._track(request, LockHandle(None), 0, 0)
+            return self.empty_kv_cache_blocks, 0, 0
+        tokens = np.asarray(request.all_token_ids[:limit], dtype=np.int32)  # the tree's token dtype
+        m = self.tree.match_tokens(tokens, self.namespace(request), None, True, True)
+        self.counters["raw_match_tokens"] += m.raw_length
+        if m.length == 0:
+            self._track(request, LockHandle(None), 0, m.raw_length // P)
+            return self.empty_kv_cache_blocks, 0, 0
+        handle = self.tree.lock(m.node)
+        self._track(request, handle, m.length // P, m.raw_length // P)
+        self.counters["hit_tokens"] += m.length
+        return self.create_kv_cache_blocks(self._blocks_of(m.full_pages, m.swa_pages)), m.length, 0
+
+    def _track(self, request: Any, handle: LockHandle, hit_pages: int, raw_pages: int) -> None:
+        live = self._live.get(request.request_id)
+        if live is None:
+            self._live[request.request_id] = _Live(request, handle, hit_pages, raw_pages, scan_mark=hit_pages)
+        else:
+            live.handle, live.hit_pages, live.raw_pages = handle, hit_pages, raw_pages
+            live.scan_mark = max(live.scan_mark, hit_pages)
+
+    def _blocks_of(self, full: np.ndarray, swa: np.ndarray) -> tuple[list[Any], ...]:
+        """Per group, the blocks of a hit's pages: full groups all, sliding-window
+        groups their own window before the hit end (null blocks before it)."""
+        bp = self.block_pool
+        n = int(full.size)
+        out: list[list[Any]] = [[] for _ in self.kv_cache_config.kv_cache_groups]
+        firsts = [bp.blocks[p] for p in full.tolist()]
+        for k, gid in enumerate(self.full_groups):
+            out[gid] = firsts if k == 0 else [self.pool.more[b.block_id][k - 1] for b in firsts]
+        P = self.page_size
+        for k, (gid, mgr) in enumerate(zip(self.swa_groups, self._swa_managers)):
+            need = -(-(mgr.sliding_window - 1) // P)
+            lo = max(0, n - need)
+            row = [bp.null_block] * n
+            for i in range(lo, n):
+                p = int(swa[i])
+                row[i] = bp.blocks[p] if k == 0 else self.pool.more[p][k - 1]
+            out[gid] = row
+        return tuple(out)
+
+    # ------------------------------------------------------ SWA retention
+    def _hold_swa(self, request: Any, computed: int) -> None:
+        """Before vLLM frees the request's out-of-window SWA blocks (those before
+        ``get_num_skipped_tokens(computed)``), take a reference on the pages the
+        retention policy keeps.  O(new pages)."""
+        live = self._live.get(request.request_id)
+        if live is None or not self.swa_groups or not self._cacheable(request):
+            return
+        P = self.page_size
+        upto = min(mgr.get_num_skipped_tokens(computed) for mgr in self._swa_managers) // P
+        lo = live.scan_mark
+        if upto <= lo:
+            return
+        live.scan_mark = upto
+        policy = self.tree.policy
+        spare = self.block_pool.get_num_free_blocks() > self.options.spare_fraction * self.block_pool.num_gpu_blocks
+        if self.options.retention == "adaptive" and spare:
+            keep = [(lo, upto)]
+        else:
+            keep = _complement(lo, upto, policy.releasable_runs(
+                lo, upto, live.raw_pages * P, live.hit_pages * P,
+                request.num_prompt_tokens // P if policy.pretail_pages >= 0 else 0))
+        rows = [self.coordinator.single_type_managers[g].req_to_blocks.get(request.request_id, [])
+                for g in self.swa_groups]
+        for a, b in keep:
+            for i in range(a, b):
+                blocks = tuple(row[i] for row in rows if i < len(row))
+                if len(blocks) == len(rows) and not any(x.is_null for x in blocks):
+                    self.block_pool.touch(blocks)
+                    live.held[i] = blocks
+                    self.counters["held_swa_pages"] += 1
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            self._hold_swa(live.request, processed_computed_tokens)
+        super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+
+    # --------------------------------------------------------- allocation
+    def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlocks | None = None, *args: Any, **kwargs: Any
+                       ) -> KVCacheBlocks | None:
+        """vLLM's allocation; when blocks are short, hybridkv evicts and retries.  A
+        request with a hit keeps its lock (the hit's blocks cannot be evicted under it)."""
+        if request.request_id not in self._live and self._cacheable(request):
+            self._live[request.request_id] = _Live(request, LockHandle(None))
+        self._checkpoint(request)
+        total = request.num_computed_tokens + num_new_computed_tokens + kwargs.get("num_external_computed_tokens", 0)
+        self._hold_swa(request, max(0, total - getattr(request, "num_in_flight_tokens", 0)))
+        groups = len(self.kv_cache_config.kv_cache_groups)
+        want = max(1, -(-(num_new_tokens + kwargs.get("num_lookahead_tokens", 0)) // self.page_size) * groups)
+        while True:
+            got = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                         *args, **kwargs)
+            if got is not None:
+                return got
+            if not self._make_room(want):
+                self._drop_lookup(request)
+                return None
+            want *= 2
+
+    def _drop_lookup(self, request: Any) -> None:
+        """A waiting request vLLM could not admit gives its hit's lock back (it looks
+        up again when tried next); a running one keeps everything."""
+        live = self._live.get(request.request_id)
+        if live is not None and request.num_computed_tokens == 0 and live.handle.node is not None:
+            self.tree.unlock(live.handle)
+            live.handle = LockHandle(None)
+            live.hit_pages = live.scan_mark = 0
+
+    def _make_room(self, blocks: int) -> bool:
+        """Free about ``blocks`` blocks: holds the policy would release first, then
+        the tree's eviction.  False when nothing could be freed.  O(k log n)."""
+        before = self.block_pool.get_num_free_blocks()
+        for live in self._live.values():
+            if live.held:
+                self.counters["released_holds"] += len(live.held)
+                self._release_held(live)
+        freed = self.block_pool.get_num_free_blocks() - before
+        if freed < blocks:
+            nf, ns = self.tree.evict(nbytes=blocks - freed)
+            self.counters["evicted_blocks"] += nf * len(self.full_groups) + ns * len(self.swa_groups)
+        return self.block_pool.get_num_free_blocks() > before
+
+    # ------------------------------------------------------------- finish
+    def _computed_pages(self, request: Any) -> int:
+        """Whole pages whose KV is computed (tokens scheduled but still in flight, and
+        output placeholders not yet known, excluded)."""
+        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        return max(0, min(computed, len(request.all_token_ids))) // self.page_size
+
+    def _insert(self, request: Any, live: _Live, n: int) -> Any:
+        """Cache pages ``[0, n)`` of the request (computed); the tree takes a reference
+        on each block it keeps, its duplicates go back.  Returns the node ending
+        at ``n`` (None: nothing inserted).  O(depth + new pages)."""
+        P = self.page_size
+        start = live.handle.node
+        lo = live.hit_pages if start is not None else 0
+        if n <= lo:
+            return None
+        if start is not None and (not start.alive or start.start + len(start.key) != lo * P):
+            self.counters["insert_skipped"] += 1  # cannot happen while locked: never free what we did not take
+            return None
+        mgrs = self.coordinator.single_type_managers
+        rows_f = [mgrs[g].req_to_blocks.get(request.request_id, []) for g in self.full_groups]
+        if any(len(r) < n for r in rows_f):
+            return None
+        rows_s = [mgrs[g].req_to_blocks.get(request.request_id, []) for g in self.swa_groups]
+        full = np.zeros(n, np.int32)  # [0, lo): the locked path, skipped by the walk
+        swa = np.full(n, _NO_PAGE, np.int32)
+        for i in range(lo, n):
+            full[i] = self.pool.take(rows_f[0][i], tuple(r[i] for r in rows_f[1:]))
+            blocks = live.held.pop(i, None)
+            if blocks is None and rows_s and all(i < len(r) and not r[i].is_null for r in rows_s):
+                blocks = tuple(r[i] for r in rows_s)
+                swa[i] = self.pool.take(blocks[0], blocks[1:])
+            elif blocks is not None:
+                swa[i] = self.pool.take(blocks[0], blocks[1:], held=True)  # the hold's reference moves
+        tokens = np.asarray(request.all_token_ids[:n * P], dtype=np.int32)
+        res = self.tree.insert_tokens(tokens, full, swa, self.namespace(request), start=start,
+                                      owned=True, mark=request.num_prompt_tokens // P)
+        self.counters["inserted_pages"] += res.new_pages
+        return res.node
+
+    def _checkpoint(self, request: Any) -> None:
+        """While a prompt is prefilled, cache what is computed so far (other requests
+        hit it at once, as vLLM's own cache allows) and move the lock there."""
+        live = self._live.get(request.request_id)
+        if live is None or not self._cacheable(request) or request.num_computed_tokens > request.num_prompt_tokens:
+            return
+        n = self._computed_pages(request)
+        if n <= live.hit_pages:
+            return
+        node = self._insert(request, live, n)
+        if node is None:
+            return
+        try:
+            handle = self.tree.lock(node)
+        except ValueError:  # the window before n is not held (a sliding group freed it): keep the old lock
+            self.counters["checkpoint_unlocked"] += 1
+            return
+        self.tree.unlock(live.handle)
+        live.handle, live.hit_pages = handle, n
+        live.scan_mark = max(live.scan_mark, n)
+
+    def _finish(self, request: Any) -> None:
+        live = self._live.pop(request.request_id, None)
+        if live is None:
+            return
+        if self._cacheable(request):
+            self._insert(request, live, self._computed_pages(request))
+        self.tree.unlock(live.handle)
+        self._release_held(live)
+
+    def free(self, request: Any) -> None:
+        self._finish(request)
+        blocks = [b for g in self.coordinator.get_blocks(request.request_id) for b in g]  # [] if unknown
+        super().free(request)
+        gone = {b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None}
+        if gone:
+            self.block_pool.evict_blocks(gone)
+
+    def pop_blocks_for_free(self, request: Any) -> list[Any]:
+        self._finish(request)
+        return super().pop_blocks_for_free(request)
+
+    # -------------------------------------------------------------- admin
+    def reset_prefix_cache(self) -> bool:
+        """Drop the whole tree and vLLM's hash table; False (nothing changed) while a
+        request holds a hit."""
+        if any(live.handle.node is not None for live in self._live.values()):
+            return False
+        self.tree.evict(full_pages=self.tree.full_pages_cached, swa_pages=self.tree.swa_pages_cached)
+        if self.tree.full_pages_cached:
+            return False
+        self._new_tree()
+        self.pool.more.clear()
+        return super().reset_prefix_cache()
+
+    @property
+    def usage(self) -> float:
+        """Blocks in use by requests (what the tree holds and could evict counts as free)."""
+        total = self.block_pool.num_gpu_blocks - 1
+        cached = (self.tree.evictable_full_pages() * len(self.full_groups)
+                  + self.tree.evictable_swa_pages() * len(self.swa_groups))
+        used = total - self.block_pool.get_num_free_blocks() - cached
+        return max(0.0, min(1.0, used / total)) if total > 0 else 0.0
+
+    def check_invariants(self) -> None:
+        """The tree's invariants; every page it holds is owned and referenced; with no
+        request live, every referenced or hashed block is the tree's (one reference)
+        -- so vLLM's KV events name only blocks that can hit.  O(blocks)."""
+        self.tree.check_invariants()
+        bp, pool = self.block_pool, self.pool
+        held: set[int] = set()
+        for node in self.tree.iter_nodes():
+            for p in node.full.tolist() + node.swa[node.swa >= 0].tolist():
+                assert pool.owned[p], f"page {p} cached but not marked owned"
+                for b in (bp.blocks[p],) + pool.more.get(p, ()):
+                    assert b.ref_cnt >= 1, f"block {b.block_id} of page {p} cached with ref_cnt 0"
+                    held.add(b.block_id)
+        assert int(pool.owned.sum()) == self.tree.full_pages_cached + self.tree.swa_pages_cached
+        if self._live:
+            return
+        for b in bp.blocks:
+            if b.is_null:
+                continue
+            if b.block_id in held:
+                assert b.ref_cnt == 1, f"block {b.block_id}: ref_cnt {b.ref_cnt}, the tree's alone"
+            else:
+                assert b.ref_cnt == 0, f"block {b.block_id}: ref_cnt {b.ref_cnt} with no request live"
+                assert b.block_hash is None, f"block {b.block_id} keeps a hash the tree does not hold"
+
+
+def _complement(lo: int, hi: int, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` minus the sorted, disjoint ``runs``."""
+    out, pos = [], lo
+    for a, b in runs:
+        if a > pos:
+            out.append((pos, a))
+        pos = max(pos, b)
+    if pos < hi:
+        out.append((pos, hi))
+    return out
