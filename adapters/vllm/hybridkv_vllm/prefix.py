@@ -37,6 +37,7 @@ groups' blocks in the same table.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ from hybridkv.cache_config import CacheConfig
 from hybridkv.defaults import SWA_CHECKPOINT
 from hybridkv.radix import LockHandle, TreeConfig, WindowSafeTree
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.request import RequestStatus
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     MLAAttentionSpec,
@@ -53,9 +55,10 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-__all__ = ["BlockPagePool", "HybridKVCacheManager", "PrefixOptions", "classify_groups"]
+__all__ = ["BlockPagePool", "HybridKVCacheManager", "Layout", "PrefixOptions", "classify_groups"]
 
 _NO_PAGE = -1
+_ALLOC_SIG = inspect.signature(KVCacheManager.allocate_slots)
 #: group specs the tree pages (exact types: subclasses such as sink or RSWA
 #: attention change what a block holds)
 _FULL_SPECS = (FullAttentionSpec, MLAAttentionSpec)
@@ -101,16 +104,51 @@ class PrefixOptions:
         return cls(**kw)
 
 
-def classify_groups(kv_cache_config: Any) -> tuple[list[int], list[int], int, int]:
-    """``(full group ids, sliding-window group ids, block size, largest window)``.
+@dataclass(frozen=True)
+class Layout:
+    """How a tree page maps onto vLLM's blocks for one attention kind: the groups
+    of that kind and, per group, how many of its blocks one page spans (a page is
+    the largest block size; a smaller block size divides it)."""
 
-    Raises ValueError naming the group when a group is neither full nor
-    sliding-window attention (Mamba, chunked local, cross attention) or block
-    sizes differ: the tree pages all groups alike.
+    groups: tuple[int, ...]
+    per_page: tuple[int, ...]
+
+    @property
+    def blocks_per_page(self) -> int:
+        return sum(self.per_page)
+
+    def page_blocks(self, rows: list[list[Any]], i: int) -> tuple[Any, ...] | None:
+        """Every group's blocks of page ``i`` from the request's block rows, in
+        group order; None where a group lacks one (not allocated, or released).  O(blocks)."""
+        out: list[Any] = []
+        for row, k in zip(rows, self.per_page):
+            part = row[i * k:(i + 1) * k]
+            if len(part) < k or any(b.is_null for b in part):
+                return None
+            out.extend(part)
+        return tuple(out)
+
+    def split(self, blocks: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        """A page's blocks per group (inverse of :meth:`page_blocks`)."""
+        out, o = [], 0
+        for k in self.per_page:
+            out.append(blocks[o:o + k])
+            o += k
+        return out
+
+
+def classify_groups(kv_cache_config: Any) -> tuple[Layout, Layout, int, int]:
+    """``(full layout, sliding-window layout, page size, largest window)``.
+
+    The tree's page is the largest block size; every group's block size must
+    divide it (vLLM's hybrid allocator halves a group's block size when its
+    layers hold twice the bytes per token).  Raises ValueError naming the
+    group when a group is neither full nor sliding-window attention (Mamba,
+    chunked local, cross attention), or for a model without both kinds.
     """
     full: list[int] = []
     swa: list[int] = []
-    sizes: set[int] = set()
+    sizes: dict[int, int] = {}
     window = 0
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
@@ -122,15 +160,22 @@ def classify_groups(kv_cache_config: Any) -> tuple[list[int], list[int], int, in
         else:
             raise ValueError(f"kv_cache_groups[{gid}] is {type(spec).__name__}: hybridkv's prefix cache "
                              "handles full and sliding-window attention groups only")
-        sizes.add(int(spec.block_size))
+        sizes[gid] = int(spec.block_size)
     if not full:
         raise ValueError("kv_cache_groups: no full-attention group; hybridkv's prefix cache needs one")
     if not swa:
         raise ValueError("kv_cache_groups: no sliding-window group; hybridkv's prefix cache is for hybrid "
                          "models (vLLM's own serves full attention alone)")
-    if len(sizes) != 1:
-        raise ValueError(f"kv_cache_groups: block sizes differ ({sorted(sizes)}); hybridkv pages all groups alike")
-    return full, swa, sizes.pop(), window
+    page = max(sizes.values())
+    odd = {g: b for g, b in sizes.items() if page % b}
+    if odd:
+        raise ValueError(f"kv_cache_groups: block sizes {sorted(set(sizes.values()))} do not divide the largest "
+                         f"({page}); hybridkv pages all groups by it")
+
+    def layout(ids: list[int]) -> Layout:
+        return Layout(tuple(ids), tuple(page // sizes[g] for g in ids))
+
+    return layout(full), layout(swa), page, window
 
 
 class BlockPagePool:
@@ -146,13 +191,13 @@ class BlockPagePool:
         self.owned = np.zeros(len(block_pool.blocks), dtype=bool)
         self.freed_blocks = 0
 
-    def take(self, first: Any, rest: tuple[Any, ...], *, held: bool = False) -> int:
-        """The page ``first`` (+ ``rest``, the other groups' blocks) handed to the tree:
-        one tree reference on each, unless the tree holds this very page already
-        (then a ``held`` reference the caller passes on is given back).  ``held``:
-        the caller's own reference becomes the tree's.  O(groups)."""
-        pid = first.block_id
-        blocks = (first,) + rest
+    def take(self, blocks: tuple[Any, ...], *, held: bool = False) -> int:
+        """A page handed to the tree (its blocks, every group's; the id is the
+        first's): one tree reference on each, unless the tree holds this very page
+        already (then a ``held`` reference the caller passes on is given back).
+        ``held``: the caller's own reference becomes the tree's.  O(blocks)."""
+        pid = blocks[0].block_id
+        rest = blocks[1:]
         if self.owned[pid]:
             if held:
                 self.block_pool.free_blocks(blocks)
@@ -163,6 +208,10 @@ class BlockPagePool:
         if rest:
             self.more[pid] = rest
         return pid
+
+    def blocks(self, page: int) -> tuple[Any, ...]:
+        """Every block of a tree page (see :meth:`take`)."""
+        return (self.block_pool.blocks[page],) + self.more.get(page, ())
 
     def _free(self, pages: np.ndarray) -> None:
         bp = self.block_pool
@@ -193,8 +242,11 @@ class _Live:
     handle: LockHandle
     hit_pages: int = 0
     raw_pages: int = 0
-    #: page index -> every SWA group's block there, one extra reference each
+    #: page index -> every SWA group's block there, one extra reference each: the
+    #: windows the retention policy keeps (``held``) and, while blocks are
+    #: plentiful, the rest (``spare``: released first when blocks run short)
     held: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    spare: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     scan_mark: int = 0  # pages before it were looked at for holds
 
 
@@ -224,9 +276,9 @@ class HybridKVCacheManager(KVCacheManager):
 
     def _init_tree(self, options: PrefixOptions) -> None:
         self.options = options
-        self.full_groups, self.swa_groups, self.page_size, window = classify_groups(self.kv_cache_config)
+        self.full_layout, self.swa_layout, self.page_size, window = classify_groups(self.kv_cache_config)
         managers = self.coordinator.single_type_managers
-        self._swa_managers = [managers[g] for g in self.swa_groups]
+        self._swa_managers = [managers[g] for g in self.swa_layout.groups]
         self.tree_config = TreeConfig(self.page_size, max(window, 1), options.swa_checkpoint, "page",
                                       ranking=options.ranking)
         self.pool = BlockPagePool(self.block_pool)
@@ -237,8 +289,8 @@ class HybridKVCacheManager(KVCacheManager):
         self._new_tree()
 
     def _new_tree(self) -> None:
-        self.tree = WindowSafeTree(self.tree_config, self.pool, full_page_bytes=len(self.full_groups),
-                                   swa_page_bytes=max(1, len(self.swa_groups)))
+        self.tree = WindowSafeTree(self.tree_config, self.pool, full_page_bytes=self.full_layout.blocks_per_page,
+                                   swa_page_bytes=self.swa_layout.blocks_per_page)
 
     # ------------------------------------------------------------ helpers
     @staticmethod
@@ -257,7 +309,15 @@ class HybridKVCacheManager(KVCacheManager):
             self.tree.unlock(live.handle)
         return live
 
+    def _release_spare(self, live: _Live) -> int:
+        n = len(live.spare)
+        if n:
+            self.block_pool.free_blocks([b for blocks in live.spare.values() for b in blocks])
+            live.spare = {}
+        return n
+
     def _release_held(self, live: _Live) -> None:
+        self._release_spare(live)
         if live.held:
             self.block_pool.free_blocks([b for blocks in live.held.values() for b in blocks])
             live.held = {}
@@ -295,23 +355,28 @@ class HybridKVCacheManager(KVCacheManager):
 
     def _blocks_of(self, full: np.ndarray, swa: np.ndarray) -> tuple[list[Any], ...]:
         """Per group, the blocks of a hit's pages: full groups all, sliding-window
-        groups their own window before the hit end (null blocks before it)."""
-        bp = self.block_pool
-        n = int(full.size)
+        groups the blocks their own window reads before the hit end (vLLM's null
+        block before them).  The tree holds SWA on the ``window_pages`` pages
+        before a window-safe hit, which cover every group's window.  O(pages)."""
+        bp, pool, lay = self.block_pool, self.pool, self.swa_layout
         out: list[list[Any]] = [[] for _ in self.kv_cache_config.kv_cache_groups]
-        firsts = [bp.blocks[p] for p in full.tolist()]
-        for k, gid in enumerate(self.full_groups):
-            out[gid] = firsts if k == 0 else [self.pool.more[b.block_id][k - 1] for b in firsts]
-        P = self.page_size
-        for k, (gid, mgr) in enumerate(zip(self.swa_groups, self._swa_managers)):
-            need = -(-(mgr.sliding_window - 1) // P)
-            lo = max(0, n - need)
-            row = [bp.null_block] * n
-            for i in range(lo, n):
-                p = int(swa[i])
-                row[i] = bp.blocks[p] if k == 0 else self.pool.more[p][k - 1]
+        for p in full.tolist():
+            for gid, part in zip(self.full_layout.groups, self.full_layout.split(pool.blocks(p))):
+                out[gid].extend(part)
+        n = int(full.size)
+        for j, (gid, k, mgr) in enumerate(zip(lay.groups, lay.per_page, self._swa_managers)):
+            need = min(n * k, -(-(mgr.sliding_window - 1) // (self.page_size // k)))
+            row = [bp.null_block] * (n * k)
+            for i in range(n - -(-need // k), n):
+                assert swa[i] >= 0, "a window-safe hit without its window"
+                row[i * k:(i + 1) * k] = lay.split(pool.blocks(int(swa[i])))[j]
+            row[:n * k - need] = [bp.null_block] * (n * k - need)
             out[gid] = row
         return tuple(out)
+
+    def _rows(self, request: Any, layout: Layout) -> list[list[Any]]:
+        mgrs = self.coordinator.single_type_managers
+        return [mgrs[g].req_to_blocks.get(request.request_id, []) for g in layout.groups]
 
     # ------------------------------------------------------ SWA retention
     def _hold_swa(self, request: Any, computed: int) -> None:
@@ -319,31 +384,29 @@ class HybridKVCacheManager(KVCacheManager):
         ``get_num_skipped_tokens(computed)``), take a reference on the pages the
         retention policy keeps.  O(new pages)."""
         live = self._live.get(request.request_id)
-        if live is None or not self.swa_groups or not self._cacheable(request):
+        if live is None or not self._cacheable(request):
             return
         P = self.page_size
-        upto = min(mgr.get_num_skipped_tokens(computed) for mgr in self._swa_managers) // P
+        # a page is lost once any group frees any of its blocks: the most skipped, rounded up
+        upto = -(-max(mgr.get_num_skipped_tokens(computed) for mgr in self._swa_managers) // P)
         lo = live.scan_mark
         if upto <= lo:
             return
         live.scan_mark = upto
         policy = self.tree.policy
-        spare = self.block_pool.get_num_free_blocks() > self.options.spare_fraction * self.block_pool.num_gpu_blocks
-        if self.options.retention == "adaptive" and spare:
-            keep = [(lo, upto)]
-        else:
-            keep = _complement(lo, upto, policy.releasable_runs(
-                lo, upto, live.raw_pages * P, live.hit_pages * P,
-                request.num_prompt_tokens // P if policy.pretail_pages >= 0 else 0))
-        rows = [self.coordinator.single_type_managers[g].req_to_blocks.get(request.request_id, [])
-                for g in self.swa_groups]
-        for a, b in keep:
-            for i in range(a, b):
-                blocks = tuple(row[i] for row in rows if i < len(row))
-                if len(blocks) == len(rows) and not any(x.is_null for x in blocks):
-                    self.block_pool.touch(blocks)
-                    live.held[i] = blocks
-                    self.counters["held_swa_pages"] += 1
+        keep = _complement(lo, upto, policy.releasable_runs(
+            lo, upto, live.raw_pages * P, live.hit_pages * P,
+            request.num_prompt_tokens // P if policy.pretail_pages >= 0 else 0))
+        plenty = (self.options.retention == "adaptive" and self.block_pool.get_num_free_blocks()
+                  > self.options.spare_fraction * self.block_pool.num_gpu_blocks)
+        rows = self._rows(request, self.swa_layout)
+        kept = {i for a, b in keep for i in range(a, b)}
+        for i in (range(lo, upto) if plenty else sorted(kept)):
+            blocks = self.swa_layout.page_blocks(rows, i)
+            if blocks is not None:
+                self.block_pool.touch(blocks)
+                (live.held if i in kept else live.spare)[i] = blocks
+                self.counters["held_swa_pages"] += 1
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
@@ -363,17 +426,43 @@ class HybridKVCacheManager(KVCacheManager):
         self._checkpoint(request)
         total = request.num_computed_tokens + num_new_computed_tokens + kwargs.get("num_external_computed_tokens", 0)
         self._hold_swa(request, max(0, total - getattr(request, "num_in_flight_tokens", 0)))
-        groups = len(self.kv_cache_config.kv_cache_groups)
-        want = max(1, -(-(num_new_tokens + kwargs.get("num_lookahead_tokens", 0)) // self.page_size) * groups)
         while True:
             got = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                                          *args, **kwargs)
             if got is not None:
                 return got
-            if not self._make_room(want):
+            short = self._shortfall(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                    args, kwargs)
+            if not self._make_room(short):
                 self._drop_lookup(request)
                 return None
-            want *= 2
+
+    def _shortfall(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
+                   new_computed_blocks: KVCacheBlocks | None, args: tuple, kwargs: dict) -> int:
+        """Blocks ``allocate_slots`` lacked (vLLM's own count for these arguments,
+        after it released the request's skipped blocks).  O(request blocks)."""
+        a = _ALLOC_SIG.bind(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                            *args, **kwargs)
+        a.apply_defaults()
+        v = a.arguments
+        blocks = new_computed_blocks.blocks if new_computed_blocks is not None else self.empty_kv_cache_blocks.blocks
+        local = request.num_computed_tokens + num_new_computed_tokens
+        computed = local + v["num_external_computed_tokens"]
+        main = min(computed, self.max_model_len) + num_new_tokens
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        common = dict(request_id=request.request_id, new_computed_blocks=blocks,
+                      num_encoder_tokens=v["num_encoder_tokens"], total_computed_tokens=computed,
+                      num_local_computed_tokens=local, prefill_end=prefill_end)
+        need = self.coordinator.get_num_blocks_to_allocate(
+            num_tokens=min(main + v["num_lookahead_tokens"], self.max_model_len), num_tokens_main_model=main,
+            **common) + v["reserved_blocks"]
+        if v["full_sequence_must_fit"]:
+            whole = min(request.num_tokens, self.max_model_len)
+            need = max(need, self.coordinator.get_num_blocks_to_allocate(
+                num_tokens=whole, num_tokens_main_model=whole, apply_admission_cap=True, **common))
+        if v["has_scheduled_reqs"] and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            need += self.watermark_blocks
+        return max(1, need - self.block_pool.get_num_free_blocks())
 
     def _drop_lookup(self, request: Any) -> None:
         """A waiting request vLLM could not admit gives its hit's lock back (it looks
@@ -385,17 +474,16 @@ class HybridKVCacheManager(KVCacheManager):
             live.hit_pages = live.scan_mark = 0
 
     def _make_room(self, blocks: int) -> bool:
-        """Free about ``blocks`` blocks: holds the policy would release first, then
-        the tree's eviction.  False when nothing could be freed.  O(k log n)."""
+        """Free ``blocks`` blocks: the spare holds of live requests first, then the
+        tree's eviction (by blocks).  False when nothing could be freed.  O(k log n)."""
         before = self.block_pool.get_num_free_blocks()
         for live in self._live.values():
-            if live.held:
-                self.counters["released_holds"] += len(live.held)
-                self._release_held(live)
+            self.counters["released_holds"] += self._release_spare(live)
         freed = self.block_pool.get_num_free_blocks() - before
         if freed < blocks:
             nf, ns = self.tree.evict(nbytes=blocks - freed)
-            self.counters["evicted_blocks"] += nf * len(self.full_groups) + ns * len(self.swa_groups)
+            self.counters["evicted_blocks"] += (nf * self.full_layout.blocks_per_page
+                                                + ns * self.swa_layout.blocks_per_page)
         return self.block_pool.get_num_free_blocks() > before
 
     # ------------------------------------------------------------- finish
@@ -417,21 +505,22 @@ class HybridKVCacheManager(KVCacheManager):
         if start is not None and (not start.alive or start.start + len(start.key) != lo * P):
             self.counters["insert_skipped"] += 1  # cannot happen while locked: never free what we did not take
             return None
-        mgrs = self.coordinator.single_type_managers
-        rows_f = [mgrs[g].req_to_blocks.get(request.request_id, []) for g in self.full_groups]
-        if any(len(r) < n for r in rows_f):
-            return None
-        rows_s = [mgrs[g].req_to_blocks.get(request.request_id, []) for g in self.swa_groups]
+        rows_f = self._rows(request, self.full_layout)
+        rows_s = self._rows(request, self.swa_layout)
+        pages_f = [self.full_layout.page_blocks(rows_f, i) for i in range(lo, n)]
+        if any(b is None for b in pages_f):
+            return None  # blocks already handed back (cannot happen before free)
         full = np.zeros(n, np.int32)  # [0, lo): the locked path, skipped by the walk
         swa = np.full(n, _NO_PAGE, np.int32)
         for i in range(lo, n):
-            full[i] = self.pool.take(rows_f[0][i], tuple(r[i] for r in rows_f[1:]))
-            blocks = live.held.pop(i, None)
-            if blocks is None and rows_s and all(i < len(r) and not r[i].is_null for r in rows_s):
-                blocks = tuple(r[i] for r in rows_s)
-                swa[i] = self.pool.take(blocks[0], blocks[1:])
-            elif blocks is not None:
-                swa[i] = self.pool.take(blocks[0], blocks[1:], held=True)  # the hold's reference moves
+            full[i] = self.pool.take(pages_f[i - lo])
+            blocks = live.held.pop(i, None) or live.spare.pop(i, None)
+            if blocks is not None:
+                swa[i] = self.pool.take(blocks, held=True)  # the hold's reference moves
+            else:
+                blocks = self.swa_layout.page_blocks(rows_s, i)
+                if blocks is not None:
+                    swa[i] = self.pool.take(blocks)
         tokens = np.asarray(request.all_token_ids[:n * P], dtype=np.int32)
         res = self.tree.insert_tokens(tokens, full, swa, self.namespace(request), start=start,
                                       owned=True, mark=request.num_prompt_tokens // P)
@@ -497,8 +586,8 @@ class HybridKVCacheManager(KVCacheManager):
     def usage(self) -> float:
         """Blocks in use by requests (what the tree holds and could evict counts as free)."""
         total = self.block_pool.num_gpu_blocks - 1
-        cached = (self.tree.evictable_full_pages() * len(self.full_groups)
-                  + self.tree.evictable_swa_pages() * len(self.swa_groups))
+        cached = (self.tree.evictable_full_pages() * self.full_layout.blocks_per_page
+                  + self.tree.evictable_swa_pages() * self.swa_layout.blocks_per_page)
         used = total - self.block_pool.get_num_free_blocks() - cached
         return max(0.0, min(1.0, used / total)) if total > 0 else 0.0
 
@@ -512,7 +601,7 @@ class HybridKVCacheManager(KVCacheManager):
         for node in self.tree.iter_nodes():
             for p in node.full.tolist() + node.swa[node.swa >= 0].tolist():
                 assert pool.owned[p], f"page {p} cached but not marked owned"
-                for b in (bp.blocks[p],) + pool.more.get(p, ()):
+                for b in pool.blocks(p):
                     assert b.ref_cnt >= 1, f"block {b.block_id} of page {p} cached with ref_cnt 0"
                     held.add(b.block_id)
         assert int(pool.owned.sum()) == self.tree.full_pages_cached + self.tree.swa_pages_cached

@@ -21,20 +21,25 @@ HEAD = 32
 
 
 def build_manager(num_blocks: int, page: int, windows: Sequence[int | None], *, max_model_len: int = 1 << 16,
-                  retention: int | None = 0, hybridkv: bool = False, options: Any = None) -> Any:
+                  retention: int | None = 0, hybridkv: bool = False, options: Any = None,
+                  sizes: Sequence[int] | None = None) -> Any:
     """A manager with one KV-cache group per entry of ``windows`` (None: full
-    attention, else a sliding window of that many tokens)."""
+    attention, else a sliding window of that many tokens); ``sizes``: each
+    group's block size (default ``page``; the scheduler's block size is the
+    largest)."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
     groups = []
+    sizes = list(sizes or [page] * len(windows))
     for i, w in enumerate(windows):
-        kw = dict(block_size=page, num_kv_heads=1, head_size=HEAD, dtype=torch.bfloat16)
+        kw = dict(block_size=sizes[i], num_kv_heads=page // sizes[i], head_size=HEAD, dtype=torch.bfloat16)
         spec = FullAttentionSpec(**kw) if w is None else SlidingWindowSpec(**kw, sliding_window=w)
         groups.append(KVCacheGroupSpec([f"layers.{i}"], spec))
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
                            prefix_cache_retention_interval=retention)
-    mgr = KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=page, hash_block_size=page,
+    mgr = KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=max(sizes),
+                         hash_block_size=min(sizes),
                          enable_caching=True, log_stats=True)
     if hybridkv:
         from hybridkv_vllm.prefix import HybridKVCacheManager
@@ -47,24 +52,24 @@ def build_manager(num_blocks: int, page: int, windows: Sequence[int | None], *, 
 class Oracle:
     """(group, block id) -> (page index, tokens) of what was computed into it."""
 
-    page: int
+    sizes: Sequence[int]  # each group's block size
     windows: Sequence[int | None]
     content: dict[tuple[int, int], tuple[int, bytes]] = field(default_factory=dict)
     checked_blocks: int = 0
     mismatches: int = 0
 
     def wrote(self, mgr: Any, req_id: str, tokens: np.ndarray, start: int, end: int) -> None:
-        P = self.page
         for g, blocks in enumerate(mgr.coordinator.get_blocks(req_id)):
+            P = self.sizes[g]
             for p in range(start // P, -(-end // P)):
                 b = blocks[p]
                 if not b.is_null:
                     self.content[(g, b.block_id)] = (p, tokens[p * P:(p + 1) * P].tobytes())
 
     def check_hit(self, blocks: Any, tokens: np.ndarray, hit: int) -> None:
-        P = self.page
-        n = hit // P
         for g, (row, w) in enumerate(zip(blocks.blocks, self.windows)):
+            P = self.sizes[g]
+            n = hit // P
             lo = 0 if w is None else max(0, (hit - (w - 1)) // P)
             if len(row) < n:
                 self.mismatches += 1
@@ -79,7 +84,7 @@ class Oracle:
 
 def replay(mgr: Any, prompts: Sequence[np.ndarray], *, page: int, windows: Sequence[int | None],
            chunk: int = 256, concurrent: int = 1, salts: Sequence[str | None] | None = None,
-           check: bool = True, invariants: bool = True) -> dict[str, int]:
+           check: bool = True, invariants: bool = True, sizes: Sequence[int] | None = None) -> dict[str, int]:
     """Prefill each prompt (chunked, up to ``concurrent`` requests interleaved
     chunk by chunk), free it; returns hit/input tokens, rejections and the
     oracle's counts."""
@@ -90,8 +95,9 @@ def replay(mgr: Any, prompts: Sequence[np.ndarray], *, page: int, windows: Seque
 
     hash_fn = get_hash_fn_by_name("sha256")  # vLLM's default prefix_caching_hash_algo
     init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(page, hash_fn)
-    oracle = Oracle(page, windows)
+    sizes = list(sizes or [page] * len(windows))
+    hasher = get_request_block_hasher(min(sizes), hash_fn)
+    oracle = Oracle(sizes, windows)
     params = SamplingParams(max_tokens=1)
     out = {"hit_tokens": 0, "input_tokens": 0, "rejected": 0, "requests": 0}
     queue = list(range(len(prompts)))

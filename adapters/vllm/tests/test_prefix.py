@@ -31,6 +31,23 @@ def test_every_hit_holds_the_requests_tokens(windows, blocks, concurrent):
         assert mgr.counters["evicted_blocks"] > 0, mgr.counters  # the tight size evicts
 
 
+@pytest.mark.parametrize("blocks", [120, 3000])
+def test_groups_with_smaller_blocks(blocks):
+    """vLLM's hybrid allocator gives a group with twice the bytes per token half
+    the block size (the tiny MiMo-V2: full 32, sliding 16 here); a tree page
+    spans two of its blocks."""
+    windows, sizes = (None, 40, 40), (32, 16, 16)
+    rng = np.random.default_rng(blocks)
+    prompts = shared_prefix_prompts(rng, 120, page=32)
+    mgr = build_manager(blocks, 32, windows, hybridkv=True, sizes=sizes)
+    assert mgr.page_size == 32 and mgr.swa_layout.per_page == (2, 2)
+    out = replay(mgr, prompts, page=32, windows=windows, chunk=64, concurrent=2, sizes=sizes)
+    assert out["mismatches"] == 0 and out["hit_tokens"] > 0, out
+    vllm = replay(build_manager(blocks, 32, windows, sizes=sizes), prompts, page=32, windows=windows, chunk=64,
+                  concurrent=2, sizes=sizes)
+    assert vllm["mismatches"] == 0, vllm
+
+
 def test_the_oracle_catches_a_wrong_hit():
     """The oracle is not vacuous: a tree page pointed at another block is caught."""
     windows = (None, 32)
@@ -135,8 +152,8 @@ def test_unsupported_groups_and_settings_are_refused():
     with pytest.raises(ValueError, match=r"kv_cache_groups\[1\] is ChunkedLocalAttentionSpec"):
         classify_groups(KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups))
     groups = [KVCacheGroupSpec(["a"], FullAttentionSpec(**kw)),
-              KVCacheGroupSpec(["b"], SlidingWindowSpec(**{**kw, "block_size": 32}, sliding_window=64))]
-    with pytest.raises(ValueError, match="block sizes differ"):
+              KVCacheGroupSpec(["b"], SlidingWindowSpec(**{**kw, "block_size": 24}, sliding_window=64))]
+    with pytest.raises(ValueError, match=r"block sizes \[16, 24\] do not divide the largest"):
         classify_groups(KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups))
     with pytest.raises(ValueError, match="no sliding-window group"):
         classify_groups(KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups[:1]))
