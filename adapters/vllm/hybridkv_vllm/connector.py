@@ -38,7 +38,9 @@ manager, one block table per KV-cache group):
   are copied out).
 * Counters reach vLLM's KV-connector stats (:mod:`.metrics`: the periodic
   ``KV Transfer metrics`` log line and ``vllm:hybridkv_*_total`` on
-  ``/metrics``); log lines go through vLLM's logger (``vllm.hybridkv_vllm``);
+  ``/metrics``); the engine keeps stepping until the workers' saves are
+  stored and counted (:mod:`.progress`), so ``/metrics`` of an idle server
+  equals the stats file; log lines go through vLLM's logger (``vllm.hybridkv_vllm``);
   the optional stats file gets one JSON line per event and, at shutdown (after
   the save thread drained), one ``shutdown`` line with the totals, written in
   one ``O_APPEND`` write and fsync'ed.
@@ -83,6 +85,7 @@ from .l2 import HostPageCache
 from .logs import logger, route_core_logs
 from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
 from .plan import checkpoint_ends, pages_to_save, window_safe_tokens
+from .progress import IDLE_WAIT_S, SavesBusy, SavesWatch, WorkerSaves
 from .saver import SaveThread
 
 if TYPE_CHECKING:
@@ -124,6 +127,7 @@ class HybridKVMetadata(KVConnectorMetadata):
 
     loads: list[PageJob] = field(default_factory=list)
     saves: list[PageJob] = field(default_factory=list)
+    idle: bool = False  # an empty step (no tokens, loads or saves): see progress.py
 
 
 @dataclass
@@ -179,7 +183,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Keys of save jobs built but not sent yet (dedup only; lookups do not see them:
         # a load in the same step would run before the save is submitted).
         self._claimed: set[bytes] = set()
+        self._worker_saves = SavesWatch()  # keeps vLLM stepping until saves are counted
         # worker side
+        self._saves_report = WorkerSaves()
         self._buffers: dict[int, GroupBuffers] = {}
         self._l2: HostPageCache | None = None
         self._done_recv: set[str] = set()
@@ -421,6 +427,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._claimed.clear()
         while len(self._sent) > SENT_KEYS_MAX:
             self._sent.popitem(last=False)
+        meta.idle = not (meta.loads or meta.saves or scheduler_output.total_num_scheduled_tokens)
         return meta
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
@@ -458,11 +465,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             if req_id in (connector_output.failed_recving or ()):
                 for k in keys:
                     self._sent.pop(k, None)
+        self._worker_saves.update(connector_output.kv_connector_worker_meta)
 
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping until queued finish saves reach a worker
-        # (after that the held request keeps it stepping until finished_sending).
-        return bool(self._pending_saves)
+        # (then the held request keeps it stepping until finished_sending),
+        # and until the workers' saves are stored and counted (progress.py).
+        return bool(self._pending_saves) or self._worker_saves.busy()
 
     # =============================================================== worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -527,7 +536,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         runs on the thread.  With ``async_save: false`` the step waits for it.
         """
         meta = self._connector_metadata
-        if not isinstance(meta, HybridKVMetadata) or not meta.saves or self._saver is None:
+        if not isinstance(meta, HybridKVMetadata) or self._saver is None:
+            return
+        if meta.idle:  # nothing else to do this step: let the save thread get on
+            self._saver.wait_progress(IDLE_WAIT_S)
+        if not meta.saves:
             return
         for job in meta.saves:
             self._saver.submit(job.req_id, job.groups, job.finish)
@@ -541,6 +554,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                                          failed_recving=self._failed_recv)
         self._done_recv, self._failed_recv = set(), set()
         return res
+
+    def build_connector_worker_meta(self) -> SavesBusy | None:
+        """Whether saves are still queued or counted after this step's stats (progress.py)."""
+        with self._stats_lock:
+            uncollected = bool(self._interval)
+        return self._saves_report.report(self._saver, uncollected)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)

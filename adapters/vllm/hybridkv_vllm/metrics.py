@@ -65,19 +65,34 @@ class HybridKVStats(KVConnectorStats):
 
 
 class HybridKVPromMetrics(KVConnectorPromMetrics):
-    """One ``vllm:hybridkv_<name>_total`` counter per :data:`COUNTERS` entry."""
+    """One ``vllm:hybridkv_<name>_total`` counter per :data:`COUNTERS` entry.
+
+    Every counter gets its labelled child for every engine at construction
+    (as vLLM's own per-engine metrics do), so ``/metrics`` shows a sample
+    line from start-up on, ``0`` until something is counted: a Prometheus
+    query (``rate``, alerts on ``load_failures``) sees the series exist
+    instead of "no data".
+    """
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
-            name: self._counter_cls(name=f"vllm:hybridkv_{name}", documentation=doc,
-                                    labelnames=self._labelnames)
-            for name, doc in COUNTERS.items()}
+        self._counters: dict[str, Any] = {}
+        self._children: dict[str, dict[int, Any]] = {}
+        for name, doc in COUNTERS.items():
+            c = self._counter_cls(name=f"vllm:hybridkv_{name}", documentation=doc,
+                                  labelnames=self._labelnames)
+            self._counters[name] = c
+            self._children[name] = {idx: c.labels(*values)
+                                    for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        labels = self.per_engine_labelvalues.get(engine_idx, [])
         for name, v in (transfer_stats_data or {}).items():
-            c = self._counters.get(name)
-            if c is not None and v:
-                c.labels(*labels).inc(v)
+            children = self._children.get(name)
+            if children is None or not v:
+                continue
+            child = children.get(engine_idx)
+            if child is None:  # an engine index vLLM did not announce: label it anyway
+                labels = self.per_engine_labelvalues.get(engine_idx, [])
+                child = children[engine_idx] = self._counters[name].labels(*labels)
+            child.inc(v)

@@ -83,6 +83,8 @@ class SaveThread:
         self._lock = threading.Condition()
         self._queued_bytes = 0
         self._pending = 0          # tasks submitted and not finished
+        self._done = 0             # tasks finished (progress, see wait_progress)
+        self._progress = 0         # tasks finished + finish saves released
         self._released: set[str] = set()  # finish saves copied out, not reported yet
         self._keys: dict[bytes, int] = {}  # key -> queued tasks storing it
         self._stopped = False
@@ -130,6 +132,24 @@ class SaveThread:
     def pending(self) -> int:
         with self._lock:
             return self._pending
+
+    def done(self) -> int:
+        """Tasks finished so far (stored, failed or stopped)."""
+        with self._lock:
+            return self._done
+
+    def wait_progress(self, timeout_s: float) -> bool:
+        """Wait until a task finishes or a finish save is released (``True``),
+        nothing is pending (``False`` at once) or ``timeout_s`` passed."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._lock:
+            start = self._progress
+            while self._pending and self._progress == start:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+            return self._progress != start
 
     def wait_keys(self, keys: list[bytes], timeout_s: float) -> bool:
         """Wait until no queued task still has to store any of ``keys`` (``True``),
@@ -185,6 +205,8 @@ class SaveThread:
             finally:
                 with self._lock:
                     self._pending -= 1
+                    self._done += 1
+                    self._progress += 1
                     self._queued_bytes -= task.nbytes
                     for _, ks in task.groups.values():
                         for k in ks:
@@ -201,6 +223,8 @@ class SaveThread:
                     task.rows[gi] = gather_host(self.buffers[gi], ids)
             with self._lock:  # copied out: vLLM may reuse the blocks from now on
                 self._released.add(task.req_id)
+                self._progress += 1
+                self._lock.notify_all()
         stored = skipped = in_l2 = 0
         for gi, (_, keys) in task.groups.items():
             rows = task.rows.get(gi)

@@ -97,9 +97,14 @@ class Server:
     log_path: Path
     proc: subprocess.Popen | None = None
     start_s: float = 0.0
+    # The server's own level: a module imported earlier in this process (e.g. a
+    # benchmark driver setting VLLM_LOGGING_LEVEL=WARNING) must not silence the
+    # INFO lines (connector start-up, KV Transfer metrics) the tests read.
+    log_level: str = "INFO"
 
     def start(self) -> Server:
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false",
+               "VLLM_LOGGING_LEVEL": self.log_level,
                "VLLM_LOG_STATS_INTERVAL": os.environ.get("VLLM_LOG_STATS_INTERVAL", "2")}
         self._t0 = time.perf_counter()
         self._log = open(self.log_path, "ab")
@@ -199,6 +204,46 @@ def complete(port: int, prompt: list[int], max_tokens: int, timeout: float = 300
     cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
     return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "tokens": tokens,
             "prompt_len": len(prompt), "cached_tokens": int(cached)}
+
+
+def chat(port: int, messages: list[dict[str, str]], max_tokens: int, timeout: float = 300.0
+         ) -> dict[str, Any]:
+    """One streamed ``/v1/chat/completions`` request (greedy, the model's chat
+    template); TTFT = first content chunk.  Raises on a non-200 answer."""
+    body = json.dumps({"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens,
+                       "temperature": 0.0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.perf_counter()
+    ttft, text, usage = None, [], {}
+    try:
+        conn.request("POST", "/v1/chat/completions", body,
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {r.read()[:500]!r}")
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            msg = json.loads(line[5:])
+            for ch in msg.get("choices") or ():
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    text.append(piece)
+            usage = msg.get("usage") or usage
+    finally:
+        conn.close()
+    cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+    return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "text": "".join(text),
+            "prompt_len": int(usage.get("prompt_tokens", 0)), "cached_tokens": int(cached),
+            "completion_tokens": int(usage.get("completion_tokens", 0))}
+
+
+def words(rnd: random.Random, n: int) -> str:
+    """``n`` words of the tiny tokenizer (``w<i>``: one token each)."""
+    return " ".join(f"w{rnd.randrange(VOCAB - 7)}" for _ in range(n))
 
 
 def scrape(port: int, prefix: str = "vllm:") -> dict[str, float]:

@@ -19,22 +19,48 @@ import torch
 
 VOCAB = 512
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+# Chat-template role markers: the top ids of the vocabulary (special tokens,
+# never split, skipped when decoding).  Words ``w<i>`` fill the ids between.
+ROLES = ["<|system|>", "<|user|>", "<|assistant|>"]
+
+# What ``/v1/chat/completions`` renders a conversation with (transformers reads
+# ``chat_template.jinja`` beside the tokenizer; vLLM's renderer uses it, so the
+# server needs no ``--chat-template``): ``<bos>``, then per message its role
+# marker and its text, then ``<|assistant|>`` for the answer.  A later turn's
+# prompt extends an earlier one (prompt + answer + new message), so prefix
+# caches hit across turns.  Other roles (``developer``, ``tool``) render as user.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = message['role'] if message['role'] in ['system', 'user', 'assistant']"
+    " else 'user' %}"
+    "{{ '<|' + role + '|> ' }}{{ message['content'] or '' }}{{ ' ' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 
 def write_tokenizer(out: Path, vocab: int = VOCAB) -> None:
-    """tokenizer.json + tokenizer_config.json: ids 0-3 specials, then ``w<i>`` words."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """tokenizer.json, tokenizer_config.json and chat_template.jinja.
+
+    Ids 0-3 are ``SPECIALS``, the last ``len(ROLES)`` ids the role markers,
+    the ids between the words ``w0, w1, ...``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     words = {tok: i for i, tok in enumerate(SPECIALS)}
-    words.update({f"w{i}": i + len(SPECIALS) for i in range(vocab - len(SPECIALS))})
+    n_words = vocab - len(SPECIALS) - len(ROLES)
+    words.update({f"w{i}": i + len(SPECIALS) for i in range(n_words)})
+    words.update({r: vocab - len(ROLES) + i for i, r in enumerate(ROLES)})
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS + ROLES])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
         "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>",
-        "model_max_length": 4096, "clean_up_tokenization_spaces": False}))
+        "model_max_length": 4096, "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE}))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
 def gemma2_config(window: int = 64) -> dict[str, Any]:

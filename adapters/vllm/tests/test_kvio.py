@@ -126,7 +126,7 @@ def test_save_thread_async_store_release_and_wait(tmp_path) -> None:
 
 def test_connector_stats_aggregate_and_prometheus() -> None:
     """The stats payload vLLM ships: sums over workers/scheduler, log summary, counters."""
-    from hybridkv_vllm.metrics import HybridKVPromMetrics, HybridKVStats
+    from hybridkv_vllm.metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
     a = HybridKVStats(data={"hit_tokens": 128, "load_pages": 4})
@@ -142,8 +142,64 @@ def test_connector_stats_aggregate_and_prometheus() -> None:
     cfg = type("Cfg", (), {"kv_transfer_config": None})()
     prom = HybridKVPromMetrics(cfg, {Counter: bind(Counter), Gauge: bind(Gauge),
                                       Histogram: bind(Histogram)},
-                               ["model_name", "engine"], {0: ["m", "0"]})
+                               ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
+    # every counter exports a sample for every engine from the start, at 0
+    for name in COUNTERS:
+        for eng in ("0", "1"):
+            assert reg.get_sample_value(f"vllm:hybridkv_{name}_total",
+                                        {"model_name": "m", "engine": eng}) == 0, (name, eng)
     prom.observe(a.data, 0)
     prom.observe({"hit_tokens": 8}, 0)
     assert reg.get_sample_value("vllm:hybridkv_hit_tokens_total",
                                 {"model_name": "m", "engine": "0"}) == 200
+    assert reg.get_sample_value("vllm:hybridkv_load_failures_total",
+                                {"model_name": "m", "engine": "0"}) == 0
+    prom.observe({"save_dropped": 3}, 1)
+    assert reg.get_sample_value("vllm:hybridkv_save_dropped_total",
+                                {"model_name": "m", "engine": "1"}) == 3
+
+
+def test_saves_progress_keeps_engine_stepping_until_counted(tmp_path) -> None:
+    """Worker reports (busy while saves are queued or counted after the stats pull,
+    once more when idle); the scheduler's watch follows them and gives up on a
+    stalled save thread; wait_progress wakes on a finished task."""
+    import threading
+
+    from hybridkv_vllm.progress import SavesBusy, SavesWatch, WorkerSaves
+    from hybridkv_vllm.saver import SaveThread
+
+    assert SavesBusy(1, 3).aggregate(SavesBusy(0, 2)) == SavesBusy(1, 5)
+    be = open_backend(f"file:{tmp_path / 'l3'}")
+    gb = GroupBuffers(_caches(seed=12), ["a", "b"], 10)
+    gate = threading.Event()
+    real_put = be.put
+    be.put = lambda keys, values: (gate.wait(10), real_put(keys, values))[1]
+    st = SaveThread(be, {0: gb}, None, {0: False}, 1 << 30, lambda **kw: None,
+                    lambda **ev: None)
+    rep, now = WorkerSaves(), [0.0]
+    watch = SavesWatch(stall_s=5.0, clock=lambda: now[0])
+    assert rep.report(st, False) is None and not watch.busy()  # idle: nothing to say
+    keys = page_keys(as_np_tokens(list(range(64))), 32, namespace="p", fingerprint="f")
+    assert st.submit("r1", {0: ([1, 2], keys)}, finish=True)
+    assert st.wait_progress(5)  # the finish save's copy-out (release) is progress
+    assert not st.wait_progress(0.02)  # then the store waits behind the gate
+    watch.update(rep.report(st, False))
+    assert watch.busy() and st.pending() == 1 and st.done() == 0
+    now[0] = 4.0
+    watch.update(rep.report(st, False))  # no progress for 4 s: still waiting
+    assert watch.busy()
+    now[0] = 6.0
+    assert not watch.busy()  # stalled for 6 s > 5 s: vLLM may go idle
+    gate.set()
+    assert st.drain(10) and st.done() == 1
+    meta = rep.report(st, True)  # stored, but counted after the stats pull: one more step
+    assert meta == SavesBusy(1, 1)
+    watch.update(meta)
+    assert watch.busy()  # progress (done 0 -> 1) restarted the stall clock
+    meta = rep.report(st, False)  # collected: the idle report, sent once
+    assert meta == SavesBusy(0, 1)
+    watch.update(meta)
+    assert not watch.busy() and rep.report(st, False) is None
+    watch.update(None)  # steps without worker metadata change nothing
+    assert not watch.busy() and not st.wait_progress(1.0)  # nothing pending: at once
+    assert st.stop(5)

@@ -14,6 +14,10 @@ its own process group, always stopped: SIGTERM, then SIGKILL, to the group):
    empty).  Outputs equal ``base``; the connector's hits are read from
    ``/metrics`` (``vllm:hybridkv_hit_tokens_total``) and match the hits the
    server reported per request.
+   ``hkv2`` also answers ``/v1/chat/completions`` with no ``--chat-template``
+   (the tiny model ships one), exports every counter from start-up (``0``),
+   and once idle its ``/metrics`` equals the worker's figures in the stats
+   file (saves stored after the last request's last step included).
 3. The stats file: the last line of every (role, process) is its shutdown
    line (save queue drained) and carries totals equal to what ``/metrics``
    showed; the connector's log lines and the
@@ -22,12 +26,14 @@ its own process group, always stopped: SIGTERM, then SIGKILL, to the group):
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 from typing import Any
 
 from bench_server import (
     Server,
+    chat,
     complete,
     free_port,
     hkv_transfer_config,
@@ -38,10 +44,15 @@ from bench_server import (
     run_multi_turn,
     scrape,
     server_command,
+    words,
 )
+from hybridkv_vllm.metrics import COUNTERS
 from tiny_models import build
 
 KV_BYTES = 24 << 20  # ~2,400 tokens of vLLM KV cache: conversations evict each other
+WORKER_COUNTERS = ["load_pages", "load_pages_l2", "load_pages_l3", "load_failures",
+                   "save_pages", "save_pages_l2", "save_skipped", "save_dropped",
+                   "finish_saves"]
 
 
 def _final_totals(events: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, int]]:
@@ -49,6 +60,37 @@ def _final_totals(events: list[dict[str, Any]]) -> dict[tuple[str, int], dict[st
     for e in events:
         out[(e["role"], e["pid"])] = e["totals"]
     return out
+
+
+def _chat_turns(port: int, seed: int) -> list[dict[str, Any]]:
+    """A chat of 2 turns, then the first turn of another.  A first turn's prompt
+    is 60 tokens past a 64-token boundary (<bos>, a role marker per message,
+    <|assistant|>), so its 16 decoded tokens complete a page: the last request
+    ends with a finish save, stored after the engine's last step for it."""
+    rnd, out = random.Random(seed), []
+    for turns in (2, 1):
+        msgs = [{"role": "system", "content": words(rnd, 100)},
+                {"role": "user", "content": words(rnd, 64 * 3 + 60 - 4 - 100)}]
+        for _ in range(turns):
+            r = chat(port, msgs, 16)
+            out.append(r)
+            msgs += [{"role": "assistant", "content": r["text"]},
+                     {"role": "user", "content": words(rnd, 20)}]
+    return out
+
+
+def _scrape_when_idle(port: int, stats: Path, timeout_s: float = 30.0
+                      ) -> tuple[dict[str, float], dict[str, int]]:
+    """``/metrics`` and the last worker line's totals once they agree (or at the
+    timeout): the engine keeps stepping until the worker's saves are counted."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape(port, "vllm:hybridkv_")
+        work = [e["totals"] for e in read_stats(stats) if e["role"] == "worker"][-1]
+        if all(m.get(f"vllm:hybridkv_{n}_total") == work[n] for n in WORKER_COUNTERS) or \
+                time.monotonic() > deadline:
+            return m, work
+        time.sleep(0.5)
 
 
 def test_openai_server_multi_turn_restart_metrics(tmp_path: Path) -> None:
@@ -81,12 +123,24 @@ def test_openai_server_multi_turn_restart_metrics(tmp_path: Path) -> None:
     hkv2 = server("hkv2", hkv_cfg)
     try:
         hkv2.start().wait_ready()
+        m0 = scrape(hkv2.port, "vllm:hybridkv_")
         res["hkv2"] = {"multi_turn": run_multi_turn(hkv2.port, wl)}
         probe = complete(hkv2.port, wl.batches[0][0], wl.max_tokens)  # system prompt via L3
+        chats = _chat_turns(hkv2.port, seed=5)
         time.sleep(3)  # > VLLM_LOG_STATS_INTERVAL (2 s here): the periodic log line is out
-        m2 = scrape(hkv2.port, "vllm:hybridkv_")
+        m2, idle_work = _scrape_when_idle(hkv2.port, stats)
     finally:
         hkv2.stop()
+
+    # --- every counter has a sample line from start-up, at 0
+    assert {f"vllm:hybridkv_{n}_total": 0.0 for n in COUNTERS}.items() <= m0.items(), m0
+    # --- chat completions work with the model's own template (chat() raises on non-200)
+    assert all(r["completion_tokens"] == 16 and r["text"].strip() for r in chats), chats
+    assert chats[1]["cached_tokens"] >= 192, chats  # turn 2 extends turn 1's 252 tokens
+    # --- an idle server's /metrics equals the worker's stats-file figures
+    assert idle_work["finish_saves"] >= 2, idle_work  # the first turn of both chats
+    assert {n: m2.get(f"vllm:hybridkv_{n}_total") for n in WORKER_COUNTERS} == \
+        {n: idle_work[n] for n in WORKER_COUNTERS}, (m2, idle_work)
 
     # --- outputs equal a server without the connector, token for token
     b = res["base"]
