@@ -9,7 +9,9 @@ every run.  OUT: ``{name: result}``.  Per-run keys: ``model`` (dir),
 ``extra`` (connector extra config), ``sets`` (see :func:`prompt_sets`),
 ``reset_between`` (drop vLLM's own prefix cache before every request so hits
 must come through the connector), ``max_tokens``, ``block_size``,
-``max_model_len``, ``seed``.  Each request is one ``generate`` call so earlier
+``max_model_len``, ``seed``, ``scheduler_cls`` (qualified name, e.g.
+``hybridkv_vllm.scheduler.HybridKVScheduler``: hybridkv's tree as vLLM's
+prefix cache), ``num_gpu_blocks`` (``num_gpu_blocks_override``).  Each request is one ``generate`` call so earlier
 requests are finished (and saved) before later ones look up.
 """
 
@@ -72,7 +74,9 @@ def _run_one(job: dict[str, Any]) -> dict[str, Any]:
               kv_cache_memory_bytes=job.get("kv_cache_bytes", 64 << 20),
               # worker inside the engine-core process: one process spawn (and
               # vLLM import, ~15-20 s here) less per LLM; still a fresh process per LLM
-              distributed_executor_backend=job.get("executor", "uni"))
+              distributed_executor_backend=job.get("executor", "uni"),
+              **({"scheduler_cls": job["scheduler_cls"]} if job.get("scheduler_cls") else {}),
+              **({"num_gpu_blocks_override": job["num_gpu_blocks"]} if job.get("num_gpu_blocks") else {}))
     init_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 12),
                             ignore_eos=True)

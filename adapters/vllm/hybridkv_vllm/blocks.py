@@ -1,0 +1,200 @@
+"""How hybridkv's tree pages map onto vLLM 0.32's KV cache groups and block pool.
+
+:func:`classify_groups` sorts vLLM's groups into full and sliding-window
+:class:`Layout` s (a tree page is the largest block size; a group with smaller
+blocks spans several per page); :class:`BlockPagePool` is the tree's
+``PagePool`` over vLLM's ``BlockPool``; :class:`PrefixOptions` is the tree's
+policy as configured from vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hybridkv.cache_config import CacheConfig
+from hybridkv.defaults import SWA_CHECKPOINT
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+
+__all__ = ["BlockPagePool", "Layout", "PrefixOptions", "classify_groups"]
+
+#: group specs the tree pages (exact types: subclasses such as sink or RSWA
+#: attention change what a block holds)
+_FULL_SPECS = (FullAttentionSpec, MLAAttentionSpec)
+_SWA_SPECS = (SlidingWindowSpec, SlidingWindowMLASpec)
+
+
+@dataclass(frozen=True)
+class PrefixOptions:
+    """The tree's policy inside vLLM.
+
+    Attributes:
+        swa_checkpoint: K tokens between retention checkpoints (0: off).
+        retention: ``"adaptive"`` (hold every out-of-window SWA block while more
+            than ``spare_fraction`` of the blocks are free, else only the
+            policy's windows) or ``"sparse"`` (only the policy's windows).
+        spare_fraction: see ``retention``.
+        ranking: the tree's leaf ranking (:class:`hybridkv.radix.TreeConfig`).
+    """
+
+    swa_checkpoint: int = SWA_CHECKPOINT
+    retention: str = "adaptive"
+    spare_fraction: float = CacheConfig.spare_fraction
+    ranking: str = "value"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.swa_checkpoint, bool) or not isinstance(self.swa_checkpoint, int) or self.swa_checkpoint < 0:
+            raise ValueError(f"swa_checkpoint must be an int >= 0, got {self.swa_checkpoint!r}")
+        if self.retention not in ("adaptive", "sparse"):
+            raise ValueError(f"retention must be 'adaptive' or 'sparse', got {self.retention!r}")
+        if not 0.0 <= float(self.spare_fraction) < 1.0:
+            raise ValueError(f"spare_fraction must be in [0, 1), got {self.spare_fraction!r}")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> PrefixOptions:
+        """Options from ``kv_connector_extra_config`` keys ``hybridkv_swa_checkpoint``,
+        ``hybridkv_retention``, ``hybridkv_spare_fraction``, ``hybridkv_ranking``."""
+        extra = extra or {}
+        kw: dict[str, Any] = {}
+        for name in ("swa_checkpoint", "retention", "spare_fraction", "ranking"):
+            key = f"hybridkv_{name}"
+            if key in extra:
+                kw[name] = extra[key]
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a tree page maps onto vLLM's blocks for one attention kind: the groups
+    of that kind and, per group, how many of its blocks one page spans (a page is
+    the largest block size; a smaller block size divides it)."""
+
+    groups: tuple[int, ...]
+    per_page: tuple[int, ...]
+
+    @property
+    def blocks_per_page(self) -> int:
+        return sum(self.per_page)
+
+    def page_blocks(self, rows: list[list[Any]], i: int) -> tuple[Any, ...] | None:
+        """Every group's blocks of page ``i`` from the request's block rows, in
+        group order; None where a group lacks one (not allocated, or released).  O(blocks)."""
+        out: list[Any] = []
+        for row, k in zip(rows, self.per_page):
+            part = row[i * k:(i + 1) * k]
+            if len(part) < k or any(b.is_null for b in part):
+                return None
+            out.extend(part)
+        return tuple(out)
+
+    def split(self, blocks: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        """A page's blocks per group (inverse of :meth:`page_blocks`)."""
+        out, o = [], 0
+        for k in self.per_page:
+            out.append(blocks[o:o + k])
+            o += k
+        return out
+
+
+def classify_groups(kv_cache_config: Any) -> tuple[Layout, Layout, int, int]:
+    """``(full layout, sliding-window layout, page size, largest window)``.
+
+    The tree's page is the largest block size; every group's block size must
+    divide it (vLLM's hybrid allocator halves a group's block size when its
+    layers hold twice the bytes per token).  Raises ValueError naming the
+    group when a group is neither full nor sliding-window attention (Mamba,
+    chunked local, cross attention), or for a model without both kinds.
+    """
+    full: list[int] = []
+    swa: list[int] = []
+    sizes: dict[int, int] = {}
+    window = 0
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if type(spec) in _SWA_SPECS:
+            swa.append(gid)
+            window = max(window, int(spec.sliding_window))
+        elif type(spec) in _FULL_SPECS:
+            full.append(gid)
+        else:
+            raise ValueError(f"kv_cache_groups[{gid}] is {type(spec).__name__}: hybridkv's prefix cache "
+                             "handles full and sliding-window attention groups only")
+        sizes[gid] = int(spec.block_size)
+    if not full:
+        raise ValueError("kv_cache_groups: no full-attention group; hybridkv's prefix cache needs one")
+    if not swa:
+        raise ValueError("kv_cache_groups: no sliding-window group; hybridkv's prefix cache is for hybrid "
+                         "models (vLLM's own serves full attention alone)")
+    page = max(sizes.values())
+    odd = {g: b for g, b in sizes.items() if page % b}
+    if odd:
+        raise ValueError(f"kv_cache_groups: block sizes {sorted(set(sizes.values()))} do not divide the largest "
+                         f"({page}); hybridkv pages all groups by it")
+
+    def layout(ids: list[int]) -> Layout:
+        return Layout(tuple(ids), tuple(page // sizes[g] for g in ids))
+
+    return layout(full), layout(swa), page, window
+
+
+class BlockPagePool:
+    """hybridkv's ``PagePool`` over vLLM's ``BlockPool``: the tree owns one
+    reference on every block it caches and gives it back here."""
+
+    def __init__(self, block_pool: Any) -> None:
+        self.block_pool = block_pool
+        #: page id -> the other groups' blocks of that page (full and SWA ids differ:
+        #: a block belongs to one group at a time)
+        self.more: dict[int, tuple[Any, ...]] = {}
+        #: page ids the tree holds a reference on
+        self.owned = np.zeros(len(block_pool.blocks), dtype=bool)
+        self.freed_blocks = 0
+
+    def take(self, blocks: tuple[Any, ...], *, held: bool = False) -> int:
+        """A page handed to the tree (its blocks, every group's; the id is the
+        first's): one tree reference on each, unless the tree holds this very page
+        already (then a ``held`` reference the caller passes on is given back).
+        ``held``: the caller's own reference becomes the tree's.  O(blocks)."""
+        pid = blocks[0].block_id
+        rest = blocks[1:]
+        if self.owned[pid]:
+            if held:
+                self.block_pool.free_blocks(blocks)
+            return pid
+        if not held:
+            self.block_pool.touch(blocks)
+        self.owned[pid] = True
+        if rest:
+            self.more[pid] = rest
+        return pid
+
+    def blocks(self, page: int) -> tuple[Any, ...]:
+        """Every block of a tree page (see :meth:`take`)."""
+        return (self.block_pool.blocks[page],) + self.more.get(page, ())
+
+    def _free(self, pages: np.ndarray) -> None:
+        bp = self.block_pool
+        blocks = []
+        self.owned[pages] = False
+        for p in pages.tolist():
+            blocks.append(bp.blocks[p])
+            blocks.extend(self.more.pop(p, ()))
+        bp.free_blocks(blocks)
+        self.freed_blocks += len(blocks)
+        # a block nobody holds now cannot hit: drop its hash so KV events say so
+        gone = {b.block_id for b in blocks if b.ref_cnt == 0 and b.block_hash is not None}
+        if gone:
+            bp.evict_blocks(gone)
+
+    def free_full(self, pages: np.ndarray) -> None:
+        self._free(pages)
+
+    def free_swa(self, pages: np.ndarray) -> None:
+        self._free(pages)
