@@ -522,6 +522,8 @@ def run_one(cls: type, mcfg: Any, groups: list[Any], num_blocks: int, retention:
         "num_blocks": num_blocks, "kv_cache_groups": len(groups),
         "schedule_ms_p50": float(np.percentile(sched_ms, 50)), "schedule_ms_p99": float(np.percentile(sched_ms, 99)),
         "scheduler_cls": f"{cls.__module__}.{cls.__qualname__}", "wall_s": wall,
+        # the hybridkv scheduler's own counters (holds, evictions, tree size)
+        **({"hybridkv_stats": sched.hybridkv_stats()} if hasattr(sched, "hybridkv_stats") else {}),
     }
 
 

@@ -47,13 +47,21 @@ class RetentionMixin:
             k = len(n.anchor) if n is not None else 0
 
     def _wants_end_anchor(self, node: TreeNode) -> int:
-        """1 if a window ending at ``node`` is an anchor: a leaf's tail, or a branch
-        point, now or before (``node.branched``).  A point where requests diverged
-        once, e.g. the end of a document asked several questions, is where the next
-        one diverges too: its window stays anchored while one child is left, so the
-        next question still hits the whole document."""
+        """1 if a window ending at ``node`` is an anchor: a leaf's tail, a branch
+        point, now or before (``node.branched``), or a prompt's end with the
+        request's output cached below it (``node.mark``).  A point where requests
+        diverged once, e.g. the end of a document asked several questions, is
+        where the next one diverges too: its window stays anchored while one child
+        is left, so the next question still hits the whole document.  A prompt's
+        end is where the next turn leaves the cached output whenever the client
+        does not send that output back token for token (reasoning stripped, tool
+        calls re-rendered, a regenerated answer); an engine that caches a prompt
+        before its output (vLLM's scheduler, chunk by chunk) would otherwise move
+        the prompt's tail anchor onto the output and lose the prompt's window."""
         k = len(node.children)
-        return int(k == 0 or (self.policy.branch_points and (k > 1 or node.branched)))
+        if k == 0 or (self.policy.branch_points and (k > 1 or node.branched)):
+            return 1
+        return int(node.mark >= 0 and node.mark == node.start // self.page_size + len(node.full))
 
     def _reanchor(self, node: TreeNode) -> None:
         """Bring ``node``'s end anchor in line with its children (after they changed).  O(window)."""

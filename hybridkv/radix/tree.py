@@ -293,6 +293,7 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
         upper.children[node.key[:self.page_size].tobytes()] = node
         node.parent = upper
         self.num_nodes += 1  # a locked node's halves stay locked: protected count unchanged
+        self._reanchor(upper)  # the upper half may end at the prompt's end (node.mark)
         self._enqueue(upper, leaf=False)
 
     # ================================================================ insert
