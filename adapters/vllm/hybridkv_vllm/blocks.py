@@ -9,7 +9,7 @@ policy as configured from vLLM.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-__all__ = ["BlockPagePool", "Layout", "PrefixOptions", "classify_groups"]
+__all__ = ["OPTION_NAMES", "BlockPagePool", "Layout", "PrefixOptions", "classify_groups"]
 
 #: group specs the tree pages (exact types: subclasses such as sink or RSWA
 #: attention change what a block holds)
@@ -58,16 +58,19 @@ class PrefixOptions:
             raise ValueError(f"spare_fraction must be in [0, 1), got {self.spare_fraction!r}")
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> PrefixOptions:
-        """Options from ``kv_connector_extra_config`` keys ``hybridkv_swa_checkpoint``,
-        ``hybridkv_retention``, ``hybridkv_spare_fraction``, ``hybridkv_ranking``."""
+    def from_extra(cls, extra: dict[str, Any] | None,
+                   overrides: dict[str, Any] | None = None) -> PrefixOptions:
+        """Options from ``kv_connector_extra_config`` keys ``hybridkv_<name>``
+        (``hybridkv_swa_checkpoint``, ``hybridkv_retention``, ...), then
+        ``overrides`` (option names, e.g. ``--additional-config``'s), which win."""
         extra = extra or {}
-        kw: dict[str, Any] = {}
-        for name in ("swa_checkpoint", "retention", "spare_fraction", "ranking"):
-            key = f"hybridkv_{name}"
-            if key in extra:
-                kw[name] = extra[key]
+        kw = {name: extra[f"hybridkv_{name}"] for name in OPTION_NAMES if f"hybridkv_{name}" in extra}
+        kw.update(overrides or {})
         return cls(**kw)
+
+
+#: the options' names (the fields of :class:`PrefixOptions`)
+OPTION_NAMES = tuple(f.name for f in fields(PrefixOptions))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from .blocks import OPTION_NAMES
 from .prefix import HybridKVCacheManager, PrefixOptions, classify_groups
 
 __all__ = ["HybridKVAsyncScheduler", "HybridKVScheduler", "check_supported", "options_of"]
@@ -33,21 +34,16 @@ __all__ = ["HybridKVAsyncScheduler", "HybridKVScheduler", "check_supported", "op
 def options_of(vllm_config: Any) -> PrefixOptions:
     """The prefix cache's options from ``additional_config["hybridkv"]`` and the
     connector's ``hybridkv_*`` extra keys (the former wins)."""
-    kw: dict[str, Any] = {}
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     extra = getattr(transfer, "kv_connector_extra_config", None) or {}
-    for name in ("swa_checkpoint", "retention", "spare_fraction", "ranking"):
-        if f"hybridkv_{name}" in extra:
-            kw[name] = extra[f"hybridkv_{name}"]
     additional = getattr(vllm_config, "additional_config", None)
     mine = additional.get("hybridkv", {}) if isinstance(additional, dict) else {}
     if not isinstance(mine, dict):
         raise ValueError(f"--additional-config hybridkv must be an object, got {type(mine).__name__}")
-    unknown = set(mine) - {"swa_checkpoint", "retention", "spare_fraction", "ranking"}
+    unknown = set(mine) - set(OPTION_NAMES)
     if unknown:
         raise ValueError(f"--additional-config hybridkv: unknown option(s) {sorted(unknown)}")
-    kw.update(mine)
-    return PrefixOptions(**kw)
+    return PrefixOptions.from_extra(extra, mine)
 
 
 def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:

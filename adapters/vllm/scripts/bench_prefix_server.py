@@ -31,7 +31,6 @@ import argparse
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,8 @@ from bench_server import (  # noqa: E402  (helpers shared with the connector's b
     free_port,
     make_workload,
     median_ms,
-    multi_turn_steps,
+    run_concurrent,
+    run_multi_turn,
     scrape,
     server_command,
 )
@@ -68,19 +68,6 @@ def prefix_metrics(port: int) -> dict[str, float]:
             "hits": m.get("vllm:prefix_cache_hits_total", 0.0)}
 
 
-def concurrent_steps(port: int, batches: list[list[list[int]]], max_tokens: int) -> Any:
-    """One batch (sent at once) per call."""
-    res: list[list[dict[str, Any]]] = []
-
-    def step(i: int) -> list[dict[str, Any]]:
-        with ThreadPoolExecutor(len(batches[i])) as pool:
-            out = list(pool.map(lambda p: complete(port, p, max_tokens), batches[i]))
-        res.append(out)
-        return out
-
-    return step, res
-
-
 def server_order(repeats: int) -> list[str]:
     """``vllm hybridkv hybridkv vllm vllm hybridkv ...``: ``repeats`` servers of
     each kind, one at a time.  Two CPU servers up at once on this 2-core machine
@@ -90,7 +77,7 @@ def server_order(repeats: int) -> list[str]:
     return [k for i in range(repeats) for k in (("vllm", "hybridkv") if i % 2 == 0 else ("hybridkv", "vllm"))]
 
 
-def one_server(name: str, cmd: list[str], port: int, log: Path, wl: Any, turns: int) -> dict[str, Any]:
+def one_server(name: str, cmd: list[str], port: int, log: Path, wl: Any) -> dict[str, Any]:
     """Start one server, warm it, run the multi-turn then the concurrent client,
     read its prefix-cache counters, stop it."""
     srv = Server(name, cmd, port, log)
@@ -98,12 +85,8 @@ def one_server(name: str, cmd: list[str], port: int, log: Path, wl: Any, turns: 
         srv.start().wait_ready()
         complete(port, list(range(5, 69)), 2)  # first-request compile, same on both
         base = prefix_metrics(port)
-        step, results = multi_turn_steps(port, wl)
-        for i in range(len(wl.conv_starts) * turns):
-            step(i)
-        cstep, cres = concurrent_steps(port, wl.batches, wl.max_tokens)
-        for i in range(len(wl.batches)):
-            cstep(i)
+        results = run_multi_turn(port, wl)
+        cres = run_concurrent(port, wl)
         after = prefix_metrics(port)
         return {"start_s": round(srv.start_s, 1),
                 "metrics": {k: after[k] - base[k] for k in ("queries", "hits")},
@@ -130,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for i, name in enumerate(server_order(args.repeats)):
         port = free_port()
         cmd = prefix_server_command(model, port, args.blocks, args.max_model_len, name == "hybridkv")
-        runs[name].append(one_server(name, cmd, port, work / f"{name}-{i}.log", wl, args.turns))
+        runs[name].append(one_server(name, cmd, port, work / f"{name}-{i}.log", wl))
     servers = list(runs)
     out: dict[str, Any] = {"blocks": args.blocks, "repeats": args.repeats,
                            "wall_s": round(time.perf_counter() - t0, 1)}
