@@ -86,10 +86,15 @@ def one_server(name: str, cmd: list[str], port: int, log: Path, wl: Any) -> dict
         complete(port, list(range(5, 69)), 2)  # first-request compile, same on both
         base = prefix_metrics(port)
         results = run_multi_turn(port, wl)
+        mid = prefix_metrics(port)
         cres = run_concurrent(port, wl)
         after = prefix_metrics(port)
         return {"start_s": round(srv.start_s, 1),
                 "metrics": {k: after[k] - base[k] for k in ("queries", "hits")},
+                # per phase: the multi-turn client sends one request at a time (its
+                # hits repeat run to run); the concurrent one's depend on arrival order
+                "metrics_phase": {"multi_turn": {k: mid[k] - base[k] for k in ("queries", "hits")},
+                                  "concurrent": {k: after[k] - mid[k] for k in ("queries", "hits")}},
                 "multi_turn": [r for conv in results for r in conv],
                 "concurrent": [r for batch in cres for r in batch],
                 "log_errors": srv.log_tail(200000).count("Traceback")}
@@ -123,6 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for n in servers for r_ in runs[n] for phase in ("multi_turn", "concurrent"))
     out["metrics"] = {n: first[n]["metrics"] for n in servers}
     out["metrics_per_run"] = {n: [r["metrics"] for r in runs[n]] for n in servers}
+    out["metrics_phase"] = {n: first[n]["metrics_phase"] for n in servers}
     out["requests"] = {n: len(first[n]["multi_turn"]) + len(first[n]["concurrent"]) for n in servers}
     out["cached_tokens"] = {n: {ph: [r["cached_tokens"] for r in first[n][ph]]
                                 for ph in ("multi_turn", "concurrent")} for n in servers}
