@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .radix.node import NO_PAGE
+from .window import held_windows
 
 if TYPE_CHECKING:
     from .cache import Request
@@ -135,6 +136,8 @@ class RequestPages:
         swa = req.swa_pages
         runs = self._releasable_runs(req, lo, cut)
         if not runs:
+            if self.pool.groups:
+                self._release_groups(req, cut)
             return 0
         if len(runs) == 1:
             a, b = runs[0]
@@ -146,7 +149,46 @@ class RequestPages:
         for a, b in runs:
             swa[a:b] = NO_PAGE
         self.counters["released_swa_pages"] += count
+        if self.pool.groups:
+            self._release_groups(req, cut)
         return count
+
+    def _release_groups(self, req: Request, final: int) -> None:
+        """Free the pages of each sliding group beside the lead one that no hit can
+        use: page ``i`` of a group with a ``w``-page window is kept only while some
+        end ``L`` in ``(i, i + w]`` has the lead group's whole window held (so the
+        group holds its own window wherever the lead's window rule allows a hit).
+        The lead's pages below ``final`` are decided (released or kept for good), so
+        ends up to ``final`` are scanned; each group resumes at its mark.  O(new
+        pages + windows)."""
+        wl = self.tree.policy.window_pages
+        if req.group_marks is None:
+            # Below the raw match the tree holds these tokens too: at the insert it may
+            # adopt this request's SWA beside its own, so a window there can be whole
+            # in the tree that is not in the request.  Decide only pages whose ends'
+            # windows lie past the raw match.
+            first = max(req.tree_pages, req.raw_match_len // self.page_size + wl - 1)
+            req.group_marks = [first] * len(self.pool.groups)
+        swa = req.swa_pages
+        for gi, group in enumerate(self.pool.groups):
+            wg = group.window_pages
+            lo = req.group_marks[gi]
+            hi = final - wg + 1  # page i is decided once every end in (i, i + wg] is
+            if hi <= lo:
+                continue
+            base = max(0, lo + 1 - wl)
+            top = hi - 1 + wg  # the largest end looked at
+            ends = np.arange(lo + 1, top + 1)
+            ok = held_windows(swa[base:top] >= 0, ends - base, wl)
+            c = np.zeros(ok.size + 1, dtype=np.int64)
+            np.cumsum(ok, out=c[1:])
+            idx = np.arange(hi - lo)
+            needed = c[idx + wg] - c[idx] > 0
+            ids = swa[lo:hi]
+            gone = ids[~needed & (ids >= 0)]
+            if gone.size:
+                self.counters["released_group_pages"] += self.pool.release_group(group, gone)
+            req.group_marks[gi] = hi
 
     def _step_grow(self, pending: list, ok: np.ndarray, errors: dict, nums: list, grew: list,
                    reqs: list) -> None:

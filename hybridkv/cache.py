@@ -79,7 +79,7 @@ class Request:
 
     __slots__ = ("rid", "namespace", "_tok", "n_tokens", "prefix_len", "raw_match_len", "full_pages",
                  "swa_pages", "tree_pages", "handle", "computed", "n_pages", "allocated", "last_release", "prompt_len",
-                 "release_mark", "finished", "extra", "__weakref__")
+                 "release_mark", "group_marks", "finished", "extra", "__weakref__")
 
     def __init__(self, rid: Any, namespace: str, buf: np.ndarray, n_tokens: int, prefix_len: int,
                  raw_match_len: int, full_pages: np.ndarray, swa_pages: np.ndarray, tree_pages: int,
@@ -102,6 +102,8 @@ class Request:
         self.allocated = computed
         self.last_release = last_release
         self.release_mark = tree_pages  # pages below this were already scanned for release
+        # per sliding group beside the lead one: pages below it were scanned for its release
+        self.group_marks: list[int] | None = None
         self.finished = False
         self.extra: dict = {}
 
@@ -150,11 +152,15 @@ class HybridKVCache(RequestPages):
         self.tree = WindowSafeTree(
             TreeConfig(spec.page_size, spec.window, config.swa_checkpoint, config.swa_eviction,
                        config.anchor_branch_points, config.eviction_ranking),
-            self.pool, full_page_bytes=self.pool.full_page_bytes, swa_page_bytes=self.pool.swa_page_bytes)
+            # an SWA page frees at least the lead group's bytes (other groups may have
+            # given theirs back already): eviction counts that, so it never frees too little
+            self.pool, full_page_bytes=self.pool.full_page_bytes, swa_page_bytes=self.pool.lead_page_bytes)
         self._live: dict[int, Request] = {}
         self.last_match_us = 0.0  # duration of the tree match inside the last begin()
         self.counters = {"requests": 0, "hit_tokens": 0, "raw_match_tokens": 0, "input_tokens": 0,
                          "rejected": 0, "released_swa_pages": 0}
+        if self.pool.groups:  # pages of the smaller windows' groups given back early
+            self.counters["released_group_pages"] = 0
         # L2/L3 beside the tree (a hybridkv.tiers TierCoordinator, set by TieredCache):
         # called in begin (before_match, after_begin), finish (before_finish), stats
         # and check_invariants; None: L1 only
@@ -325,6 +331,8 @@ class HybridKVCache(RequestPages):
             start = req.handle.node
             if start is not None and (not start.alive or start.start + len(start.key) != req.tree_pages * P):
                 start = None  # cannot happen while locked; the root walk is always right
+            if self.pool.groups:
+                self._release_groups(req, aligned)
             res = self.tree.insert_tokens(req._tok[:aligned * P], req.full_pages[:aligned], req.swa_pages[:aligned],
                                     req.namespace, start=start, owned=True,  # the request ends here
                                     mark=req.prompt_len // P)

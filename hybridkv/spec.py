@@ -192,6 +192,17 @@ class ModelSpec:
         return tuple(KVGroupSpec(w, tuple(by_window[w]), self.full if w is None else self.swa) for w in order)
 
     @property
+    def sliding_groups(self) -> tuple[KVGroupSpec, ...]:
+        """The sliding-window groups, smallest window first; the last (largest
+        window) is the *lead* group, whose pages are the SWA page ids the tree
+        and requests hold (every other group's pages are held per id beside it)."""
+        return tuple(g for g in self.groups if g.sliding)
+
+    def group_page_bytes(self, group: KVGroupSpec) -> int:
+        """Bytes one page of ``group`` costs (all its layers, K and V)."""
+        return group.bytes_per_token(self.dtype_bytes) * self.page_size
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 

@@ -216,8 +216,12 @@ class ReferenceModel:
         ids = torch.as_tensor(req.tokens[start:end] % self.vocab, dtype=torch.long)
         pos = torch.arange(start, end)
         full_all = cache.full_slots(req, 0, end)
-        lo = max(0, start - self.spec.window + 1)
-        swa_win = cache.swa_slots(req, lo, end)
+        # each sliding layer reads its own window: a smaller window's group gives its
+        # pages back sooner, and reading one it gave back raises (never garbage)
+        swa_win: dict[int, tuple[int, np.ndarray]] = {}
+        for w in {self.spec.layer_window(i) for i in self.spec.swa_layers}:
+            lo = max(0, start - w + 1)
+            swa_win[w] = (lo, cache.swa_slots(req, lo, end))
         h = self.embed[ids]
         for i, kind in enumerate(self.spec.layer_kinds):
             if before_layer is not None:
@@ -230,7 +234,8 @@ class ReferenceModel:
             if kind is AttnKind.FULL:
                 slots, kpos = full_all, torch.arange(0, end)
             else:
-                slots, kpos = swa_win, torch.arange(lo, end)
+                lo, slots = swa_win[self.spec.layer_window(i)]
+                kpos = torch.arange(lo, end)
             k_read, v_read = kb.read(li, slots)  # on the arena's device (CPU or CUDA)
             h = h + self._attend(i, q, pos, k_read.to(q.device), v_read.to(q.device), kpos)
             h = h + self._mlp(i, h)

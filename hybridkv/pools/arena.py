@@ -44,7 +44,13 @@ class KindLayout:
         heads, k_dim, v_dim: KV shape per token.
         k_bytes / layer_bytes: bytes of K of one layer for one page / of K+V.
         layers_per_block: layer slots of this kind in one block (``g``).
-        blocks_per_page: blocks of one page (``ceil(num_layers / g)``).
+        blocks_per_page: blocks of one page (``ceil(num_layers / g)``; with
+            several sliding groups the sum of each group's ``ceil(n / g)``).
+        group_columns: with several sliding-window groups, per group (smallest
+            window first) ``(first, count)``: the block columns of a page that
+            hold that group's layers (a block never mixes groups, so a group
+            frees its blocks of a page on its own).  Empty: one group.
+        places: with several groups, ``(column, slot)`` of each local layer.
     """
 
     kind: AttnKind
@@ -56,10 +62,14 @@ class KindLayout:
     layer_bytes: int
     layers_per_block: int
     blocks_per_page: int
+    group_columns: tuple[tuple[int, int], ...] = ()
+    places: tuple[tuple[int, int], ...] = ()
 
     def group_of(self, local_layer: int) -> tuple[int, int]:
         """``(group, slot)`` of the kind's ``local_layer``: which block of a page
         and which layer slot inside it.  O(1)."""
+        if self.places:
+            return self.places[local_layer]
         return divmod(local_layer, self.layers_per_block)
 
 
@@ -84,6 +94,9 @@ class ArenaLayout:
         """Choose the block size for ``spec``.  O(layers^2)."""
         p, item = spec.page_size, spec.dtype_bytes
         geo = {}
+        # layers per block column set: the full kind is one set; each sliding group its own
+        sets = {AttnKind.FULL: [len(spec.full_layers)],
+                AttnKind.SWA: [len(g.layers) for g in spec.sliding_groups] or [0]}
         for kind in (AttnKind.FULL, AttnKind.SWA):
             shape = spec.shape(kind)
             k_bytes = p * shape.num_kv_heads * shape.k_head_dim * item
@@ -96,7 +109,7 @@ class ArenaLayout:
                              if m * geo[k][3] >= slot_max})
         scored = []
         for b in candidates:
-            blocks = sum(math.ceil(geo[k][0] / (b // geo[k][3])) for k in present)
+            blocks = sum(math.ceil(n / (b // geo[k][3])) for k in present for n in sets[k])
             waste = blocks * b / payload - 1.0
             scored.append((waste, blocks, b))
         least = min(w for w, _, _ in scored)
@@ -105,9 +118,36 @@ class ArenaLayout:
         kinds = {}
         for kind, (n, shape, kb, lb) in geo.items():
             g = block // lb if n else 0
+            columns, places = (_group_places(spec, g) if kind is AttnKind.SWA and len(sets[kind]) > 1
+                               else ((), ()))
+            per_page = sum(c for _, c in columns) if columns else (math.ceil(n / g) if n else 0)
             kinds[kind] = KindLayout(kind, n, shape.num_kv_heads, shape.k_head_dim, shape.v_head_dim,
-                                     kb, lb, g, math.ceil(n / g) if n else 0)
+                                     kb, lb, g, per_page, columns, places)
         return cls(p, block, kinds[AttnKind.FULL], kinds[AttnKind.SWA])
+
+    def group_page_bytes(self, group: int) -> int:
+        """Bytes sliding group ``group`` (index into ``spec.sliding_groups``) takes
+        of one SWA page: its block columns."""
+        cols = self.swa.group_columns
+        return (cols[group][1] if cols else self.swa.blocks_per_page) * self.block_bytes
+
+
+def _group_places(spec: ModelSpec, per_block: int) -> tuple[tuple[tuple[int, int], ...],
+                                                             tuple[tuple[int, int], ...]]:
+    """Block columns of each sliding group and ``(column, slot)`` of each SWA layer
+    (local index among ``spec.swa_layers``): groups in ``spec.sliding_groups``
+    order, each group's layers packed ``per_block`` to a block."""
+    local = {layer: i for i, layer in enumerate(spec.swa_layers)}
+    places: list[tuple[int, int]] = [(0, 0)] * len(local)
+    columns = []
+    first = 0
+    for group in spec.sliding_groups:
+        for j, layer in enumerate(group.layers):
+            places[local[layer]] = (first + j // per_block, j % per_block)
+        count = math.ceil(len(group.layers) / per_block)
+        columns.append((first, count))
+        first += count
+    return tuple(columns), tuple(places)
 
 
 def arena_page_bytes(spec: ModelSpec, kind: AttnKind | str) -> int:

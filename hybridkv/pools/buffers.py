@@ -102,8 +102,13 @@ class KindBuffers:
         return (slot, *self._block_offset(slots, group))
 
     def read(self, local_layer: int, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of logical token ``slots`` of one layer: ``[n, heads, dim]`` copies."""
+        """K and V of logical token ``slots`` of one layer: ``[n, heads, dim]`` copies.
+        Raises RuntimeError for a slot whose page holds no block for the layer (its
+        group gave the page back): never garbage."""
         s, blk, off = self._physical(local_layer, slots)
+        if blk.size and blk.min() < 0:
+            raise RuntimeError(f"layer {self.layer_ids[local_layer]}: token slot "
+                               f"{int(np.asarray(slots)[np.argmax(blk < 0)])} has no KV block")
         bi, oi = torch.from_numpy(blk), torch.from_numpy(off)
         return self.k[s][bi, oi], self.v[s][bi, oi]
 
@@ -172,13 +177,36 @@ class KVArena:
         kb = self.of(kind)
         if kb.layout.blocks_per_page == 0 or len(pages) == 0:
             return
-        self.blocks.free_trusted(kb.table[pages].reshape(-1))
+        blocks = kb.table[pages].reshape(-1)
+        if kb.layout.group_columns:  # a group may have given its columns back already
+            blocks = blocks[blocks >= 0]
+        self.blocks.free_trusted(blocks)
         kb.table[pages] = -1
 
-    def check_invariants(self, full_used: np.ndarray, swa_used: np.ndarray) -> None:
-        """Blocks of used pages are exactly the allocated blocks, each once."""
-        parts = [self.full.table[full_used].reshape(-1), self.swa.table[swa_used].reshape(-1)]
-        used = np.concatenate(parts)
+    def release_group(self, group: int, pages: np.ndarray) -> None:
+        """Return sliding group ``group``'s blocks of SWA ``pages`` (the group no
+        longer needs them; the pages stay allocated for the other groups).
+        Pages whose group blocks are gone already are skipped.  O(n)."""
+        first, count = self.swa.layout.group_columns[group]
+        if len(pages) == 0 or count == 0:
+            return
+        cols = self.swa.table[pages, first:first + count]
+        blocks = cols.reshape(-1)
+        self.blocks.free_trusted(blocks[blocks >= 0])
+        self.swa.table[pages, first:first + count] = -1
+
+    def check_invariants(self, full_used: np.ndarray, swa_used: np.ndarray,
+                         group_held: list[np.ndarray] | None = None) -> None:
+        """Blocks of used pages are exactly the allocated blocks, each once;
+        ``group_held[g]`` (several sliding groups): which of ``swa_used`` still
+        hold sliding group ``g``'s blocks (the others hold none)."""
+        swa_blocks = self.swa.table[swa_used]
+        if group_held is not None and self.swa.layout.group_columns:
+            for (first, count), held in zip(self.swa.layout.group_columns, group_held):
+                cols = swa_blocks[:, first:first + count]
+                assert (cols[held] >= 0).all() and (cols[~held] < 0).all(), "group blocks"
+            swa_blocks = swa_blocks[swa_blocks >= 0]
+        used = np.concatenate([self.full.table[full_used].reshape(-1), swa_blocks.reshape(-1)])
         assert (used >= 0).all(), "a used page has no block"
         assert np.unique(used).size == used.size == self.blocks.num_used, "block ownership"
 

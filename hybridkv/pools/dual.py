@@ -37,6 +37,7 @@ from ..spec import AttnKind, ModelSpec
 from .allocator import PageAllocator
 from .arena import ArenaLayout
 from .buffers import KVArena
+from .groups import GroupPages
 
 __all__ = ["DualPool", "PoolStats", "check_device"]
 
@@ -119,6 +120,17 @@ class DualPool:
             swa_pages = budget_bytes // self.swa_page_bytes if self.swa_page_bytes else full_pages or 0
         if full_pages is None:
             full_pages = swa_pages
+        # several sliding groups: the lead (largest window) owns the SWA ids, the
+        # others hold their pages per id (GroupPages) and give them back sooner
+        sliding = spec.sliding_groups
+        others = []
+        for i, group in enumerate(sliding[:-1]):
+            gb = self.layout.group_page_bytes(i) if self.layout is not None else spec.group_page_bytes(group)
+            others.append(GroupPages(group, i, gb, group.window_pages(spec.page_size)))
+        self.groups: tuple[GroupPages, ...] = tuple(others)
+        self._group_bytes = sum(g.page_bytes for g in others)  # of a fresh SWA page
+        self.lead_page_bytes = self.swa_page_bytes - self._group_bytes
+        self._group_used = 0  # bytes the other groups hold
         self.budget_bytes = int(budget_bytes)
         self.shared = self.budget_bytes < (full_pages * self.full_page_bytes
                                            + swa_pages * self.swa_page_bytes)
@@ -134,12 +146,13 @@ class DualPool:
 
     # ---------------------------------------------------------------- queries
     def used_bytes(self) -> int:
-        return self.full.num_used * self.full_page_bytes + self.swa.num_used * self.swa_page_bytes
+        return (self.full.num_used * self.full_page_bytes + self.swa.num_used * self.lead_page_bytes
+                + self._group_used)
 
     def free_bytes(self) -> int:
         # used_bytes() inlined (the cache asks at every chunk): no property calls
         return (self.budget_bytes - self.full.used * self.full_page_bytes
-                - self.swa.used * self.swa_page_bytes)
+                - self.swa.used * self.lead_page_bytes - self._group_used)
 
     def shortfall(self, n_full: int, n_swa: int) -> tuple[int, int, int]:
         """What must be freed before ``alloc(n_full, n_swa)`` can succeed.
@@ -167,13 +180,18 @@ class DualPool:
         cache, which allocates per chunk of every request.  O(n)."""
         fa, sa = self.full, self.swa
         used_f, used_s = fa.used, sa.used
-        fb, sb = self.full_page_bytes, self.swa_page_bytes
+        fb, sb = self.full_page_bytes, self.lead_page_bytes
         # can_alloc, inlined: this runs for every chunk of every request
         if (n_full > fa.capacity - used_f or n_swa > sa.capacity - used_s
-                or (n_full + used_f) * fb + (n_swa + used_s) * sb > self.budget_bytes):
+                or ((n_full + used_f) * fb + (n_swa + used_s) * sb + n_swa * self._group_bytes
+                    + self._group_used > self.budget_bytes)):
             return None
         full = fa.take(n_full)
         swa = sa.take(n_swa)
+        if self.groups:
+            for g in self.groups:
+                g.take(swa)
+            self._group_used += n_swa * self._group_bytes
         if self._arena is not None:
             self._arena.assign(AttnKind.FULL, full)
             self._arena.assign(AttnKind.SWA, swa)
@@ -188,6 +206,8 @@ class DualPool:
     def free_swa(self, pages: object) -> None:
         """Free SWA pages only (validated as for :meth:`free_full`)."""
         self.swa.free(pages)
+        if self.groups:
+            self._free_groups(np.asarray(pages, dtype=np.int64))
         if self._arena is not None:
             self._arena.release(AttnKind.SWA, np.asarray(pages, dtype=np.int64))
 
@@ -201,8 +221,33 @@ class DualPool:
     def free_swa_trusted(self, pages: np.ndarray) -> None:
         """:meth:`free_swa` without checks (see :meth:`free_full_trusted`)."""
         self.swa.free_trusted(pages)
+        if self.groups:
+            self._free_groups(pages)
         if self._arena is not None:
             self._arena.release(AttnKind.SWA, pages)
+
+    def _free_groups(self, pages: np.ndarray) -> None:
+        for g in self.groups:
+            self._group_used -= g.free(pages).size * g.page_bytes
+
+    # ------------------------------------------------------- sliding groups
+    def release_group(self, group: GroupPages, pages: np.ndarray) -> int:
+        """Give back ``group``'s storage of SWA ``pages`` (ids stay allocated for
+        the lead group); ids it no longer holds are skipped.  Returns pages given
+        back.  O(n)."""
+        got = group.free(pages)
+        self._group_used -= got.size * group.page_bytes
+        if self._arena is not None and got.size:
+            self._arena.release_group(group.index, got)
+        return int(got.size)
+
+    def held_by_all(self, pages: np.ndarray) -> np.ndarray:
+        """bool per SWA id of ``pages`` (``-1``: not held): every sliding group
+        holds its KV (what a tier may copy).  O(n x groups)."""
+        held = np.asarray(pages) >= 0
+        for g in self.groups:
+            held &= g.holds(pages)
+        return held
 
     def tensor_bytes(self) -> int:
         """Bytes of every KV tensor this pool allocated (0 on ``meta``)."""
@@ -216,7 +261,12 @@ class DualPool:
         """Verify both allocators and the byte budget; AssertionError on failure."""
         self.full.check_invariants()
         self.swa.check_invariants()
+        swa_used = self.swa.used_ids()
+        for g in self.groups:
+            g.check_invariants(swa_used)
+        assert self._group_used == sum(g.used * g.page_bytes for g in self.groups)
         assert self.used_bytes() <= self.budget_bytes, (self.used_bytes(), self.budget_bytes)
         if self._arena is not None:
-            self._arena.check_invariants(self.full.used_ids(), self.swa.used_ids())
+            held = [g.holds(swa_used) for g in self.groups] + [np.ones(swa_used.size, bool)]
+            self._arena.check_invariants(self.full.used_ids(), swa_used, held if self.groups else None)
             assert self._arena.nbytes <= self.budget_bytes

@@ -63,8 +63,10 @@ class EventsMixin:
         tokens = np.concatenate(parts[::-1]) if parts else EMPTY
         hi = node.n_pages if hi is None else hi
         end = node.start + hi * self.page_size
-        event = TreeEvent(kind, node.namespace, node.start + lo * self.page_size, end, tokens[:end],
-                          node.swa[lo:hi] >= 0)
+        ids = node.swa[lo:hi]
+        # with several sliding groups a page counts where every group holds it
+        held = self.pool.held_by_all(ids) if self.groups else ids >= 0
+        event = TreeEvent(kind, node.namespace, node.start + lo * self.page_size, end, tokens[:end], held)
         if self._event_queue is not None:
             self._event_queue.append(event)
         else:

@@ -18,6 +18,7 @@ import heapq
 
 import numpy as np
 
+from ..window import groups_safe_pages
 from .node import TreeNode, window_safe_pages
 from .types import EMPTY
 
@@ -129,10 +130,21 @@ class RetentionMixin:
             n, k = path[i]
             take = k if k < need else need
             if take and min(n.swa[k - take:k].tolist()) < 0:
-                return window_safe_pages([n.swa[:k] for n, k in path], self.policy.window_pages)
+                safe = window_safe_pages([n.swa[:k] for n, k in path], self.policy.window_pages)
+                return self._groups_safe(path, safe) if self.groups else safe
             need -= take
             i -= 1
-        return total
+        return self._groups_safe(path, total) if self.groups else total
+
+    def _groups_safe(self, path: list[tuple[TreeNode, int]], limit: int) -> int:
+        """Largest end ``<= limit`` pages (safe for the lead group) where every other
+        sliding group holds its own window too.  O(limit x groups)."""
+        if limit == 0:
+            return 0
+        ids = np.concatenate([n.swa[:k] for n, k in path])[:limit]
+        masks = [ids >= 0] + [g.holds(ids) for g in self.groups]
+        wps = [self.policy.window_pages] + [g.window_pages for g in self.groups]
+        return groups_safe_pages(masks, wps, limit)
 
     def _check_anchors(self) -> None:
         """Anchor counts equal checkpoints + one window per tail / branch point; the

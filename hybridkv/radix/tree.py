@@ -78,6 +78,9 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
             raise TypeError(f"config must be a TreeConfig, got {type(config).__name__}")
         self.config = config
         self.pool = pool
+        # sliding groups beside the lead one (a pool of a several-window model): a
+        # hit needs each of their windows too (see RetentionMixin._safe_pages)
+        self.groups: tuple = tuple(getattr(pool, "groups", ()))
         self.page_size = config.page_size
         self.full_page_bytes = full_page_bytes
         self.swa_page_bytes = swa_page_bytes

@@ -80,6 +80,10 @@ LAYOUTS = (
     (("full", "swa", "swa"), (2, 4, 4), (1, 2, 4)),                 # both SWA layers in one block
     (("full", "swa", "full", "swa", "swa"), (1, 4, 4), (1, 4, 4)),  # 2 full blocks, 3 SWA blocks/page
     (("swa", "full", "swa", "swa", "swa"), (2, 4, 4), (1, 2, 4)),   # SWA first, 4 SWA layers per block
+    # two sliding windows ("swa/2": half the window): three KV groups, the smaller
+    # window's group gives its pages back sooner than the lead's
+    (("full", "swa/2", "swa", "swa/2"), (1, 2, 4), (1, 4, 2)),
+    (("swa/2", "full", "swa", "swa", "swa/2"), (2, 4, 4), (1, 2, 4)),
 )
 
 _MASK64 = (1 << 64) - 1
@@ -151,8 +155,10 @@ class _ContentRules(RuleBasedStateMachine):
     # ----------------------------------------------------------- set-up
     def _setup_common(self, layout: int, page_size: int, window: int, seed: int) -> None:
         kinds, fs, ss = LAYOUTS[layout]
-        self.spec = ModelSpec("tiny-content", list(kinds), window, KVShape(*fs), KVShape(*ss),
-                              dtype="float32", page_size=page_size)
+        windows = [0 if k == "full" else window if k == "swa" else max(1, window // 2) for k in kinds]
+        self.spec = ModelSpec("tiny-content", [k.split("/")[0] for k in kinds], window, KVShape(*fs),
+                              KVShape(*ss), dtype="float32", page_size=page_size,
+                              layer_windows=tuple(windows) if "swa/2" in kinds else ())
         self.arena_layout = ArenaLayout.for_spec(self.spec)
         self.fpb = self.arena_layout.page_bytes("full")
         self.spb = self.arena_layout.page_bytes("swa")
@@ -234,7 +240,9 @@ class _ContentRules(RuleBasedStateMachine):
             if kind is AttnKind.FULL:
                 k, v = self._gather(kind, fp, layer)
                 self._expect(what, ns, tokens, layer, np.arange(end), k[:end], v[:end])
-            else:
+            else:  # each sliding layer over its own window
+                lo = max(0, end - self.spec.layer_window(layer))
+                sp = np.asarray(swa_pages[lo // P:n_pg])
                 k, v = self._gather(kind, sp, layer)
                 off = (lo // P) * P
                 self._expect(what, ns, tokens, layer, np.arange(lo, end), k[lo - off:end - off],
@@ -254,8 +262,9 @@ class _ContentRules(RuleBasedStateMachine):
                 k, v = kb.read(kb.local(layer), fs)
                 pos = np.arange(end)
             else:
-                k, v = kb.read(kb.local(layer), ss)
-                pos = np.arange(lo, end)
+                lo_l = max(0, end - self.spec.layer_window(layer))
+                k, v = kb.read(kb.local(layer), ss[lo_l - lo:])
+                pos = np.arange(lo_l, end)
             self._expect("hit via slots", req.namespace, req.tokens, layer, pos, k.numpy(), v.numpy())
 
     # ------------------------------------------------------------ prompts
@@ -537,8 +546,10 @@ class _ContentRules(RuleBasedStateMachine):
         assert pool.full.num_used == tree_f + own_f, ("full pages", pool.full.num_used, tree_f, own_f)
         assert pool.swa.num_used == tree_s + own_s, ("swa pages", pool.swa.num_used, tree_s, own_s)
         lay = self.arena_layout
+        # a smaller window's group holds its blocks of an SWA page only until it gives them back
+        given_back = sum((pool.swa.num_used - g.used) * lay.swa.group_columns[g.index][1] for g in pool.groups)
         assert pool.buffers.blocks.num_used == (pool.full.num_used * lay.full.blocks_per_page
-                                                + pool.swa.num_used * lay.swa.blocks_per_page)
+                                                + pool.swa.num_used * lay.swa.blocks_per_page - given_back)
         assert pool.used_bytes() <= pool.budget_bytes
         assert set(map(id, self.cache.live_requests)) == set(map(id, self.live))
 

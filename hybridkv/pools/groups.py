@@ -1,0 +1,76 @@
+"""Pages of the sliding-window groups beside the lead group.
+
+A model with several sliding windows (:attr:`~hybridkv.spec.ModelSpec.sliding_groups`)
+keeps one SWA page id per page of a sequence, as a model with one window does:
+the tree and requests hold those ids, and the *lead* group (the largest window)
+owns them (:class:`~hybridkv.pools.allocator.PageAllocator`).  Every other
+sliding group holds its own KV for an id only while it needs it: a group with a
+smaller window gives its pages back sooner (a request releases them more than
+its window behind its end, see :mod:`hybridkv.allocation`), and all of them go
+when the id is freed.  :class:`GroupPages` is that per-group allocator: which
+ids the group still holds storage for, and how many.
+
+Invariant: a group holds only ids the lead group has allocated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..spec import KVGroupSpec
+
+__all__ = ["GroupPages"]
+
+
+class GroupPages:
+    """Storage of one (non-lead) sliding-window group, per SWA page id.
+
+    Args:
+        group: the group's spec.
+        index: its index in ``spec.sliding_groups``.
+        page_bytes: bytes one of its pages costs.
+        window_pages: its window in pages.
+
+    Runtime complexity: every call is O(n) numpy work in the ids given.
+    """
+
+    def __init__(self, group: KVGroupSpec, index: int, page_bytes: int, window_pages: int) -> None:
+        self.group = group
+        self.index = index
+        self.page_bytes = int(page_bytes)
+        self.window_pages = int(window_pages)
+        self.held = np.zeros(1024, dtype=bool)
+        self.used = 0
+
+    def take(self, pages: np.ndarray) -> None:
+        """Hold storage for freshly allocated ids ``pages`` (none held yet)."""
+        if len(pages) == 0:
+            return
+        top = int(pages.max()) + 1
+        if top > self.held.size:
+            self.held = np.concatenate([self.held, np.zeros(max(top, 2 * self.held.size) - self.held.size, bool)])
+        self.held[pages] = True
+        self.used += len(pages)
+
+    def free(self, pages: np.ndarray) -> np.ndarray:
+        """Give back the storage of those of ``pages`` the group holds; returns them."""
+        if len(pages) == 0:
+            return pages
+        got = pages[self.holds(pages)]
+        self.held[got] = False
+        self.used -= got.size
+        return got
+
+    def holds(self, pages: np.ndarray) -> np.ndarray:
+        """bool per id of ``pages`` (``-1`` allowed: not held): the group holds its KV."""
+        pages = np.asarray(pages)
+        out = np.zeros(pages.shape, dtype=bool)
+        ok = (pages >= 0) & (pages < self.held.size)
+        out[ok] = self.held[pages[ok]]
+        return out
+
+    def check_invariants(self, lead_used: np.ndarray) -> None:
+        """Held ids are allocated ids of the lead group; the count matches."""
+        held = np.flatnonzero(self.held)
+        assert held.size == self.used, (self.group.name, held.size, self.used)
+        assert np.isin(held, lead_used).all(), f"{self.group.name} holds a freed SWA id"
