@@ -135,8 +135,8 @@ class ModelSpec:
         layer_windows: per-layer sliding windows when they differ between
             sliding layers (an entry per layer, 0 for full layers); empty: every
             sliding layer attends ``window`` tokens.  ``window`` is then the
-            largest of them: the cache keeps SWA KV for the largest window,
-            which is window safe for every sliding group.
+            largest of them (the lead group's); each sliding group keeps KV
+            for its own window (:mod:`hybridkv.pools.groups`).
     """
 
     name: str
