@@ -35,6 +35,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ..spec import window_pages
+
 __all__ = ["RetentionPolicy", "AdaptiveRanking"]
 
 
@@ -51,7 +53,7 @@ class RetentionPolicy:
     def __init__(self, page_size: int, window: int, checkpoint: int = 0, branch_points: bool = True) -> None:
         self.page_size = page_size
         self.window = window
-        self.window_pages = -(-window // page_size)
+        self.window_pages = window_pages(window, page_size)
         self.checkpoint_pages = -(-checkpoint // page_size) if checkpoint else 0
         self.branch_points = branch_points
         # learned by the tree's DivergenceModel: the window this many pages before a

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv.radix import LockHandle, TreeConfig, WindowSafeTree
+from hybridkv.spec import window_pages
 from hybridkv_vllm.blocks import BlockPagePool, Layout, PrefixOptions, classify_groups
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.request import RequestStatus
@@ -185,7 +186,7 @@ class HybridKVCacheManager(KVCacheManager):
                 out[gid].extend(part)
         n = int(full.size)
         for j, (gid, k, mgr) in enumerate(zip(lay.groups, lay.per_page, self._swa_managers)):
-            need = min(n * k, -(-(mgr.sliding_window - 1) // (self.page_size // k)))
+            need = min(n * k, window_pages(mgr.sliding_window - 1, self.page_size // k))  # vLLM's blocks
             row = [bp.null_block] * (n * k)
             for i in range(n - -(-need // k), n):
                 assert swa[i] >= 0, "a window-safe hit without its window"
