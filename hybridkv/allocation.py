@@ -187,7 +187,7 @@ class RequestPages:
             ids = swa[lo:hi]
             gone = ids[~needed & (ids >= 0)]
             if gone.size:
-                self.counters["released_group_pages"] += self.pool.release_group(group, gone)
+                self.counters["released_group_pages"] += self.pool.release_group_trusted(group, gone)
             req.group_marks[gi] = hi
 
     def _step_grow(self, pending: list, ok: np.ndarray, errors: dict, nums: list, grew: list,

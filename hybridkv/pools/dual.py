@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .._validate import check_int
+from .._validate import as_int_array, check_int
 from ..spec import AttnKind, ModelSpec
 from .allocator import PageAllocator
 from .arena import ArenaLayout
@@ -231,10 +231,22 @@ class DualPool:
             self._group_used -= g.free(pages).size * g.page_bytes
 
     # ------------------------------------------------------- sliding groups
-    def release_group(self, group: GroupPages, pages: np.ndarray) -> int:
+    def release_group(self, group: GroupPages, pages: object) -> int:
         """Give back ``group``'s storage of SWA ``pages`` (ids stay allocated for
         the lead group); ids it no longer holds are skipped.  Returns pages given
-        back.  O(n)."""
+        back.  Raises TypeError / ValueError (nothing given back) for a group of
+        another pool or ids the lead group has not allocated.  O(n)."""
+        if not any(group is g for g in self.groups):
+            raise TypeError(f"group must be one of this pool's groups {[g.group.name for g in self.groups]}, "
+                            f"got {group!r}")
+        ids = as_int_array(pages, "pages")
+        if not self.swa.is_allocated(ids).all():
+            raise ValueError("pages must be allocated SWA page ids")
+        return self.release_group_trusted(group, ids.astype(np.int64))
+
+    def release_group_trusted(self, group: GroupPages, pages: np.ndarray) -> int:
+        """:meth:`release_group` for the cache, which gives back only pages of its
+        own requests (allocated ids of one of the pool's groups): no checks.  O(n)."""
         got = group.free(pages)
         self._group_used -= got.size * group.page_bytes
         if self._arena is not None and got.size:

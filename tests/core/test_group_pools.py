@@ -138,3 +138,19 @@ def test_smaller_window_saves_memory_and_hits_as_much(retention: str) -> None:
         assert caches[0].pool.used_bytes() < caches[1].pool.used_bytes()
     else:
         assert caches[0].pool.used_bytes() == caches[1].pool.used_bytes()
+
+
+def test_release_group_refuses_bad_input_and_changes_nothing() -> None:
+    spec = tiny_two_window_spec()
+    pool = DualPool(spec, budget_bytes=10**6, device="cpu")
+    other = DualPool(spec, budget_bytes=10**6, device="cpu")
+    _, swa = pool.alloc(1, 2)
+    before = (pool.used_bytes(), pool.groups[0].used, pool.buffers.blocks.num_used)
+    with pytest.raises(TypeError, match="group must be one of this pool's groups"):
+        pool.release_group(other.groups[0], swa)
+    with pytest.raises(ValueError, match="pages must be allocated SWA page ids"):
+        pool.release_group(pool.groups[0], np.r_[swa, 99])
+    with pytest.raises(TypeError, match="pages must be a 1-D integer array"):
+        pool.release_group(pool.groups[0], "0,1")
+    assert (pool.used_bytes(), pool.groups[0].used, pool.buffers.blocks.num_used) == before
+    pool.check_invariants()
