@@ -506,22 +506,27 @@ def _info(args: argparse.Namespace) -> int:
     budget = int(args.hbm_gb * _GB)
     f, s = spec.bytes_per_token_full, spec.bytes_per_token_swa
     w = spec.window
+    db = spec.dtype_bytes
+    # each sliding group keeps its own window: what one retained window costs
+    snap = sum(g.window * g.bytes_per_token(db) for g in spec.sliding_groups)
     out: dict[str, Any] = {
         "model": spec.name, "layers": spec.num_layers, "full_layers": len(spec.full_layers),
         "swa_layers": len(spec.swa_layers), "window": w, "dtype": spec.dtype, "page_size": spec.page_size,
         "bytes_per_token_full": f, "bytes_per_token_swa": s, "bytes_per_token_all": f + s,
-        "window_snapshot_bytes": w * s, "window_snapshot_in_full_tokens": w * s / f if f else 0,
+        "window_snapshot_bytes": snap, "window_snapshot_in_full_tokens": snap / f if f else 0,
         "budget_bytes": budget,
         "single_pool_tokens": budget // (f + s),
         "dual_pool_full_tokens_max": budget // f if f else 0,
-        "max_concurrent_windows": budget // (w * s) if s else 0,
+        "max_concurrent_windows": budget // snap if snap else 0,
         "concurrent_sequences": {},
         "kv_groups": [{"name": g.name, "window": g.window, "layers": len(g.layers),
                        "bytes_per_token": g.bytes_per_token(spec.dtype_bytes)} for g in spec.groups],
     }
     for ctx in (8192, 32768, 131072):
         single = budget // (ctx * (f + s))
-        dual = budget // (ctx * f + min(ctx, w + spec.page_size) * s)  # decode: the window only
+        # decode: each group's window (and a page) only
+        dual = budget // (ctx * f + sum(min(ctx, g.window + spec.page_size) * g.bytes_per_token(db)
+                                        for g in spec.sliding_groups))
         out["concurrent_sequences"][str(ctx)] = {"single_pool": single, "dual_pool": dual}
     if args.json:
         print(json.dumps(out, indent=1))
@@ -530,7 +535,12 @@ def _info(args: argparse.Namespace) -> int:
           f"W={w}, {spec.dtype}, page {spec.page_size}")
     print("KV groups: " + ", ".join(f"{g['name']} ({g['layers']} layers)" for g in out["kv_groups"]))
     print(f"bytes per token: full layers {f:,}, SWA layers {s:,}, all {f + s:,}")
-    print(f"a {w}-token SWA window costs {w * s / 1e6:.1f} MB = {w * s / f:.0f} tokens of full KV")
+    if len(spec.sliding_groups) > 1:
+        each = ", ".join(f"{g.name} {g.window}" for g in spec.sliding_groups)
+        print(f"a retained SWA window (each group its own: {each} tokens) costs {snap / 1e6:.1f} MB = "
+              f"{snap / f:.0f} tokens of full KV")
+    else:
+        print(f"a {w}-token SWA window costs {snap / 1e6:.1f} MB = {snap / f:.0f} tokens of full KV")
     print(f"budget {args.hbm_gb:g} GB: single pool {out['single_pool_tokens']:,} tokens; "
           f"dual pool up to {out['dual_pool_full_tokens_max']:,} tokens of full KV")
     print("concurrent decoding sequences (dual pool keeps SWA for the last window + one page):")
