@@ -63,10 +63,17 @@ class EvictionMixin:
         freed_s: list[np.ndarray] = []
         nf = ns = 0
         fb, sb = self.full_page_bytes, self.swa_page_bytes
+        # several sliding groups: an SWA page frees the lead's bytes and those of the
+        # groups still holding it (the pool counts them); else every page frees sb
+        group_bytes = 0
+        counted = 0
         while True:
             short_full = full_pages - nf
             short_swa = swa_pages - ns
-            short_bytes = nbytes - (nf * fb + ns * sb)
+            if self.groups and counted < len(freed_s):
+                group_bytes += self.pool.group_bytes(np.concatenate(freed_s[counted:]))
+                counted = len(freed_s)
+            short_bytes = nbytes - (nf * fb + ns * sb + group_bytes)
             if short_full <= 0 and short_swa <= 0 and short_bytes <= 0:
                 break
             got = (0, 0)

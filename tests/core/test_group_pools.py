@@ -154,3 +154,16 @@ def test_release_group_refuses_bad_input_and_changes_nothing() -> None:
         pool.release_group(pool.groups[0], "0,1")
     assert (pool.used_bytes(), pool.groups[0].used, pool.buffers.blocks.num_used) == before
     pool.check_invariants()
+
+
+def test_eviction_by_bytes_counts_the_groups_an_swa_page_still_holds() -> None:
+    """Three sequences, each with 4 unanchored SWA pages held by both groups:
+    asking for 4 pages' bytes frees one sequence's 4 pages, not 8 (counting only
+    the lead group's bytes per page evicted twice what was needed)."""
+    cache = _cache(retention="dense")
+    for first in (1, 2, 3):
+        _run(cache, np.r_[first, np.arange(31) % 5 + 1].astype(np.int32))
+    assert cache.pool.swa.used == cache.pool.groups[0].used == 24
+    assert cache.tree.evict(0, 0, 4 * cache.pool.swa_page_bytes) == (0, 4)
+    assert cache.pool.swa.used == 20
+    cache.check_invariants()
