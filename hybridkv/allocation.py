@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .radix.node import NO_PAGE
-from .window import held_windows
+from .window import group_keeps
 
 if TYPE_CHECKING:
     from .cache import Request
@@ -177,13 +177,7 @@ class RequestPages:
             if hi <= lo:
                 continue
             base = max(0, lo + 1 - wl)
-            top = hi - 1 + wg  # the largest end looked at
-            ends = np.arange(lo + 1, top + 1)
-            ok = held_windows(swa[base:top] >= 0, ends - base, wl)
-            c = np.zeros(ok.size + 1, dtype=np.int64)
-            np.cumsum(ok, out=c[1:])
-            idx = np.arange(hi - lo)
-            needed = c[idx + wg] - c[idx] > 0
+            needed = group_keeps(swa[base:hi - 1 + wg] >= 0, lo, hi, wl, wg, base)
             ids = swa[lo:hi]
             gone = ids[~needed & (ids >= 0)]
             if gone.size:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["held_windows", "safe_pages", "groups_safe_pages"]
+__all__ = ["group_keeps", "held_windows", "safe_pages", "groups_safe_pages"]
 
 
 def held_windows(held: np.ndarray, ends: np.ndarray, window_pages: int, local: int = 0) -> np.ndarray:
@@ -70,3 +70,32 @@ def groups_safe_pages(held: Sequence[np.ndarray], window_pages: Sequence[int], l
         ok &= held_windows(np.asarray(mask, dtype=bool)[:limit], ends, wp, local)
     good = ends[ok]
     return int(good[-1]) if good.size else 0
+
+
+def group_keeps(held: np.ndarray, lo: int, hi: int, lead_pages: int, group_pages: int,
+                base: int = 0) -> np.ndarray:
+    """Which pages ``[lo, hi)`` a sliding-window group must keep beside the lead group.
+
+    The lead group (the largest window, ``lead_pages`` pages) decides where a hit
+    may end; a group with a smaller window (``group_pages`` pages) needs its own
+    window before each such end, and nothing else.  Page ``i`` is needed iff some
+    end ``L`` in ``(i, i + group_pages]`` has the lead's whole window
+    ``[max(0, L - lead_pages), L)`` held.
+
+    Args:
+        held: bool, ``held[j]``: the lead holds page ``base + j``; must cover pages
+            up to ``hi - 1 + group_pages`` (the largest end looked at).
+        lo, hi: the pages to decide (``base <= max(0, lo + 1 - lead_pages)``).
+        lead_pages, group_pages: the two windows in pages (``group_pages >= 1``).
+
+    Returns a bool array of ``hi - lo`` entries.  O(hi - lo + windows) numpy work.
+    """
+    if hi <= lo:
+        return np.zeros(0, dtype=bool)
+    top = hi - 1 + group_pages  # the largest end looked at
+    ends = np.arange(lo + 1, top + 1)
+    ok = held_windows(np.asarray(held, dtype=bool)[:top - base], ends - base, lead_pages)
+    c = np.zeros(ok.size + 1, dtype=np.int64)
+    np.cumsum(ok, out=c[1:])
+    idx = np.arange(hi - lo)
+    return c[idx + group_pages] - c[idx] > 0

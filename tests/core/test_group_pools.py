@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridkv import CacheConfig, HybridKVCache
 from hybridkv.model.reference import tiny_spec, tiny_two_window_spec
 from hybridkv.pools import DualPool
+from hybridkv.window import group_keeps
 
 PROMPT = np.arange(100, dtype=np.int32) % 7 + 1  # 25 pages of 4 tokens
 
@@ -167,3 +170,18 @@ def test_eviction_by_bytes_counts_the_groups_an_swa_page_still_holds() -> None:
     assert cache.tree.evict(0, 0, 4 * cache.pool.swa_page_bytes) == (0, 4)
     assert cache.pool.swa.used == 20
     cache.check_invariants()
+
+
+@settings(max_examples=300, deadline=None)
+@given(held=st.lists(st.booleans(), min_size=1, max_size=40), lead=st.integers(1, 6), group=st.integers(1, 6),
+       lo=st.integers(0, 40), span=st.integers(0, 40))
+def test_group_keeps_is_the_rule_page_by_page(held, lead, group, lo, span) -> None:  # noqa: ANN001
+    """window.group_keeps against its definition, brute force, on random lead masks."""
+    group = min(group, lead)
+    hi = min(lo + span, len(held) - group + 1)
+    lo = min(lo, max(hi, 0))
+    mask = np.array(held, dtype=bool)
+    base = max(0, lo + 1 - lead)
+    got = group_keeps(mask[base:], lo, hi, lead, group, base)
+    want = [any(mask[max(0, end - lead):end].all() for end in range(i + 1, i + group + 1)) for i in range(lo, hi)]
+    assert got.tolist() == want
