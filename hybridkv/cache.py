@@ -573,6 +573,8 @@ class HybridKVCache(RequestPages):
             used_bytes=self.pool.used_bytes(), budget_bytes=self.pool.budget_bytes,
             tensor_bytes=self.pool.tensor_bytes(), tree_nodes=self.tree.num_nodes,
         )
+        if self.pool.groups:  # tokens each sliding group beside the lead holds
+            out["group_tokens"] = {g.group.name: g.used * p for g in self.pool.groups}
         if self.lower_tiers is not None:
             out.update(self.lower_tiers.stats())
         return out

@@ -85,6 +85,7 @@ def test_a_finished_request_leaves_each_group_its_own_window() -> None:
     # the lead keeps its 16-token window (and the partial page), the 8-token group half of it
     assert cache.pool.swa.used == 5 and small.used == 3
     assert cache.counters["released_group_pages"] == 2
+    assert cache.stats()["group_tokens"] == {"swa-8": 3 * 4}
     assert cache.match(np.r_[PROMPT, 5]).length == 100
 
 
