@@ -135,21 +135,19 @@ class RequestPages:
         # by check_invariants): free the runs the policy releases, no per-page mask.
         swa = req.swa_pages
         runs = self._releasable_runs(req, lo, cut)
-        if not runs:
-            if self.pool.groups:
-                self._release_groups(req, cut)
-            return 0
-        if len(runs) == 1:
-            a, b = runs[0]
-            gone = swa[a:b]  # a view: the pool copies the ids before they are overwritten below
-        else:
-            gone = np.concatenate([swa[a:b] for a, b in runs])
-        count = gone.size
-        self.pool.free_swa_trusted(gone)  # the request's own pages
-        for a, b in runs:
-            swa[a:b] = NO_PAGE
-        self.counters["released_swa_pages"] += count
-        if self.pool.groups:
+        count = 0
+        if runs:
+            if len(runs) == 1:
+                a, b = runs[0]
+                gone = swa[a:b]  # a view: the pool copies the ids before they are overwritten below
+            else:
+                gone = np.concatenate([swa[a:b] for a, b in runs])
+            count = gone.size
+            self.pool.free_swa_trusted(gone)  # the request's own pages
+            for a, b in runs:
+                swa[a:b] = NO_PAGE
+            self.counters["released_swa_pages"] += count
+        if self.pool.groups:  # after the lead's release: the groups follow its windows
             self._release_groups(req, cut)
         return count
 

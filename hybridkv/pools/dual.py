@@ -206,10 +206,11 @@ class DualPool:
     def free_swa(self, pages: object) -> None:
         """Free SWA pages only (validated as for :meth:`free_full`)."""
         self.swa.free(pages)
+        ids = np.asarray(pages, dtype=np.int64)
         if self.groups:
-            self._free_groups(np.asarray(pages, dtype=np.int64))
+            self._free_groups(ids)
         if self._arena is not None:
-            self._arena.release(AttnKind.SWA, np.asarray(pages, dtype=np.int64))
+            self._arena.release(AttnKind.SWA, ids)
 
     def free_full_trusted(self, pages: np.ndarray) -> None:
         """:meth:`free_full` for the tree and the cache, which free only pages they
@@ -260,7 +261,8 @@ class DualPool:
 
     def held_by_all(self, pages: np.ndarray) -> np.ndarray:
         """bool per SWA id of ``pages`` (``-1``: not held): every sliding group
-        holds its KV (what a tier may copy).  O(n x groups)."""
+        holds its KV (what a tier may copy); ``pages >= 0`` with one sliding group.
+        O(n x groups)."""
         held = np.asarray(pages) >= 0
         for g in self.groups:
             held &= g.holds(pages)

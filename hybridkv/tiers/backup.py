@@ -79,12 +79,6 @@ class L2Backup:
         tree_swa = {int(p) for nd in tree.iter_nodes() for p in nd.swa[nd.swa >= 0].tolist()}
         assert set(self._swa_key) == tree_swa, "L1 SWA pages and registered keys differ"
 
-    def _copyable(self, swa_pages: np.ndarray) -> np.ndarray:
-        """bool per L1 SWA id (``-1``: none): a tier may copy it, i.e. every sliding
-        group still holds its KV (a smaller window's group gives pages back early)."""
-        pool = self._co.pool
-        return pool.held_by_all(swa_pages) if pool.groups else swa_pages >= 0
-
     def _anchored(self, idx: np.ndarray, end: int) -> np.ndarray:
         """Which page indices end a kept window: the tail before ``end`` or a checkpoint
         (the tree's :class:`~hybridkv.radix.policy.RetentionPolicy` decides, as in L1)."""
@@ -123,7 +117,8 @@ class L2Backup:
             missing_full = np.flatnonzero(~have_full)
             self.store_l2(AttnKind.FULL, req.full_pages[missing_full], [keys[i] for i in missing_full], None)
             have_full[:] = True
-        idx = np.flatnonzero(self._copyable(req.swa_pages[:aligned]))
+        # a tier copies an SWA page only where every sliding group still holds its KV
+        idx = np.flatnonzero(co.pool.held_by_all(req.swa_pages[:aligned]))
         if not through:
             idx = idx[have_full[idx]]
         if idx.size == 0:
@@ -195,7 +190,7 @@ class L2Backup:
                     return
                 sel = np.array([k is not None for k in keys], dtype=bool)
                 if kind is AttnKind.SWA and co.pool.groups:
-                    sel &= self._copyable(pages)
+                    sel &= co.pool.held_by_all(pages)
                 if not sel.any():
                     return
                 named = [keys[i] for i in np.flatnonzero(sel).tolist()]

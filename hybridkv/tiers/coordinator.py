@@ -253,7 +253,7 @@ class TierCoordinator:
         full[n1:][l2_full[n1:] >= 0] = PageOrigin.L2
         swa = np.zeros(n, dtype=np.int8)
         # an L1 SWA page counts where every sliding group holds it (what a tier copies)
-        swa[:n1][self.pool.held_by_all(l1_swa) if self.pool.groups else l1_swa >= 0] = PageOrigin.L1
+        swa[:n1][self.pool.held_by_all(l1_swa)] = PageOrigin.L1
         need = np.flatnonzero(swa == PageOrigin.NONE)
         l2_swa = np.full(n, -1, dtype=np.int64)
         if need.size:
