@@ -6,6 +6,7 @@ tells it, through one small interface (:class:`Ranking`):
 
 ========================  ==================================================
 ``touch(node, now)``      a request used ``node`` (sets its recency)
+``refresh(node, now)``    the request already counted still uses ``node``
 ``leaf_ready(node)``      ``node`` may be an evictable leaf now
 ``rebuild(leaves)``       the index dropped stale heap entries: re-file these
 ``missed(ns, pos, g)``    a match stopped at token ``pos`` (page name ``g``)
@@ -66,6 +67,11 @@ class Ranking:
     def touch(self, node: TreeNode, now: int) -> None:
         """A request used ``node`` at ``now``.  A node used again moves to REUSED."""
         self._promote(node, now)
+
+    def refresh(self, node: TreeNode, now: int) -> None:
+        """The request that made ``node`` (or matched it, already counted) is still
+        using it at ``now``: recency only, not a new use (no promotion)."""
+        node.last_access = now
 
     def _promote(self, node: TreeNode, now: int) -> bool:
         """Stamp ``node``'s access; True when it moved from RECENT to REUSED."""
@@ -256,6 +262,11 @@ class ValueRanking(Ranking):
         if node.vcls >= 0:
             self._by_class[node.vcls].move_to_end(node.nid)
         self._promote(node, now)
+
+    def refresh(self, node: TreeNode, now: int) -> None:
+        if node.vcls >= 0:
+            self._by_class[node.vcls].move_to_end(node.nid)
+        node.last_access = now
 
     def filed_leaves(self) -> int:
         return sum(map(len, self._by_class))

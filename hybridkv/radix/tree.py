@@ -352,7 +352,8 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
 
     @deliver_after
     def insert_tokens(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray, namespace: str, *,
-                start: TreeNode | None = None, owned: bool = False, mark: int = -1) -> InsertResult:
+                start: TreeNode | None = None, owned: bool = False, mark: int = -1,
+                continued: bool = False) -> InsertResult:
         """:meth:`insert` for internal callers: no validation.
 
         ``start``, when given, is an alive node of ``namespace`` whose path spells
@@ -364,6 +365,10 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
         request): a new leaf may keep views of them instead of copies.
         ``mark``: the page where the request's prompt ended, when its decoded
         output follows in ``key`` (``TreeNode.mark``; -1: the end of ``key``).
+        ``continued``: ``start`` is where the same request's own earlier insert
+        (or its counted match) ended, e.g. the next chunk of a prompt cached
+        while it is prefilled: the path to it gets recency, not one more use
+        (a prompt of many chunks is not "reused" by its own chunks).
         Runtime complexity: O(depth + pages after start) plus numpy work.
         """
         size = self.page_size
@@ -375,8 +380,9 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
         else:
             node, pi = start, (start.start + len(start.key)) // size
             up: TreeNode = start
+            again = self.ranking.refresh if continued else self.ranking.touch
             while up.parent is not None:  # recency as a walk from the root
-                self.ranking.touch(up, now)
+                again(up, now)
                 up = up.parent
         drop_full: list[np.ndarray] = []
         drop_swa: list[np.ndarray] = []

@@ -72,3 +72,29 @@ def test_insert_from_root_start_is_root_walk():
     res = t.insert_tokens(key, np.arange(5, 8, dtype=np.int32), np.full(3, -1, np.int32), "ns", start=None)
     assert res.new_pages == 0 and pool.full == [5, 6, 7]
     t.check_invariants()
+
+
+def _chunked(ranking, continued):
+    """One prompt cached in three chunks, each insert starting at the previous one's leaf."""
+    t = WindowSafeTree(TreeConfig(2, 4, ranking=ranking), RecordingPool())
+    key = np.arange(12, dtype=np.int32)
+    node = None
+    for end in (4, 8, 12):
+        pages = end // 2
+        res = t.insert_tokens(key[:end], np.arange(pages, dtype=np.int32), np.arange(50, 50 + pages, dtype=np.int32),
+                              "default", start=node, continued=continued)
+        node = res.node
+    t.check_invariants()
+    return t, node
+
+
+def test_continued_chunks_of_one_prompt_are_not_reuse():
+    from hybridkv.radix.policy import AdaptiveRanking
+
+    for ranking in ("arc", "lru", "adaptive", "value"):
+        t, leaf = _chunked(ranking, continued=True)
+        assert t.ranking.pages == {AdaptiveRanking.RECENT: 6, AdaptiveRanking.REUSED: 0}, ranking
+        assert leaf.last_access == max(n.last_access for n in t.iter_nodes())
+        # without it, a chunk's insert counts the path before it as used again
+        t, _ = _chunked(ranking, continued=False)
+        assert t.ranking.pages[AdaptiveRanking.REUSED] >= 4, ranking  # the first two chunks

@@ -208,7 +208,9 @@ def test_read_breaker_recovers_when_l3_does(warm_l3):
     b = tiered(slow, l3_timeout_s=0.05, l3_read_breaker=(1, 0.3))
     try:
         b.abort(b.begin(ps[0][1], "default"))  # late: the breaker opens
-        time.sleep(1.3)  # the late read finishes (0.6 s, another failure), the cooldown passes
+        assert b.flush(10)  # the late read finishes (0.6 s of delays, another failure) ...
+        time.sleep(0.6)  # ... and the 0.3 s cooldown passes (waiting on the read, not a guess
+        # of how long it takes, keeps a loaded machine from probing while still open)
         assert b.stats()["l3_read_breaker_trips"] >= 1
         slow.delay.clear()
         t0 = time.perf_counter()

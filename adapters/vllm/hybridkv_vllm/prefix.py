@@ -343,8 +343,10 @@ class HybridKVCacheManager(KVCacheManager):
                 if blocks is not None:
                     swa[i] = self.pool.take(blocks)
         tokens = np.asarray(request.all_token_ids[:n * P], dtype=np.int32)
+        # start is this request's own (its counted hit, or its last chunk's insert):
+        # chunks of one prompt are not reuses of each other (continued)
         res = self.tree.insert_tokens(tokens, full, swa, self.namespace(request), start=start,
-                                      owned=True, mark=request.num_prompt_tokens // P)
+                                      owned=True, mark=request.num_prompt_tokens // P, continued=True)
         self.counters["inserted_pages"] += res.new_pages
         return res.node
 
