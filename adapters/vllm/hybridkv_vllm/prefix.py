@@ -69,6 +69,7 @@ class _Live:
     held: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     spare: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     scan_mark: int = 0  # pages before it were looked at for holds
+    looked: bool = False  # its first lookup was counted as a use (vLLM retries waiting requests)
 
 
 class HybridKVCacheManager(KVCacheManager):
@@ -156,7 +157,11 @@ class HybridKVCacheManager(KVCacheManager):
             self._track(request, LockHandle(None), 0, 0)
             return self.empty_kv_cache_blocks, 0, 0
         tokens = np.asarray(request.all_token_ids[:limit], dtype=np.int32)  # the tree's token dtype
-        m = self.tree.match_tokens(tokens, self.namespace(request), None, True, True)
+        # vLLM looks a waiting request up again each step it cannot admit it: only the
+        # first lookup is a use the ranking learns from (recency, returns)
+        live = self._live.get(request.request_id)
+        first = live is None or not live.looked
+        m = self.tree.match_tokens(tokens, self.namespace(request), None, True, first)
         self.counters["raw_match_tokens"] += m.raw_length
         if m.length == 0:
             self._track(request, LockHandle(None), 0, m.raw_length // P)
@@ -169,10 +174,12 @@ class HybridKVCacheManager(KVCacheManager):
     def _track(self, request: Any, handle: LockHandle, hit_pages: int, raw_pages: int) -> None:
         live = self._live.get(request.request_id)
         if live is None:
-            self._live[request.request_id] = _Live(request, handle, hit_pages, raw_pages, scan_mark=hit_pages)
+            self._live[request.request_id] = _Live(request, handle, hit_pages, raw_pages, scan_mark=hit_pages,
+                                                   looked=True)
         else:
             live.handle, live.hit_pages, live.raw_pages = handle, hit_pages, raw_pages
             live.scan_mark = max(live.scan_mark, hit_pages)
+            live.looked = True
 
     def _blocks_of(self, full: np.ndarray, swa: np.ndarray) -> tuple[list[Any], ...]:
         """Per group, the blocks of a hit's pages: full groups all, sliding-window

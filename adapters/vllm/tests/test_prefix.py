@@ -179,3 +179,32 @@ def test_hybridkv_holds_shared_prefixes_under_pressure():
         rows[name] = out["hit_tokens"] / out["input_tokens"]
     print("hit rates at 150 blocks:", {k: round(v, 4) for k, v in rows.items()})
     assert rows["hybridkv"] > 0
+
+
+def test_a_waiting_request_looked_up_again_is_one_use():
+    """vLLM retries a waiting request's lookup each step it cannot admit it: the
+    ranking learns one use (one return), not one per retry."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from hybridkv_vllm.prefix import PrefixOptions
+
+    windows = (None, 32)
+    mgr = build_manager(300, PAGE, windows, hybridkv=True, options=PrefixOptions(ranking="value"))
+    toks = list(range(100, 100 + 5 * PAGE + 3))
+    replay(mgr, [np.array(toks)], page=PAGE, windows=windows)
+    fn = get_hash_fn_by_name("sha256")
+    init_none_hash(fn)
+    req = Request("again", toks + [7], SamplingParams(max_tokens=1), None,
+                  block_hasher=get_request_block_hasher(PAGE, fn))
+    hits = []
+    for _ in range(3):  # not admitted twice, then admitted
+        blocks, hit, _ = mgr.get_computed_blocks(req)
+        hits.append(hit)
+    leaf = next(n for n in mgr.tree.iter_nodes() if n.start == 0)
+    assert hits == [5 * PAGE] * 3 and leaf.returns == 1
+    assert mgr.allocate_slots(req, len(toks) + 1 - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+    mgr.free(req)
+    mgr.check_invariants()
