@@ -146,3 +146,33 @@ def test_hybridkv_scheduler_rows_hold_the_invariants(capsys: Any) -> None:
     (row,) = rows
     assert row["requests"] == N and row["stats_match"] and row["oracle_mismatches"] == 0
     assert row["hit_tokens"] > 0
+
+
+def _item(idx: int, toks: list[int], ns: str = "default") -> Any:
+    return ie.Item(idx, None, ns, np.asarray(toks, dtype=np.int32), 1)
+
+
+def test_prefix_bound_counts_page_aligned_prefixes_seen_before() -> None:
+    P = 4
+    a = list(range(100, 113))                  # 3 whole pages + 1 token
+    items = [_item(0, a),
+             _item(1, a[:8] + [7] * 5),        # shares 2 pages with a
+             _item(2, a + [1, 2, 3]),          # a's 3 pages; len 16 -> at most (16 - 1) // 4 = 3 pages
+             _item(3, a[:12]),                 # a's 3 pages, but one token is left to compute: 2 pages
+             _item(4, a, ns="other"),          # another namespace shares nothing
+             _item(5, [5] * 4 + a[4:])]        # first page differs: nothing, even where later pages agree
+    b = ie.prefix_bound(items, P)
+    assert b["hit_tokens"] == (2 + 3 + 2) * P
+    assert b["input_tokens"] == sum(len(i.tokens) for i in items)
+
+
+def test_every_row_is_under_the_prefix_bound(capsys: Any) -> None:
+    rc = ie.main(["--json", "--trace", _trace(), "--limit", str(N), "--budgets", "594",
+                  "--systems", "vllm_default,hybridkv"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    bound = out["bound"]
+    assert bound["input_tokens"] == _prompt_tokens()
+    assert {r["system"] for r in out["vllm"]} == {"vllm_default", "hybridkv"}
+    for r in out["vllm"]:
+        assert 0 < r["hit_tokens"] <= bound["hit_tokens"], (r["system"], r["hit_tokens"], bound)
