@@ -382,7 +382,9 @@ class HybridKVCacheManager(KVCacheManager):
         live = self._live.pop(request.request_id, None)
         if live is None:
             return
-        if self._cacheable(request):
+        # a request freed while the connector's load is in flight (aborted) counts the
+        # external tokens as computed: nothing past its local hit holds KV yet
+        if self._cacheable(request) and request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             self._insert(request, live, self._computed_pages(request))
         self.tree.unlock(live.handle)
         self._release_held(live)

@@ -208,3 +208,39 @@ def test_a_waiting_request_looked_up_again_is_one_use():
     assert mgr.allocate_slots(req, len(toks) + 1 - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks)
     mgr.free(req)
     mgr.check_invariants()
+
+
+def test_a_request_aborted_while_its_load_is_in_flight_caches_nothing_past_its_hit():
+    """vLLM counts a connector's asynchronous load as computed while the request
+    waits for it (WAITING_FOR_REMOTE_KVS); freed then (an abort), those blocks
+    hold no KV and must not become hits."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request, RequestStatus
+
+    windows = (None, 32)
+    mgr = build_manager(300, PAGE, windows, hybridkv=True)
+    toks = list(range(100, 100 + 3 * PAGE))
+    replay(mgr, [np.array(toks)], page=PAGE, windows=windows)  # 3 pages cached
+    fn = get_hash_fn_by_name("sha256")
+    init_none_hash(fn)
+    longer = toks + list(range(900, 900 + 5 * PAGE + 1))
+    req = Request("loading", longer, SamplingParams(max_tokens=1), None,
+                  block_hasher=get_request_block_hasher(PAGE, fn))
+    blocks, hit, _ = mgr.get_computed_blocks(req)
+    assert hit == 3 * PAGE
+    external = 4 * PAGE  # the connector's hit past the local one, loaded asynchronously
+    assert mgr.allocate_slots(req, len(longer) - hit - external, num_new_computed_tokens=hit,
+                              new_computed_blocks=blocks, num_external_computed_tokens=external,
+                              delay_cache_blocks=True) is not None
+    req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    req.num_computed_tokens = hit + external  # what vLLM's scheduler sets
+    before = mgr.tree.full_pages_cached
+    mgr.free(req)  # aborted before the load finished
+    assert mgr.tree.full_pages_cached == before == 3
+    probe = Request("probe", longer, SamplingParams(max_tokens=1), None,
+                    block_hasher=get_request_block_hasher(PAGE, fn))
+    assert mgr.get_computed_blocks(probe)[1] == 3 * PAGE
+    mgr.free(probe)
+    mgr.check_invariants()
