@@ -13,6 +13,18 @@ from prefix_driver import build_manager, replay, shared_prefix_prompts
 PAGE = 16
 
 
+def _request(rid: str, tokens: list[int]):
+    """A vLLM ``Request`` with vLLM's default block hasher (sha256) at ``PAGE``."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    fn = get_hash_fn_by_name("sha256")
+    init_none_hash(fn)
+    return Request(rid, tokens, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(PAGE, fn))
+
+
 @pytest.mark.parametrize("windows", [(None, 32, 32), (None, 32, 64, None)])
 @pytest.mark.parametrize("blocks", [90, 300, 3000])
 @pytest.mark.parametrize("concurrent", [1, 3])
@@ -89,19 +101,11 @@ def test_idle_pool_is_the_trees_and_reset_frees_everything():
 
 
 def test_reset_refused_while_a_request_holds_a_hit():
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
     windows = (None, 32)
     mgr = build_manager(300, PAGE, windows, hybridkv=True)
     toks = list(range(100, 100 + 5 * PAGE + 3))
     replay(mgr, [np.array(toks)], page=PAGE, windows=windows)
-    fn = get_hash_fn_by_name("sha256")
-    init_none_hash(fn)
-    req = Request("again", toks + [7], SamplingParams(max_tokens=1), None,
-                  block_hasher=get_request_block_hasher(PAGE, fn))
+    req = _request("again", toks + [7])
     blocks, hit, _ = mgr.get_computed_blocks(req)
     assert hit == 5 * PAGE
     assert mgr.allocate_slots(req, len(toks) + 1 - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks)
@@ -114,19 +118,11 @@ def test_reset_refused_while_a_request_holds_a_hit():
 
 def test_hits_and_windows_for_two_sliding_groups():
     """A hit's sliding-window blocks are real exactly in each group's window."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
     windows = (None, 32, 64)
     mgr = build_manager(500, PAGE, windows, hybridkv=True)
     toks = list(range(1, 20 * PAGE + 1))
     replay(mgr, [np.array(toks)], page=PAGE, windows=windows, chunk=64)
-    fn = get_hash_fn_by_name("sha256")
-    init_none_hash(fn)
-    req = Request("r", toks + [9, 9], SamplingParams(max_tokens=1), None,
-                  block_hasher=get_request_block_hasher(PAGE, fn))
+    req = _request("r", toks + [9, 9])
     blocks, hit, _ = mgr.get_computed_blocks(req)
     assert hit == 20 * PAGE  # adaptive retention kept the window at the prompt's end
     full, w32, w64 = blocks.blocks
@@ -184,21 +180,11 @@ def test_hybridkv_holds_shared_prefixes_under_pressure():
 def test_a_waiting_request_looked_up_again_is_one_use():
     """vLLM retries a waiting request's lookup each step it cannot admit it: the
     ranking learns one use (one return), not one per retry."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    from hybridkv_vllm.prefix import PrefixOptions
-
     windows = (None, 32)
     mgr = build_manager(300, PAGE, windows, hybridkv=True, options=PrefixOptions(ranking="value"))
     toks = list(range(100, 100 + 5 * PAGE + 3))
     replay(mgr, [np.array(toks)], page=PAGE, windows=windows)
-    fn = get_hash_fn_by_name("sha256")
-    init_none_hash(fn)
-    req = Request("again", toks + [7], SamplingParams(max_tokens=1), None,
-                  block_hasher=get_request_block_hasher(PAGE, fn))
+    req = _request("again", toks + [7])
     hits = []
     for _ in range(3):  # not admitted twice, then admitted
         blocks, hit, _ = mgr.get_computed_blocks(req)
@@ -214,20 +200,14 @@ def test_a_request_aborted_while_its_load_is_in_flight_caches_nothing_past_its_h
     """vLLM counts a connector's asynchronous load as computed while the request
     waits for it (WAITING_FOR_REMOTE_KVS); freed then (an abort), those blocks
     hold no KV and must not become hits."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.request import RequestStatus
 
     windows = (None, 32)
     mgr = build_manager(300, PAGE, windows, hybridkv=True)
     toks = list(range(100, 100 + 3 * PAGE))
     replay(mgr, [np.array(toks)], page=PAGE, windows=windows)  # 3 pages cached
-    fn = get_hash_fn_by_name("sha256")
-    init_none_hash(fn)
     longer = toks + list(range(900, 900 + 5 * PAGE + 1))
-    req = Request("loading", longer, SamplingParams(max_tokens=1), None,
-                  block_hasher=get_request_block_hasher(PAGE, fn))
+    req = _request("loading", longer)
     blocks, hit, _ = mgr.get_computed_blocks(req)
     assert hit == 3 * PAGE
     external = 4 * PAGE  # the connector's hit past the local one, loaded asynchronously
@@ -239,8 +219,7 @@ def test_a_request_aborted_while_its_load_is_in_flight_caches_nothing_past_its_h
     before = mgr.tree.full_pages_cached
     mgr.free(req)  # aborted before the load finished
     assert mgr.tree.full_pages_cached == before == 3
-    probe = Request("probe", longer, SamplingParams(max_tokens=1), None,
-                    block_hasher=get_request_block_hasher(PAGE, fn))
+    probe = _request("probe", longer)
     assert mgr.get_computed_blocks(probe)[1] == 3 * PAGE
     mgr.free(probe)
     mgr.check_invariants()
