@@ -136,20 +136,12 @@ def prefix_bound(items: list[Item], page: int) -> dict[str, Any]:
     """The most any prefix cache can hit on ``items``: each request's longest
     page-aligned prefix (at most ``(len - 1) // page`` pages, one token left to
     compute) that an earlier request of its namespace also had, with unlimited
-    memory and nothing ever evicted.  O(pages)."""
-    seen: set[bytes] = set()
-    hit = 0
-    for it in items:
-        h = hashlib.blake2b(it.namespace.encode(), digest_size=16).digest()
-        n = len(it.tokens)
-        run, limit = True, (n - 1) // page
-        for i in range(n // page):
-            h = hashlib.blake2b(h + it.tokens[i * page:(i + 1) * page].tobytes(), digest_size=16).digest()
-            if run and i < limit and h in seen:
-                hit += page
-            else:
-                run = False
-            seen.add(h)
+    memory and nothing ever evicted (:class:`hybridkv.traces.PrefixBound`, the
+    bound ``hybridkv replay`` reports).  O(pages)."""
+    from hybridkv.traces import PrefixBound
+
+    bound = PrefixBound(page)
+    hit = sum(bound.hits(it.tokens, it.namespace, len(it.tokens) - 1) for it in items)
     total = int(sum(len(i.tokens) for i in items))
     return {"hit_tokens": hit, "input_tokens": total, "hit_rate": hit / max(1, total),
             "what": "upper bound of any prefix cache: unlimited memory, nothing evicted, page aligned"}
