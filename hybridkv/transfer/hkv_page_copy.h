@@ -51,6 +51,11 @@ int hkv_host_copy_pages(const hkv_page_copy_t *desc, int num_threads);
 int hkv_host_copy_pages_mode(const hkv_page_copy_t *desc, int num_threads, int mode);
 int hkv_host_stream_supported(int mode);
 int hkv_host_openmp_enabled(void);
+/* A prepared plan's byte runs (the copy engines' work list) run by memcpy:
+ * dsts/srcs/sizes are addresses of count-entry uint64 arrays; flags bit 0 =
+ * dry run (validate, copy nothing).  host_copy.c. */
+int hkv_host_copy_runs(uint64_t dsts, uint64_t srcs, uint64_t sizes, int64_t count,
+                       int num_threads, int flags);
 /* NH64 payload checksum (checksum.c; definition there) */
 int hkv_nh64_batch(const uint8_t *const *ptrs, const uint64_t *lens, uint64_t *out, int64_t n,
                    int num_threads, int simd);

@@ -199,3 +199,22 @@ int hkv_host_copy_pages_mode(const hkv_page_copy_t *d, int num_threads, int mode
     }
     return HKV_OK;
 }
+
+int hkv_host_copy_runs(uint64_t dsts, uint64_t srcs, uint64_t sizes, int64_t count,
+                       int num_threads, int flags) {
+    if (count < 0 || (count > 0 && (dsts == 0 || srcs == 0 || sizes == 0))) return HKV_ERR_ARG;
+    if (flags & 1) return HKV_OK;
+    char *const *dst = (char *const *)(uintptr_t)dsts;
+    const char *const *src = (const char *const *)(uintptr_t)srcs;
+    const uint64_t *size = (const uint64_t *)(uintptr_t)sizes;
+    uint64_t bytes = 0;
+    for (int64_t i = 0; i < count; ++i) bytes += size[i];
+    if (num_threads < 1) num_threads = 1;
+    const int parallel = num_threads > 1 && bytes >= HKV_PARALLEL_MIN_BYTES;
+    (void)parallel;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(num_threads) if (parallel) schedule(dynamic, 4)
+#endif
+    for (int64_t i = 0; i < count; ++i) memcpy(dst[i], src[i], (size_t)size[i]);
+    return HKV_OK;
+}

@@ -71,6 +71,14 @@ class HostKernel:
         self.path = path
         self.openmp = bool(self.lib.hkv_host_openmp_enabled())
 
+    def desc(self, plan: CopyPlan) -> Any:
+        """A ``hkv_page_copy_t *`` for ``plan`` (host addresses; the caller
+        keeps ``plan``'s index tensors alive while it is used)."""
+        ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        return fill_desc(self.ffi, plan, src_idx_ptr=ptr(plan.src_idx),
+                         dst_idx_ptr=ptr(plan.dst_idx), mask_ptr=ptr(plan.mask),
+                         src_base=plan.src.base, dst_base=plan.dst.base)
+
     def run(self, plan: CopyPlan, num_threads: Optional[int] = None,
             store_mode: int = -1) -> None:
         """Execute ``plan`` on host memory.  Releases the GIL for the copy.
@@ -81,13 +89,8 @@ class HostKernel:
         plan (it re-checks every index before writing, as a second line of
         defence) or the mode is unsupported here.
         """
-        ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
-        d = fill_desc(
-            self.ffi, plan,
-            src_idx_ptr=ptr(plan.src_idx), dst_idx_ptr=ptr(plan.dst_idx),
-            mask_ptr=ptr(plan.mask), src_base=plan.src.base, dst_base=plan.dst.base,
-        )
-        rc = self.lib.hkv_host_copy_pages_mode(d, num_threads or default_threads(), store_mode)
+        rc = self.lib.hkv_host_copy_pages_mode(self.desc(plan), num_threads or default_threads(),
+                                               store_mode)
         if rc != 0:
             raise RuntimeError(f"host page copy rejected its arguments (code {rc})")
 

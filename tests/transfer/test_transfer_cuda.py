@@ -69,10 +69,38 @@ def test_python_cdef_matches_header() -> None:
 
 def test_missing_library_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(ck, "library_candidates", lambda: [tmp_path / "nope.so"])
+    monkeypatch.setenv("HYBRIDKV_CUDA_BUILD", "0")
     ck.reset_cuda_kernel_cache()
     try:
-        with pytest.raises(RuntimeError, match="make -C src_cuda"):
+        with pytest.raises(RuntimeError, match="make -C src_cuda.*HYBRIDKV_CUDA_BUILD=0"):
             ck.load_cuda_kernel()
+        # the outcome is cached: the second call fails the same way, fast
+        with pytest.raises(RuntimeError, match="nope.so"):
+            ck.load_cuda_kernel()
+    finally:
+        ck.reset_cuda_kernel_cache()
+
+
+def test_library_is_built_on_first_use_from_the_sources(monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    """What a ``pip install`` on a GPU machine gets: no prebuilt library, so the
+    installed sources are built with the machine's nvcc into the user cache."""
+    if ck.find_nvcc() is None:
+        pytest.skip("nvcc not found: the first-use build needs it")
+    assert ck.source_dir() is not None
+    monkeypatch.setattr(ck, "library_candidates", lambda: [tmp_path / "absent.so"])
+    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path / "cache"))
+    ck.reset_cuda_kernel_cache()
+    try:
+        kernel = ck.load_cuda_kernel()
+        assert kernel.path.parent == tmp_path / "cache" and kernel.how.startswith("built with")
+        assert kernel.lib.hkv_cuda_abi_version() == ck.ABI_VERSION
+        # a library of another ABI is skipped, not loaded
+        stale = tmp_path / "stale.so"
+        stale.write_bytes(b"not a library")
+        monkeypatch.setattr(ck, "library_candidates", lambda: [stale])
+        ck.reset_cuda_kernel_cache()
+        assert ck.load_cuda_kernel().path == kernel.path  # rebuilt? no: the cached build
     finally:
         ck.reset_cuda_kernel_cache()
 
