@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .storage import StorageBackend
+from .storage import backend_lacks
 
 __all__ = ["PageOrigin", "TierConfig"]
 
@@ -75,5 +75,6 @@ class TierConfig:
             raise ValueError(f"l3_read_breaker must be (failures >= 1, cooldown_s >= 0), got {rb!r}")
         if self.l3_timeout_s <= 0:
             raise ValueError(f"l3_timeout_s must be > 0, got {self.l3_timeout_s}")
-        if self.l3 is not None and not isinstance(self.l3, (str, StorageBackend)):
-            raise TypeError(f"l3 must be a URL, a StorageBackend or None, got {type(self.l3).__name__}")
+        if self.l3 is not None and not isinstance(self.l3, str) and backend_lacks(self.l3):
+            raise TypeError(f"l3 must be a URL, a StorageBackend or None, got "
+                            f"{type(self.l3).__name__} (lacks {', '.join(backend_lacks(self.l3))})")

@@ -48,7 +48,7 @@ from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin 
 from typing import Any, Callable, Sequence
 
 from .events import TierEvent, TierListener, emit
-from .storage.base import CircuitBreaker, StorageBackend
+from .storage.base import CircuitBreaker, StorageBackend, backend_lacks
 
 __all__ = ["TierManager"]
 
@@ -75,8 +75,9 @@ class TierManager:
     def __init__(self, backend: StorageBackend, *, timeout_s: float = 5.0, max_queued_writes: int = 65536,
                  touch_interval_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
                  read_breaker: tuple[int, float] = (3, 5.0), max_queued_reads: int = 1024) -> None:
-        if not isinstance(backend, StorageBackend):
-            raise TypeError(f"backend must implement StorageBackend, got {type(backend).__name__}")
+        if backend_lacks(backend):
+            raise TypeError(f"backend must implement StorageBackend, got {type(backend).__name__} "
+                            f"(lacks {', '.join(backend_lacks(backend))})")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if max_queued_writes < 1:

@@ -13,7 +13,14 @@ Usage (the model side is one line per layer)::
 * CUDA tensors: every copy is issued at ``start()`` on a side stream with
   one CUDA event recorded per layer; ``wait(i)`` makes the *current* stream
   wait for that event (no host sync), so attention of layer i is ordered
-  after its load while later loads keep running.
+  after its load while later loads keep running.  Host <-> device loads run
+  on the copy engines (one batched DMA call per layer), so the model's
+  kernels keep every SM; device <-> device loads use the SM kernel on at
+  most ``max_blocks`` blocks.
+
+Each distinct buffer pair and page list is validated and planned once per
+request (:func:`~hybridkv.transfer.prepare_copy` with ``by_layer=True``);
+a layer then costs one C call to issue.
 
 An error in a layer's load is raised by ``wait()`` for that layer and every
 later one (as ``RuntimeError`` chained to the cause); earlier layers stay
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -31,8 +39,9 @@ import numpy as np
 import torch
 
 from ._layout import MaskLike, PageIndex
-from .api import copy_pages
-from .cuda_kernel import StreamLike
+from .api import prepare_copy
+from .cuda_kernel import CudaKernel, load_cuda_kernel
+from .plan import PreparedCopy
 
 CopyFn = Callable[..., object]
 
@@ -110,6 +119,7 @@ def arena_layer_jobs(layer_kinds: Sequence[str], src: Any, dst: Any,
     only that layer's bytes.  O(layers * pages).
     """
     seen: dict[str, int] = {}
+    tables: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
     jobs = []
     page_size = src.spec.page_size
     for i, kind in enumerate(layer_kinds):
@@ -119,9 +129,12 @@ def arena_layer_jobs(layer_kinds: Sequence[str], src: Any, dst: Any,
         seen[kind] = j + 1
         s, d = src.of(kind), dst.of(kind)
         group, slot = s.layout.group_of(j)
-        sp, dp = (np.asarray(p, dtype=np.int64) for p in pages[kind])
-        jobs.append(LayerJob(i, (PageCopy(s.k, s.v, d.k, d.v, s.block_table(sp, group).astype(np.int64),
-                                          d.block_table(dp, group).astype(np.int64), page_size, slot),)))
+        if (kind, group) not in tables:  # one block list per group: the loader plans it once
+            sp, dp = (np.asarray(p, dtype=np.int64) for p in pages[kind])
+            tables[(kind, group)] = (s.block_table(sp, group).astype(np.int64),
+                                     d.block_table(dp, group).astype(np.int64))
+        sb, db = tables[(kind, group)]
+        jobs.append(LayerJob(i, (PageCopy(s.k, s.v, d.k, d.v, sb, db, page_size, slot),)))
     return jobs
 
 
@@ -131,15 +144,26 @@ class LayerwiseLoader:
     Args:
         jobs: one :class:`LayerJob` per model layer that needs loading, in
             load order; layer numbers must be unique.
-        backend: passed to ``copy_pages``.
+        backend: passed to :func:`~hybridkv.transfer.prepare_copy`.
         stream: CUDA side stream for the loads (default: a new one).
-        copy_fn: the copy function (default ``copy_pages``); tests inject a
-            slowed one.
+        copy_fn: a copy function with ``copy_pages``'s signature, called per
+            layer instead of the prepared plans (tests inject a slowed one).
+        max_blocks: grid cap of the SM kernel when it runs device <-> device
+            beside the model (host <-> device loads use the copy engines).
+        dry_run: plan as for the copy engines and issue with the launch
+            stubbed (no copy; measures the host cost of issuing anywhere).
+
+    Each distinct (buffers, page lists) of the jobs is validated and planned
+    once, per layer (:class:`~hybridkv.transfer.plan.PreparedCopy`), when
+    its first layer is reached; issuing a layer is then one C call that
+    queues its runs and records its event.  ``issue_seconds`` is the host
+    time ``start()`` spent planning and issuing.
     """
 
     def __init__(self, jobs: Sequence[LayerJob], *, backend: str = "auto",
                  stream: Optional[torch.cuda.Stream] = None,
-                 copy_fn: CopyFn = copy_pages) -> None:
+                 copy_fn: Optional[CopyFn] = None, max_blocks: int = 16,
+                 dry_run: bool = False) -> None:
         layers = []
         for n, job in enumerate(jobs):
             if not isinstance(job, LayerJob):
@@ -152,15 +176,21 @@ class LayerwiseLoader:
         self._jobs = list(jobs)
         self._backend = backend
         self._copy = copy_fn
+        self._max_blocks = max_blocks
+        self._dry_run = bool(dry_run)
+        self._plans: dict[tuple[int, ...], PreparedCopy] = {}
         self._done = {job.layer: threading.Event() for job in self._jobs}
         self._errors: dict[int, BaseException] = {}
         self.finish_times: dict[int, float] = {}  # layer -> time.monotonic() when loaded
+        self.issue_seconds = 0.0
         self._cancel = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._events: dict[int, "torch.cuda.Event"] = {}
+        self._events: dict[int, Any] = {}  # layer -> torch.cuda.Event or a C event handle
         self._cuda = any(t.device.type == "cuda" for j in self._jobs
                          for c in j.copies for t in c.tensors())
         self._stream = stream
+        self._device: Optional[torch.device] = None
+        self._kernel: Optional[CudaKernel] = None
         self._started = False
 
     # -- starting ---------------------------------------------------------
@@ -169,20 +199,40 @@ class LayerwiseLoader:
         if self._started:
             raise RuntimeError("LayerwiseLoader.start() called twice")
         self._started = True
-        if self._cuda:
-            self._start_cuda()
+        if self._cuda or self._dry_run:
+            t0 = time.perf_counter()
+            self._start_issuing()
+            self.issue_seconds = time.perf_counter() - t0
         else:
             self._thread = threading.Thread(target=self._run_cpu, name="hybridkv-layer-loader",
                                             daemon=True)
             self._thread.start()
         return self
 
-    def _run_one(self, job: LayerJob, stream: StreamLike = None) -> None:
+    def _plan(self, c: PageCopy) -> PreparedCopy:
+        key = (id(c.src_k), id(c.src_v), id(c.dst_k), id(c.dst_v), id(c.src_pages),
+               id(c.dst_pages), id(c.mask), c.page_size)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = prepare_copy(c.src_k, c.src_v, c.dst_k, c.dst_v, c.src_pages, c.dst_pages,
+                                c.page_size, mask=c.mask, backend=self._backend, by_layer=True,
+                                max_blocks=self._max_blocks, dry_run=self._dry_run)
+            self._plans[key] = plan
+        return plan
+
+    def _run_one(self, job: LayerJob, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """The custom ``copy_fn`` path: one call per copy, validated each time."""
+        assert self._copy is not None
         for c in job.copies:
             kw = {"stream": stream} if stream is not None else {}
             self._copy(c.src_k, c.src_v, c.dst_k, c.dst_v, c.src_pages, c.dst_pages,
                        c.page_size, mask=c.mask, layers=(c.kind_layer, c.kind_layer + 1),
                        backend=self._backend, **kw)
+
+    def _check_layer(self, c: PageCopy, plan: PreparedCopy) -> None:
+        lb, le = plan.layers
+        if not lb <= c.kind_layer < le:
+            raise ValueError(f"kind_layer {c.kind_layer} outside the buffers' layers [{lb}, {le})")
 
     def _fail_from(self, index: int, exc: BaseException) -> None:
         for job in self._jobs[index:]:
@@ -195,30 +245,76 @@ class LayerwiseLoader:
                 self._fail_from(n, RuntimeError("loader closed before this layer loaded"))
                 return
             try:
-                self._run_one(job)
+                if self._copy is not None:
+                    self._run_one(job)
+                else:
+                    for c in job.copies:
+                        plan = self._plan(c)
+                        self._check_layer(c, plan)
+                        plan.issue_layer(c.kind_layer)
             except Exception as exc:  # surfaced to the consumer by wait()
                 self._fail_from(n, exc)
                 return
             self.finish_times[job.layer] = time.monotonic()
             self._done[job.layer].set()
 
-    def _start_cuda(self) -> None:
-        device = next(t.device for j in self._jobs for c in j.copies for t in c.tensors()
-                      if t.device.type == "cuda")
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)
-        # Loads must not overtake work already queued on the consumer's
-        # stream that still reads/writes the destination buffers.
-        self._stream.wait_stream(torch.cuda.current_stream(device))
+    def _issue_job(self, job: LayerJob, handle: int) -> Any:
+        """Queue one layer's copies on the side stream; returns its event: a C
+        event recorded by the last copy's own call, or a torch event where a
+        plan is not the CUDA library's (pageable memory: the torch reference)."""
+        plans = [self._plan(c) for c in job.copies]
+        for c, plan in zip(job.copies, plans):
+            self._check_layer(c, plan)
+        native = self._kernel is not None and all(p.backend == "cuda" for p in plans)
+        event = self._kernel.event_create(self._index()) if native else 0  # type: ignore[union-attr]
+        for i, (c, plan) in enumerate(zip(job.copies, plans)):
+            plan.issue_layer(c.kind_layer, handle, event if i == len(plans) - 1 else 0)
+        if native:
+            if not plans:
+                self._kernel.lib.hkv_cuda_copy_runs(0, 0, 0, 0, self._index(), handle,  # type: ignore[union-attr]
+                                                    event, 0)
+            return event
+        if self._dry_run:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self._stream)
+        return ev
+
+    def _index(self) -> int:
+        d = self._device
+        assert d is not None
+        return d.index if d.index is not None else torch.cuda.current_device()
+
+    def _start_issuing(self) -> None:
+        handle = 0
+        if self._cuda:
+            self._device = next(t.device for j in self._jobs for c in j.copies
+                                for t in c.tensors() if t.device.type == "cuda")
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=self._device)
+            # Loads must not overtake work already queued on the consumer's
+            # stream that still reads/writes the destination buffers.
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
+            handle = int(self._stream.cuda_stream)
+            if self._copy is None:
+                try:
+                    self._kernel = load_cuda_kernel()
+                    weakref.finalize(self, _destroy_events, self._kernel, self._events)
+                except RuntimeError:
+                    self._kernel = None  # pageable / no library: torch events
         for n, job in enumerate(self._jobs):
             try:
-                self._run_one(job, self._stream)
+                if self._copy is not None:
+                    self._run_one(job, self._stream)
+                    ev: Any = torch.cuda.Event()
+                    ev.record(self._stream)
+                else:
+                    ev = self._issue_job(job, handle)
             except Exception as exc:
                 self._fail_from(n, exc)
                 return
-            ev = torch.cuda.Event()
-            ev.record(self._stream)
-            self._events[job.layer] = ev
+            if ev is not None:
+                self._events[job.layer] = ev
             self._done[job.layer].set()
 
     # -- consuming --------------------------------------------------------
@@ -239,7 +335,13 @@ class LayerwiseLoader:
         if err is not None:
             raise RuntimeError(f"loading layer {layer} failed: {err}") from err
         ev = self._events.get(layer)
-        if ev is not None:
+        if ev is None:
+            return
+        if isinstance(ev, int):
+            assert self._kernel is not None and self._device is not None
+            current = torch.cuda.current_stream(self._device).cuda_stream
+            self._kernel.stream_wait_event(self._index(), int(current), ev)
+        else:
             torch.cuda.current_stream().wait_event(ev)
 
     def done(self, layer: int) -> bool:
@@ -247,6 +349,9 @@ class LayerwiseLoader:
         if layer not in self._done:
             raise ValueError(f"layer {layer} has no load job")
         ev = self._events.get(layer)
+        if isinstance(ev, int):
+            assert self._kernel is not None
+            return self._kernel.event_done(ev)
         if ev is not None:
             return bool(ev.query())
         return self._done[layer].is_set()
@@ -265,3 +370,10 @@ class LayerwiseLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _destroy_events(kernel: CudaKernel, events: dict[int, Any]) -> None:
+    """Finalizer: CUDA releases an event still pending once it completes."""
+    for ev in events.values():
+        if isinstance(ev, int):
+            kernel.lib.hkv_cuda_event_destroy(ev)

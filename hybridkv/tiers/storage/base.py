@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
 from . import framing
 from .framing import FrameError
 
-__all__ = ["StorageBackend", "BaseBackend", "CircuitBreaker", "STAT_NAMES", "logger"]
+__all__ = ["StorageBackend", "BaseBackend", "CircuitBreaker", "STAT_NAMES", "backend_lacks", "logger"]
 
 logger = logging.getLogger("hybridkv.tiers.storage")
 T = TypeVar("T")
@@ -82,6 +82,21 @@ class StorageBackend(Protocol):
     def stats(self) -> dict[str, int]:
         """Counters (see :data:`STAT_NAMES`)."""
         ...
+
+
+#: The methods a storage backend must have (the protocol's, in order).
+BACKEND_METHODS = ("exists", "get", "get_into", "put", "touch", "delete", "close", "stats")
+
+
+def backend_lacks(obj: object) -> list[str]:
+    """The :class:`StorageBackend` methods ``obj`` does not have as callables.
+
+    Looked up with ``getattr``, so a wrapper that serves them by delegation
+    (``__getattr__``) qualifies on every Python: ``isinstance`` against the
+    runtime-checkable protocol stopped seeing such attributes in 3.12.
+    O(methods).
+    """
+    return [m for m in BACKEND_METHODS if not callable(getattr(obj, m, None))]
 
 
 class CircuitBreaker:
