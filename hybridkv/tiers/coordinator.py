@@ -34,7 +34,7 @@ import torch
 from .._validate import as_token_array
 from ..radix.node import NO_PAGE, TreeNode
 from ..spec import AttnKind, ModelSpec
-from ..transfer import copy_pages
+from ..transfer import prepare_copy
 from .backup import L2Backup
 from .config import PageOrigin, TierConfig
 from .host import HostTier
@@ -339,8 +339,10 @@ class TierCoordinator:
             return  # accounting only: no bytes to move
         s, d = sb.of(kind), db.of(kind)
         # both arenas share the model's block geometry: a page copy moves its blocks
-        copy_pages(s.k, s.v, d.k, d.v, s.blocks(src_pages), d.blocks(dst_pages),
-                   self.page_size, stream=self._stream)
+        # (host <-> device: one batched DMA call of whole, coalesced blocks)
+        plan = prepare_copy(s.k, s.v, d.k, d.v, s.blocks(src_pages), d.blocks(dst_pages),
+                            self.page_size)
+        plan.issue(stream=self._stream)
         if self._stream is not None:
             self._stream.synchronize()  # the tree may hand the pages out right after
 

@@ -27,7 +27,7 @@ import torch
 
 from ..pools.buffers import KVBuffers
 from ..spec import AttnKind, ModelSpec
-from ..transfer import pack_pages, page_nbytes, unpack_pages
+from ..transfer import page_nbytes, prepare_pack, prepare_unpack
 
 __all__ = ["PayloadCodec", "RealPayload", "ScaledPayload", "swa_key"]
 
@@ -106,7 +106,9 @@ class RealPayload:
         if len(keys) == 0:
             return []
         b = self.buffers.of(kind)
-        rows = pack_pages(b.k, b.v, torch.from_numpy(b.blocks(host_pages)), self.spec.page_size)
+        plan, rows = prepare_pack(b.k, b.v, torch.from_numpy(b.blocks(host_pages)),
+                                  self.spec.page_size)
+        plan.issue()
         raw = rows.contiguous().view(torch.uint8).numpy().reshape(len(keys), -1)
         return [raw[i].tobytes() for i in range(raw.shape[0])]
 
@@ -128,5 +130,5 @@ class RealPayload:
             staging[row] = np.frombuffer(values[i], dtype=np.uint8)
         blocks = b.blocks(np.asarray(host_pages, dtype=np.int64)[good])
         rows = torch.from_numpy(staging).view(b.k.dtype).reshape(blocks.size, -1)
-        unpack_pages(rows, b.k, b.v, torch.from_numpy(blocks), self.spec.page_size)
+        prepare_unpack(rows, b.k, b.v, torch.from_numpy(blocks), self.spec.page_size).issue()
         return ok
