@@ -156,8 +156,9 @@ class LayerwiseLoader:
     Each distinct (buffers, page lists) of the jobs is validated and planned
     once, per layer (:class:`~hybridkv.transfer.plan.PreparedCopy`), when
     its first layer is reached; issuing a layer is then one C call that
-    queues its runs and records its event.  ``issue_seconds`` is the host
-    time ``start()`` spent planning and issuing.
+    queues its runs and records its event.  On CUDA (and in a dry run)
+    ``plan_seconds`` and ``issue_seconds`` are the host time ``start()``
+    spent planning every layer, then issuing them.
     """
 
     def __init__(self, jobs: Sequence[LayerJob], *, backend: str = "auto",
@@ -182,6 +183,7 @@ class LayerwiseLoader:
         self._done = {job.layer: threading.Event() for job in self._jobs}
         self._errors: dict[int, BaseException] = {}
         self.finish_times: dict[int, float] = {}  # layer -> time.monotonic() when loaded
+        self.plan_seconds = 0.0
         self.issue_seconds = 0.0
         self._cancel = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -200,9 +202,7 @@ class LayerwiseLoader:
             raise RuntimeError("LayerwiseLoader.start() called twice")
         self._started = True
         if self._cuda or self._dry_run:
-            t0 = time.perf_counter()
             self._start_issuing()
-            self.issue_seconds = time.perf_counter() - t0
         else:
             self._thread = threading.Thread(target=self._run_cpu, name="hybridkv-layer-loader",
                                             daemon=True)
@@ -263,8 +263,6 @@ class LayerwiseLoader:
         event recorded by the last copy's own call, or a torch event where a
         plan is not the CUDA library's (pageable memory: the torch reference)."""
         plans = [self._plan(c) for c in job.copies]
-        for c, plan in zip(job.copies, plans):
-            self._check_layer(c, plan)
         native = self._kernel is not None and all(p.backend == "cuda" for p in plans)
         event = self._kernel.event_create(self._index()) if native else 0  # type: ignore[union-attr]
         for i, (c, plan) in enumerate(zip(job.copies, plans)):
@@ -302,7 +300,21 @@ class LayerwiseLoader:
                     weakref.finalize(self, _destroy_events, self._kernel, self._events)
                 except RuntimeError:
                     self._kernel = None  # pageable / no library: torch events
-        for n, job in enumerate(self._jobs):
+        # Plan every layer first (validation errors surface at the layer that
+        # has them), then issue: the issue loop is what the model waits for.
+        t0 = time.perf_counter()
+        bad, err = len(self._jobs), None
+        if self._copy is None:
+            for n, job in enumerate(self._jobs):
+                try:
+                    for c in job.copies:
+                        self._check_layer(c, self._plan(c))
+                except Exception as exc:
+                    bad, err = n, exc
+                    break
+        t1 = time.perf_counter()
+        self.plan_seconds = t1 - t0
+        for n, job in enumerate(self._jobs[:bad]):
             try:
                 if self._copy is not None:
                     self._run_one(job, self._stream)
@@ -316,6 +328,9 @@ class LayerwiseLoader:
             if ev is not None:
                 self._events[job.layer] = ev
             self._done[job.layer].set()
+        self.issue_seconds = time.perf_counter() - t1
+        if err is not None:
+            self._fail_from(bad, err)
 
     # -- consuming --------------------------------------------------------
     def wait(self, layer: int, timeout: Optional[float] = None) -> None:
