@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import os
+
 import torch
+
+#: hypothesis examples of each GPU property test (device_check.sh lowers it
+#: for the compute-sanitizer pass, where every launch is slow)
+GPU_EXAMPLES = int(os.environ.get("HYBRIDKV_GPU_EXAMPLES", "40"))
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from _transfer_helpers import DTYPES, assert_bitwise_equal, kv_pair
+from _transfer_helpers import GPU_EXAMPLES, DTYPES, assert_bitwise_equal, kv_pair
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -148,7 +148,7 @@ def test_stream_argument_is_type_checked() -> None:
 # Kernel correctness: needs a GPU.
 # --------------------------------------------------------------------------
 
-GPU_SETTINGS = settings(max_examples=40, deadline=None,
+GPU_SETTINGS = settings(max_examples=GPU_EXAMPLES, deadline=None,
                         suppress_health_check=[HealthCheck.too_slow,
                                                HealthCheck.function_scoped_fixture])
 

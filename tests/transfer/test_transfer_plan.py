@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from _transfer_helpers import DTYPES, assert_bitwise_equal, kv_pair
+from _transfer_helpers import GPU_EXAMPLES, DTYPES, assert_bitwise_equal, kv_pair
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -197,7 +197,7 @@ def test_loader_dry_run_issues_every_layer_from_plans() -> None:
 
 
 @needs_gpu
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=GPU_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(c=copy_cases(), path=st.sampled_from(["dma", "kernel"]),
        where=st.sampled_from([("pinned", "cuda"), ("cuda", "pinned"), ("cuda", "cuda")]))
 def test_gpu_paths_match_the_reference(c: dict, path: str, where: tuple[str, str]) -> None:
