@@ -528,6 +528,8 @@ def _info(args: argparse.Namespace) -> int:
         dual = budget // (ctx * f + sum(min(ctx, g.window + spec.page_size) * g.bytes_per_token(db)
                                         for g in spec.sliding_groups))
         out["concurrent_sequences"][str(ctx)] = {"single_pool": single, "dual_pool": dual}
+    from .transfer import describe_paths
+    out["copy_paths"] = describe_paths()
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -547,6 +549,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"{'context':>10}{'single pool seqs':>18}{'dual pool seqs':>16}")
     for ctx, row in out["concurrent_sequences"].items():
         print(f"{ctx:>10}{row['single_pool']:>18,}{row['dual_pool']:>16,}")
+    print("copy paths: " + "; ".join(f"{k}: {v}" for k, v in out["copy_paths"].items()))
     return 0
 
 

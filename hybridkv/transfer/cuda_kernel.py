@@ -226,10 +226,8 @@ def _arch_flags() -> list[str]:
             "-gencode", "arch=compute_90,code=compute_90"]
 
 
-def build_library(src: Path, nvcc: str, timeout_s: float = 300.0) -> Path:
-    """Build ``src``'s CUDA library into the per-user cache (once per sources,
-    flags and architecture; concurrent builders publish atomically).  Raises
-    ``RuntimeError`` with the compiler's output on failure."""
+def _build_target(src: Path) -> tuple[list[str], Path]:
+    """nvcc flags and the cache path a build of ``src`` for this machine gets."""
     flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-shared", "-cudart", "static",
              *_arch_flags()]
     h = hashlib.sha256()
@@ -237,7 +235,19 @@ def build_library(src: Path, nvcc: str, timeout_s: float = 300.0) -> Path:
         h.update(part.read_bytes())
         h.update(b"\0")
     h.update(" ".join(flags).encode())
-    target = cache_dir() / f"libhybridkv_cuda-{h.hexdigest()[:16]}.so"
+    return flags, cache_dir() / f"libhybridkv_cuda-{h.hexdigest()[:16]}.so"
+
+
+def _cached_build(src: Path) -> Optional[Path]:
+    target = _build_target(src)[1]
+    return target if target.is_file() else None
+
+
+def build_library(src: Path, nvcc: str, timeout_s: float = 300.0) -> Path:
+    """Build ``src``'s CUDA library into the per-user cache (once per sources,
+    flags and architecture; concurrent builders publish atomically).  Raises
+    ``RuntimeError`` with the compiler's output on failure."""
+    flags, target = _build_target(src)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -256,7 +266,7 @@ _lock = threading.Lock()
 _cache: dict[str, Any] = {}
 
 
-def _load_uncached() -> CudaKernel:
+def _load_uncached(build: bool = True) -> CudaKernel:
     tried = []
     for path in library_candidates():
         if not path.is_file():
@@ -268,7 +278,13 @@ def _load_uncached() -> CudaKernel:
             log.info("hybridkv: skipping %s", exc)
             tried.append(f"{path} (other ABI)")
     src, nvcc = source_dir(), find_nvcc()
-    if os.environ.get("HYBRIDKV_CUDA_BUILD") == "0":
+    if not build:
+        cached = None if src is None else _cached_build(src)
+        if cached is not None:
+            return CudaKernel(cached, "built earlier")
+        tried.append("not built yet" + ("" if nvcc is None or src is None
+                                        else f" (first use builds it with {nvcc})"))
+    elif os.environ.get("HYBRIDKV_CUDA_BUILD") == "0":
         tried.append("building turned off by HYBRIDKV_CUDA_BUILD=0")
     elif src is None:
         tried.append("no CUDA sources installed")
@@ -296,6 +312,18 @@ def load_cuda_kernel() -> CudaKernel:
         _cache["kernel"] = kernel
         log.info("hybridkv: CUDA copy library %s (%s)", kernel.path, kernel.how)
         return kernel
+
+
+def probe_cuda_kernel() -> tuple[Optional[CudaKernel], str]:
+    """The library if one is loaded or can be loaded without building, else
+    ``(None, what was tried)``.  Never builds; caches nothing."""
+    with _lock:
+        if "kernel" in _cache:
+            return _cache["kernel"], "loaded"
+    try:
+        return _load_uncached(build=False), "found"
+    except (RuntimeError, OSError) as exc:
+        return None, str(exc)
 
 
 def reset_cuda_kernel_cache() -> None:

@@ -35,7 +35,7 @@ import torch
 from .._validate import check_int
 from . import _layout as L
 from .cuda_kernel import (FLAG_DRY_RUN, CudaKernel, StreamLike, load_cuda_kernel,
-                          resolve_stream)
+                          probe_cuda_kernel, resolve_stream)
 from .host_kernel import default_threads, load_host_kernel
 from .reference import ref_copy_pages
 from .runs import Runs, build_runs
@@ -54,12 +54,16 @@ def warn_once(key: str, msg: str, *args: object) -> None:
 
 def _cuda_library_available() -> bool:
     try:
-        load_cuda_kernel()
-        return True
+        kernel = load_cuda_kernel()
     except RuntimeError as exc:
         warn_once("cuda-lib", "hybridkv: CUDA copy library unavailable, copies beside the GPU "
-                  "use torch: %s", exc)
+                  "use torch (index_select / index_copy_): %s", exc)
         return False
+    if "cuda-path" not in _warned:  # one line saying what runs, once per process
+        _warned.add("cuda-path")
+        log.info("hybridkv: copies beside the GPU use %s (%s): host<->device on the copy "
+                 "engines (batched DMA), device<->device on the SM kernel", kernel.path, kernel.how)
+    return True
 
 
 def resolve_backend(backend: str, named: dict[str, torch.Tensor]) -> str:
@@ -385,20 +389,19 @@ def _index(device: torch.device) -> int:
 
 
 def describe_paths() -> dict[str, Any]:
-    """Which copy path runs for each pair of places, and why (for ``hybridkv
-    info`` and the first-use log line)."""
+    """Which copy path runs for each pair of places, and why (``hybridkv info``).
+    Never builds the CUDA library (it says whether first use would)."""
     out: dict[str, Any] = {"cpu<->cpu": "host kernel (C, OpenMP)" if load_host_kernel()
                            else "torch reference (no C compiler)"}
-    try:
-        k = load_cuda_kernel()
-        out["cuda_library"] = f"{k.path} ({k.how})"
-        out["host<->device"] = ("copy engines: cudaMemcpyBatchAsync of coalesced runs, "
-                                f"batch state {k.batch_state()}; pageable host memory: torch")
+    kernel, why = probe_cuda_kernel()
+    if kernel is not None:
+        out["cuda_library"] = f"{kernel.path} ({kernel.how})"
+        out["host<->device"] = ("copy engines: one cudaMemcpyBatchAsync of coalesced runs per "
+                                f"issue (batch {kernel.batch_state()}); pageable host memory: torch")
         out["device<->device"] = "SM page-copy kernel (grid capped by max_blocks beside compute)"
-    except RuntimeError as exc:
-        out["cuda_library"] = f"unavailable: {exc}"
-        out["host<->device"] = "torch (index_select / index_copy_)"
-        out["device<->device"] = "torch (index_select / index_copy_)"
+    else:
+        out["cuda_library"] = f"unavailable: {why}"
+        out["host<->device"] = out["device<->device"] = "torch (index_select / index_copy_)"
     out["cuda_available"] = bool(torch.cuda.is_available())
     return out
 
