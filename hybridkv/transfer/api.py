@@ -21,15 +21,17 @@ the destination unchanged.  ``prepare_copy`` / ``prepare_pack`` /
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from .._validate import check_int
 from . import _layout as L
 from .cuda_kernel import StreamLike
-from .plan import PreparedCopy, check_cuda_path, check_max_blocks, plan_copy, resolve_backend
+from .plan import (PreparedCopy, check_cuda_path, check_max_blocks, plan_copy, plan_runs,
+                   resolve_backend)
 from .reference import ref_copy_pages, ref_pack_pages, ref_unpack_pages
+from .runs import block_rows_runs
 
 
 def _check_threads(num_threads: object) -> Optional[int]:
@@ -252,3 +254,81 @@ def unpack_pages(
                               num_threads=num_threads)
     prepared.issue(stream=stream)
     return prepared.backend
+
+
+def _check_block_tensor(t: object, bd: object, i: int) -> int:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    bd = check_int(bd, f"block_dims[{i}]", 0)
+    if bd >= t.dim():
+        raise ValueError(f"block_dims[{i}] is {bd} but tensors[{i}] has {t.dim()} dims")
+    want = 1
+    for n, st in zip(reversed(t.shape[bd + 1:]), reversed(t.stride()[bd + 1:])):
+        if n > 1 and st != want:
+            raise ValueError(f"tensors[{i}] must be dense after its block dim {bd} "
+                             f"(shape {tuple(t.shape)}, strides {tuple(t.stride())})")
+        want *= n
+    return bd
+
+
+def prepare_block_rows(
+    tensors: Sequence[torch.Tensor], block_dims: Sequence[int], blocks: L.PageIndex,
+    rows: torch.Tensor, *, to_rows: bool, backend: str = "auto",
+    num_threads: Optional[int] = None, dry_run: bool = False,
+) -> PreparedCopy:
+    """Plan moving blocks of an engine's per-layer KV tensors to or from rows.
+
+    Row ``i`` of ``rows`` (contiguous ``[n, *]``) is, tensor after tensor,
+    the interior of block ``blocks[i]`` (``t.select(block_dims[j], b)`` in
+    row-major order) of every tensor: a page payload.  ``to_rows``: gather
+    the blocks into ``rows``; else scatter ``rows`` into the blocks
+    (``blocks`` must not repeat).  Host <-> device runs on the copy engines,
+    host <-> host in one C ``memcpy`` loop.  Validates everything first
+    (``TypeError``/``ValueError`` naming the argument); mutates nothing.
+    O(n * layers) numpy.
+    """
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise TypeError("tensors must be a non-empty list of torch.Tensors")
+    if not isinstance(block_dims, (list, tuple)) or len(block_dims) != len(tensors):
+        raise ValueError(f"block_dims must list one block dim per tensor ({len(tensors)})")
+    dims = [_check_block_tensor(t, bd, i) for i, (t, bd) in enumerate(zip(tensors, block_dims))]
+    idx = L.as_index(blocks, "blocks")
+    for i, (t, bd) in enumerate(zip(tensors, dims)):
+        L.check_range(idx, int(t.shape[bd]), "blocks")
+    if not to_rows:
+        L.check_unique(idx, "blocks")
+    num_threads = _check_threads(num_threads)
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
+    if rows.dim() != 2 or rows.shape[0] != idx.numel() or not rows.is_contiguous():
+        raise ValueError(f"rows must be contiguous [{idx.numel()}, row elements], "
+                         f"got shape {tuple(rows.shape)}")
+    row_bytes = int(rows.shape[1]) * rows.element_size()
+    named = {f"tensors[{i}]": t for i, t in enumerate(tensors)}
+    named["rows"] = rows
+    chosen = "dry-run" if dry_run else resolve_backend(backend, named)
+    if chosen == "meta":
+        runs = block_rows_runs([], [], idx.numpy(), 0, 0, to_rows=to_rows)
+    else:
+        runs = block_rows_runs(list(tensors), dims, idx.numpy(), rows.data_ptr(), row_bytes,
+                               to_rows=to_rows)
+
+    def torch_run(span: tuple[int, int]) -> None:
+        flat = rows.view(torch.uint8).view(idx.numel(), row_bytes)
+        on = idx.to(rows.device if to_rows else tensors[0].device)
+        col = 0
+        for t, bd in zip(tensors, dims):
+            width = t[(slice(None),) * bd + (0,)].numel() * t.element_size()
+            inner = list(t.shape)
+            del inner[bd]
+            part = flat[:, col:col + width]
+            if to_rows:
+                got = t.index_select(bd, on.to(t.device)).movedim(bd, 0).contiguous()
+                part.copy_(got.view(torch.uint8).view(idx.numel(), width))
+            else:
+                vals = part.contiguous().view(t.dtype).view(idx.numel(), *inner)
+                t.index_copy_(bd, on.to(t.device), vals.to(t.device).movedim(0, bd))
+            col += width
+
+    return plan_runs(chosen, runs, (*tensors, rows), torch_run=torch_run,
+                     num_threads=num_threads, dry_run=bool(dry_run))

@@ -275,6 +275,23 @@ class _Dma(_Executor):
             raise RuntimeError(f"host run copy rejected its arguments (code {rc})")
 
 
+class _HostRuns(_Executor):
+    """Byte runs over host memory: one parallel ``memcpy`` loop in C."""
+
+    def __init__(self, runs: Runs, num_threads: Optional[int]) -> None:
+        host = load_host_kernel()
+        assert host is not None  # resolve_backend chose "host" only if it loaded
+        self.lib, self.runs = host.lib, runs
+        self.threads = num_threads or default_threads()
+
+    def issue(self, g0: int, g1: int, stream: int, event: int) -> None:
+        r = self.runs
+        rc = self.lib.hkv_host_copy_runs(r.dst.ctypes.data, r.src.ctypes.data, r.size.ctypes.data,
+                                         r.count, self.threads, 0)
+        if rc != 0:
+            raise RuntimeError(f"host run copy rejected its arguments (code {rc})")
+
+
 class _Kernel(_Executor):
     """The SM kernel: one descriptor per layer group, index arrays per stream."""
 
@@ -384,6 +401,36 @@ def plan_copy(chosen: str, plan: L.CopyPlan, src: Sequence[torch.Tensor],
     return PreparedCopy("cuda", path, layers, by_layer, nbytes, index, ex, tensors)
 
 
+def plan_runs(chosen: str, runs: Runs, tensors: Sequence[torch.Tensor], *,
+              torch_run: Callable[[tuple[int, int]], None],
+              num_threads: Optional[int], dry_run: bool) -> PreparedCopy:
+    """A one-group plan over prebuilt byte ``runs`` (e.g. engine block rows):
+    copy engines beside a GPU, a C ``memcpy`` loop on the CPU."""
+    nbytes = runs.nbytes
+    if dry_run:
+        kernel = None
+        try:
+            kernel = load_cuda_kernel()
+        except RuntimeError:
+            pass
+        return PreparedCopy("dry-run", "dma", (0, 1), False, nbytes, None,
+                            _Dma(runs, 0, kernel, FLAG_DRY_RUN), tensors)
+    if chosen == "meta":
+        return PreparedCopy("meta", "meta", (0, 1), False, 0, None, _Meta(), tensors)
+    cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    if chosen == "torch":
+        return PreparedCopy("torch", "torch", (0, 1), False, nbytes,
+                            None if cuda is None else _index(cuda),
+                            _Torch(torch_run, 0, False, 1, cuda), tensors)
+    if chosen == "host":
+        return PreparedCopy("host", "host", (0, 1), False, nbytes, None,
+                            _HostRuns(runs, num_threads), tensors)
+    assert cuda is not None
+    index = _index(cuda)
+    return PreparedCopy("cuda", "dma", (0, 1), False, nbytes, index,
+                        _Dma(runs, index, load_cuda_kernel(), 0), tensors)
+
+
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -406,4 +453,5 @@ def describe_paths() -> dict[str, Any]:
     return out
 
 
-__all__ = ["CUDA_PATHS", "PreparedCopy", "describe_paths", "plan_copy", "resolve_backend"]
+__all__ = ["CUDA_PATHS", "PreparedCopy", "describe_paths", "plan_copy", "plan_runs",
+           "resolve_backend"]

@@ -144,3 +144,48 @@ def build_runs(plan: CopyPlan, *, src_base: Optional[tuple[int, int]] = None,
         offsets[:groups] = 0
     offsets[groups] = z_.size
     return Runs(d_, s_, z_, offsets)
+
+
+def block_rows_runs(tensors: list, block_dims: list[int], blocks: np.ndarray, rows_base: int,
+                    row_bytes: int, *, to_rows: bool) -> Runs:
+    """Runs between blocks of arbitrary strided tensors and page-major rows.
+
+    Row ``i`` is, tensor after tensor, the interior of block ``blocks[i]`` of
+    each tensor in row-major order (``t.select(block_dim, b)`` flattened):
+    the layout an engine's per-layer KV tensors give a page payload.  Every
+    dimension after a tensor's block dimension must be dense (one contiguous
+    chunk per index of the dimensions before it).  ``to_rows``: blocks ->
+    rows (gather) else rows -> blocks (scatter).  One group.  O(blocks *
+    chunks) numpy.
+    """
+    blocks = np.asarray(blocks, dtype=np.uint64)
+    src_parts, dst_parts, size_parts = [], [], []
+    col = 0
+    row_of = np.arange(blocks.size, dtype=np.uint64) * np.uint64(row_bytes) + np.uint64(rows_base)
+    for t, bd in zip(tensors, block_dims):
+        es = t.element_size()
+        inner = int(np.prod(t.shape[bd + 1:], dtype=np.int64)) * es
+        outer_shape = t.shape[:bd]
+        # byte offsets of each outer index, row-major
+        offs = np.zeros(1, dtype=np.uint64)
+        for n, st in zip(outer_shape, t.stride()[:bd]):
+            offs = (offs[:, None] + np.arange(n, dtype=np.uint64)[None, :] * np.uint64(st * es)).reshape(-1)
+        block_addr = np.uint64(t.data_ptr()) + blocks * np.uint64(t.stride(bd) * es)
+        a = (block_addr[:, None] + offs[None, :]).reshape(-1)
+        r = (row_of[:, None] + np.uint64(col)
+             + np.arange(offs.size, dtype=np.uint64)[None, :] * np.uint64(inner)).reshape(-1)
+        src_parts.append(a if to_rows else r)
+        dst_parts.append(r if to_rows else a)
+        size_parts.append(np.full(a.size, inner, dtype=np.uint64))
+        col += offs.size * inner
+    if col != row_bytes:
+        raise ValueError(f"rows hold {row_bytes} bytes per block but the tensors' blocks are {col}")
+    # block-major order: row i's pieces side by side (they merge into one run
+    # wherever a block's interiors are adjacent in the tensors too)
+    if not tensors or blocks.size == 0:
+        empty = np.zeros(0, dtype=np.uint64)
+        return Runs(empty, empty, empty, np.zeros(2, dtype=np.int64))
+    order = lambda parts: np.concatenate(  # noqa: E731
+        [p.reshape(blocks.size, -1) for p in parts], axis=1).reshape(-1)
+    d, s, z, _ = coalesce(order(dst_parts), order(src_parts), order(size_parts))
+    return Runs(d, s, z, np.array([0, z.size], dtype=np.int64))

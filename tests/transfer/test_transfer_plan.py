@@ -241,3 +241,80 @@ def test_auto_path_is_dma_beside_the_host_and_kernel_on_the_device() -> None:
     copy_pages(hk, hv, dk, dv, [0, 1, 2, 3], [3, 2, 1, 0], 4)
     torch.cuda.synchronize()
     assert_bitwise_equal(dk[:, 12:16].cpu(), sk[:, 0:4])
+
+
+# --------------------------------------------------------------------------
+# Engine block rows (a vLLM-style {layer: tensor} cache <-> page payload rows)
+# --------------------------------------------------------------------------
+
+
+@st.composite
+def block_cases(draw: st.DrawFn) -> dict:
+    nb = draw(st.integers(1, 6))
+    layers = []
+    for _ in range(draw(st.integers(1, 3))):
+        outer = draw(st.lists(st.integers(1, 3), max_size=2))
+        inner = draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
+        layers.append((outer, inner))
+    n = draw(st.integers(0, nb))
+    return dict(nb=nb, layers=layers, blocks=draw(st.permutations(list(range(nb))))[:n],
+                dtype=draw(st.sampled_from([torch.float16, torch.float32])),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def _engine_tensors(c: dict, gen: torch.Generator) -> tuple[list[torch.Tensor], list[int]]:
+    from _transfer_helpers import random_bits
+    tensors, dims = [], []
+    for outer, inner in c["layers"]:
+        tensors.append(random_bits((*outer, c["nb"], *inner), c["dtype"], gen))
+        dims.append(len(outer))
+    return tensors, dims
+
+
+@SETTINGS
+@given(c=block_cases())
+def test_block_rows_gather_and_scatter_match_torch(c: dict) -> None:
+    from hybridkv.transfer import prepare_block_rows
+    gen = torch.Generator().manual_seed(c["seed"])
+    tensors, dims = _engine_tensors(c, gen)
+    n = len(c["blocks"])
+    width = sum(t.select(d, 0).numel() for t, d in zip(tensors, dims))
+    rows = torch.zeros(n, width, dtype=c["dtype"])
+    ref = torch.zeros_like(rows)
+    prepare_block_rows(tensors, dims, c["blocks"], ref, to_rows=True, backend="torch").issue()
+    plan = prepare_block_rows(tensors, dims, c["blocks"], rows, to_rows=True)
+    assert plan.path in ("host", "torch")
+    plan.issue()
+    assert_bitwise_equal(rows, ref, "gather")
+    want = [t.select(d, c["blocks"][0]).reshape(-1) for t, d in zip(tensors, dims)] if n else []
+    if n:
+        assert_bitwise_equal(rows[0], torch.cat(want))
+    # scatter the rows into zeroed copies: the gathered blocks come back, nothing else
+    back = [torch.zeros_like(t) for t in tensors]
+    dry = prepare_block_rows(back, dims, c["blocks"], rows, to_rows=False, dry_run=True)
+    dry.run_on_host()
+    for t, b, d in zip(tensors, back, dims):
+        for blk in range(c["nb"]):
+            got, orig = b.select(d, blk), t.select(d, blk)
+            if blk in c["blocks"]:
+                assert_bitwise_equal(got, orig)
+            else:
+                assert not got.view(torch.uint8).any()
+
+
+def test_block_rows_validate_their_arguments() -> None:
+    from hybridkv.transfer import prepare_block_rows
+    t = torch.zeros(2, 4, 3)
+    rows = torch.zeros(2, 6)
+    with pytest.raises(ValueError, match="block_dims must list one"):
+        prepare_block_rows([t], [1, 1], [0, 1], rows, to_rows=True)
+    with pytest.raises(ValueError, match="blocks holds page 4"):
+        prepare_block_rows([t], [1], [0, 4], rows, to_rows=True)
+    with pytest.raises(ValueError, match="blocks holds a page more than once"):
+        prepare_block_rows([t], [1], [1, 1], rows, to_rows=False)
+    with pytest.raises(ValueError, match=r"tensors\[0\] must be dense after its block dim"):
+        prepare_block_rows([t.transpose(1, 2)], [0], [0, 1], rows, to_rows=True)
+    with pytest.raises(ValueError, match="rows hold 32 bytes per block"):
+        prepare_block_rows([t], [1], [0, 1], torch.zeros(2, 8), to_rows=True)
+    with pytest.raises(TypeError, match=r"tensors\[0\] must be a torch.Tensor"):
+        prepare_block_rows([object()], [0], [0], rows, to_rows=True)  # type: ignore[list-item]

@@ -6,8 +6,11 @@ Whatever the backend's layout, one dimension indexes blocks (size
 of a group is, for one block id, the interiors of every layer of that group
 (sorted by layer name) laid end to end: ``sum(layer block bytes)`` bytes.
 
-Blocks move with ``index_select`` / ``index_copy_`` per layer (bulk torch
-work; the only Python loops run over layers and pages, never tokens).
+Blocks move through :func:`hybridkv.transfer.prepare_block_rows`: the runs
+of every layer's block interiors, planned once per call and issued as one
+batched copy (copy engines beside a GPU, one C ``memcpy`` loop on the CPU).
+A layout that plan cannot express (a block interior that is not dense) falls
+back to ``index_select`` / ``index_copy_`` per layer.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 import torch
 
 from hybridkv.tiers.storage import StorageBackend
+from hybridkv.transfer import prepare_block_rows
 
 if TYPE_CHECKING:
     from .l2 import HostPageCache
@@ -75,16 +79,37 @@ class GroupBuffers:
         self.page_elems = sum(lay.elems for lay in self.layers)
         self.page_bytes = self.page_elems * self.layers[0].tensor.element_size()
 
-    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def _plan(self, block_ids: Sequence[int], rows: torch.Tensor, to_rows: bool):  # noqa: ANN202
+        """The prepared block <-> rows copy, or None where the layout needs torch."""
+        try:
+            return prepare_block_rows([lay.tensor for lay in self.layers],
+                                      [lay.block_dim for lay in self.layers],
+                                      list(block_ids), rows, to_rows=to_rows)
+        except ValueError:
+            return None  # e.g. a permuted (non-dense) block interior
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """``[n, page_elems]`` rows, row i = block ``block_ids[i]`` of all layers.
 
-        Allocates the result; mutates nothing.  O(n * page bytes).
+        ``out``: where to put them (e.g. pinned host rows: the copy engines
+        fill them directly); else allocated beside the KV tensors.  Mutates
+        only the rows.  O(n * page bytes).
         """
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
-        n = idx.numel()
+        n = len(block_ids)
+        dev = self.layers[0].tensor.device
+        rows = out if out is not None else torch.empty((n, self.page_elems), dtype=self.dtype,
+                                                       device=dev)
+        plan = self._plan(block_ids, rows, True)
+        if plan is not None:
+            plan.issue()
+            if plan.device is not None:
+                torch.cuda.current_stream(dev).synchronize()  # the rows are read next
+            return rows
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=dev)
         parts = [lay.tensor.index_select(lay.block_dim, idx).movedim(lay.block_dim, 0)
                  .reshape(n, -1) for lay in self.layers]
-        return torch.cat(parts, dim=1).contiguous()
+        rows.copy_(torch.cat(parts, dim=1))
+        return rows
 
     def scatter(self, rows: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Write row i into block ``block_ids[i]`` of every layer.
@@ -92,13 +117,18 @@ class GroupBuffers:
         ``rows``: ``[n, page_elems]`` of the group's dtype.  Mutates the vLLM
         KV tensors only.  O(n * page bytes).
         """
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        plan = self._plan(block_ids, rows.contiguous(), False)
+        if plan is not None:
+            plan.issue()
+            return
+        dev = self.layers[0].tensor.device
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=dev)
         off = 0
         for lay in self.layers:
             t = lay.tensor
             inner = list(t.shape)
             del inner[lay.block_dim]
-            src = rows[:, off:off + lay.elems].reshape(idx.numel(), *inner)
+            src = rows[:, off:off + lay.elems].reshape(idx.numel(), *inner).to(dev)
             t.index_copy_(lay.block_dim, idx, src.movedim(0, lay.block_dim))
             off += lay.elems
 
@@ -107,13 +137,14 @@ def gather_host(group: GroupBuffers, block_ids: Sequence[int]) -> torch.Tensor:
     """Copy blocks out of vLLM's KV tensors: ``[n, page_bytes]`` uint8 on the host.
 
     After this returns the blocks may be reused (the rows are a private copy).
-    On a CPU build this is the whole copy; on an accelerator it is one gather
-    plus a device-to-host copy.  O(n * page bytes).
+    On a CPU build this is one C ``memcpy`` loop; on an accelerator one
+    batched DMA of the blocks' runs into pinned rows.  O(n * page bytes).
     """
-    rows = group.gather(list(block_ids))
-    if rows.device.type != "cpu":
-        rows = rows.cpu()
-    return rows.view(torch.uint8)
+    ids = list(block_ids)
+    out = None
+    if group.layers[0].tensor.device.type == "cuda":  # the copy engines write host rows
+        out = torch.empty((len(ids), group.page_elems), dtype=group.dtype, pin_memory=True)
+    return group.gather(ids, out).view(torch.uint8)
 
 
 def store_rows(backend: StorageBackend, keys: Sequence[bytes], rows: torch.Tensor,
@@ -162,7 +193,9 @@ def load_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[byte
     n = len(keys)
     if not n:
         return True, 0, 0
-    buf = torch.empty((n, group.page_bytes), dtype=torch.uint8)
+    # pinned beside a GPU: the copy engines read the rows straight into the blocks
+    buf = torch.empty((n, group.page_bytes), dtype=torch.uint8,
+                      pin_memory=group.layers[0].tensor.device.type == "cuda")
     use_l2 = l2 is not None and l2.page_bytes == group.page_bytes
     hit = (l2.fetch(swa, list(keys), buf) if use_l2  # type: ignore[union-attr]
            else np.zeros(0, dtype=np.int64))
