@@ -188,6 +188,7 @@ class LayerwiseLoader:
         self._cancel = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._events: dict[int, Any] = {}  # layer -> torch.cuda.Event or a C event handle
+        self._created: list[int] = []  # C events, destroyed when the loader is collected
         self._cuda = any(t.device.type == "cuda" for j in self._jobs
                          for c in j.copies for t in c.tensors())
         self._stream = stream
@@ -258,19 +259,29 @@ class LayerwiseLoader:
             self.finish_times[job.layer] = time.monotonic()
             self._done[job.layer].set()
 
-    def _issue_job(self, job: LayerJob, handle: int) -> Any:
-        """Queue one layer's copies on the side stream; returns its event: a C
-        event recorded by the last copy's own call, or a torch event where a
+    def _new_event(self, job: LayerJob) -> int:
+        """A C event for ``job`` when every copy of it runs in the CUDA library
+        (0 otherwise: a torch event is recorded at issue).  Planning phase."""
+        if self._kernel is None:
+            return 0
+        if not all(self._plan(c).backend == "cuda" for c in job.copies):
+            return 0
+        ev = self._kernel.event_create(self._index())
+        self._created.append(ev)
+        return ev
+
+    def _issue_job(self, job: LayerJob, handle: int, event: int) -> Any:
+        """Queue one layer's copies on the side stream; returns its event: the C
+        ``event`` recorded by the last copy's own call, or a torch event where a
         plan is not the CUDA library's (pageable memory: the torch reference)."""
-        plans = [self._plan(c) for c in job.copies]
-        native = self._kernel is not None and all(p.backend == "cuda" for p in plans)
-        event = self._kernel.event_create(self._index()) if native else 0  # type: ignore[union-attr]
-        for i, (c, plan) in enumerate(zip(job.copies, plans)):
-            plan.issue_layer(c.kind_layer, handle, event if i == len(plans) - 1 else 0)
-        if native:
-            if not plans:
-                self._kernel.lib.hkv_cuda_copy_runs(0, 0, 0, 0, self._index(), handle,  # type: ignore[union-attr]
-                                                    event, 0)
+        copies = job.copies
+        last = len(copies) - 1
+        for i, c in enumerate(copies):
+            self._plan(c).issue_layer(c.kind_layer, handle, event if i == last else 0)
+        if event:
+            if not copies:  # nothing to copy: record the event alone
+                assert self._kernel is not None
+                self._kernel.lib.hkv_cuda_copy_runs(0, 0, 0, 0, self._index(), handle, event, 0)
             return event
         if self._dry_run:
             return None
@@ -297,18 +308,20 @@ class LayerwiseLoader:
             if self._copy is None:
                 try:
                     self._kernel = load_cuda_kernel()
-                    weakref.finalize(self, _destroy_events, self._kernel, self._events)
+                    weakref.finalize(self, _destroy_events, self._kernel, self._created)
                 except RuntimeError:
                     self._kernel = None  # pageable / no library: torch events
         # Plan every layer first (validation errors surface at the layer that
         # has them), then issue: the issue loop is what the model waits for.
         t0 = time.perf_counter()
         bad, err = len(self._jobs), None
+        events: list[int] = []
         if self._copy is None:
             for n, job in enumerate(self._jobs):
                 try:
                     for c in job.copies:
                         self._check_layer(c, self._plan(c))
+                    events.append(self._new_event(job))
                 except Exception as exc:
                     bad, err = n, exc
                     break
@@ -321,7 +334,7 @@ class LayerwiseLoader:
                     ev: Any = torch.cuda.Event()
                     ev.record(self._stream)
                 else:
-                    ev = self._issue_job(job, handle)
+                    ev = self._issue_job(job, handle, events[n])
             except Exception as exc:
                 self._fail_from(n, exc)
                 return
@@ -387,8 +400,7 @@ class LayerwiseLoader:
         self.close()
 
 
-def _destroy_events(kernel: CudaKernel, events: dict[int, Any]) -> None:
+def _destroy_events(kernel: CudaKernel, events: list[int]) -> None:
     """Finalizer: CUDA releases an event still pending once it completes."""
-    for ev in events.values():
-        if isinstance(ev, int):
-            kernel.lib.hkv_cuda_event_destroy(ev)
+    for ev in events:
+        kernel.lib.hkv_cuda_event_destroy(ev)
