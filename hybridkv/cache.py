@@ -185,11 +185,11 @@ class HybridKVCache:
     @staticmethod
     def _append(req: Request, new: np.ndarray) -> None:
         n, m = req.n_tokens, len(new)
-        if n + m > req._tok.size:
-            grown = np.empty(max(2 * req._tok.size, n + m), dtype=np.int32)
-            grown[:n] = req._tok[:n]
-            req._tok = grown
-        req._tok[n:n + m] = new
+        if n + m > req.token_buffer.size:
+            grown = np.empty(max(2 * req.token_buffer.size, n + m), dtype=np.int32)
+            grown[:n] = req.token_buffer[:n]
+            req.token_buffer = grown
+        req.token_buffer[n:n + m] = new
         req.n_tokens = n + m
 
     def allocate(self, req: Request, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -286,7 +286,7 @@ class HybridKVCache:
                 start = None  # cannot happen while locked; the root walk is always right
             if self.pool.groups:
                 self.pages.release_groups(req, aligned)
-            res = self.tree.insert_tokens(req._tok[:aligned * P], req.full_pages[:aligned], req.swa_pages[:aligned],
+            res = self.tree.insert_tokens(req.token_buffer[:aligned * P], req.full_pages[:aligned], req.swa_pages[:aligned],
                                     req.namespace, start=start, owned=True,  # the request ends here
                                     mark=req.prompt_len // P)
             new_pages = res.new_pages
@@ -362,10 +362,10 @@ class HybridKVCache:
             if t is not None:
                 if type(t) is int:
                     n = req.n_tokens
-                    if n == req._tok.size:
+                    if n == req.token_buffer.size:
                         self._append(req, np.array([t], dtype=np.int32))
                     else:
-                        req._tok[n] = t
+                        req.token_buffer[n] = t
                         req.n_tokens = n + 1
                     appended = 1
                 else:

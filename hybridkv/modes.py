@@ -12,7 +12,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import TypeVar
 
-__all__ = ["EvictionRanking", "StrMode", "SwaEviction", "SwaRelease"]
+__all__ = ["EvictionRanking", "L3Swa", "StrMode", "SwaEviction", "SwaRelease", "WritePolicy"]
 
 _M = TypeVar("_M", bound="StrMode")
 
@@ -67,3 +67,17 @@ class SwaRelease(StrMode):
     EAGER = "eager"        #: always free all but the kept windows (checkpoints, divergence, predicted)
     DENSE = "dense"        #: keep all (the tree evicts them first under pressure)
     NONE = "none"          #: never release (baselines holding SWA for every cached token)
+
+
+class WritePolicy(StrMode):
+    """When L1 pages are copied to L2 (``TierConfig.write_policy``)."""
+
+    WRITE_THROUGH = "write_through"  #: a request's pages when it finishes
+    WRITE_BACK = "write_back"        #: a page when the L1 tree frees it
+
+
+class L3Swa(StrMode):
+    """Which SWA pages L3 receives (``TierConfig.l3_swa``)."""
+
+    ANCHORED = "anchored"  #: tails and checkpoint windows only
+    ALL = "all"            #: every SWA page L2 holds

@@ -18,12 +18,13 @@ __all__ = ["Request"]
 class Request:
     """A live request: its tokens, pages and lock.  Mutated only by the cache.
 
-    ``tokens`` is a read-only view of the first ``n_tokens`` entries of a
-    buffer that doubles when full, so decode appends are amortised O(1).
+    ``tokens`` is a read-only view of the first ``n_tokens`` entries of
+    ``token_buffer``, a buffer the cache doubles when full, so decode appends
+    are amortised O(1).
     ``allocated`` is the end of the slots handed out (``commit`` may not pass it).
     """
 
-    __slots__ = ("rid", "namespace", "_tok", "n_tokens", "prefix_len", "raw_match_len", "full_pages",
+    __slots__ = ("rid", "namespace", "token_buffer", "n_tokens", "prefix_len", "raw_match_len", "full_pages",
                  "swa_pages", "tree_pages", "handle", "computed", "n_pages", "allocated", "last_release", "prompt_len",
                  "release_mark", "group_marks", "finished", "extra", "__weakref__")
 
@@ -32,9 +33,9 @@ class Request:
                  handle: LockHandle, computed: int = 0, n_pages: int = 0, last_release: int = 0) -> None:
         self.rid = rid
         self.namespace = namespace
-        # the request owns its tokens (``buf``, from _own_tokens: a copy with room to
-        # grow), so decode appends in place and the caller may reuse its array
-        self._tok = buf
+        # the request owns its tokens (``buf``, a copy with room to grow, made by the
+        # cache), so decode appends in place and the caller may reuse its array
+        self.token_buffer = buf
         self.n_tokens = n_tokens
         self.prompt_len = n_tokens  # the tokens given to begin; later appends are output
         self.prefix_len = prefix_len
@@ -56,7 +57,7 @@ class Request:
     @property
     def tokens(self) -> np.ndarray:
         """The request's tokens (prompt + appended), a read-only int32 view."""
-        view = self._tok[:self.n_tokens]
+        view = self.token_buffer[:self.n_tokens]
         view.flags.writeable = False
         return view
 

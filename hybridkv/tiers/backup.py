@@ -25,6 +25,7 @@ import numpy as np
 from ..pools import DualPool
 from ..radix import WindowSafeTree
 from ..request import Request
+from ..modes import L3Swa, WritePolicy
 from ..spec import AttnKind
 from .config import TierConfig
 from .host import HostTier
@@ -141,7 +142,7 @@ class L2Backup:
         """Copy ``req``'s pages ``[0, aligned)`` to L2 as the write policy asks:
         write-through all the full KV L2 lacks, and the SWA L2 lacks (write-back:
         only where L2 holds the full KV, repair case 1).  O(pages)."""
-        through = self.tiers.write_policy == "write_through"
+        through = self.tiers.write_policy is WritePolicy.WRITE_THROUGH
         have_full = self.host.lookup_full(keys[:aligned]) >= 0
         if through:
             missing_full = np.flatnonzero(~have_full)
@@ -198,7 +199,7 @@ class L2Backup:
         c["l1_to_l2_full_pages" if kind is AttnKind.FULL else "l1_to_l2_swa_pages"] += n
         c["bytes_d2h"] += n * self.codec.nominal_bytes(kind)
         sel = None
-        if kind is AttnKind.SWA and self.tiers.l3_swa == "anchored" and anchored is not None:
+        if kind is AttnKind.SWA and self.tiers.l3_swa is L3Swa.ANCHORED and anchored is not None:
             sel = np.asarray(anchored, bool)
         self.writes.queue(kind, keys, host_pages, sel, base=base)
 
@@ -215,7 +216,7 @@ class L2Backup:
                     keys = [None if x is None else swa_key(x[0]) for x in pairs]
                     bases = [None if x is None else x[0] for x in pairs]
                     anchored = np.array([bool(x and x[1]) for x in pairs], dtype=bool)
-                if self.tiers.write_policy != "write_back":
+                if self.tiers.write_policy is not WritePolicy.WRITE_BACK:
                     return
                 sel = np.array([k is not None for k in keys], dtype=bool)
                 if kind is AttnKind.SWA and self.pool.groups:

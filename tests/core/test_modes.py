@@ -8,11 +8,13 @@ import json
 import pytest
 
 from hybridkv import CacheConfig, EvictionRanking, SwaEviction, SwaRelease, TreeConfig
+from hybridkv.modes import L3Swa, WritePolicy
+from hybridkv.tiers.config import TierConfig
 from hybridkv.radix.policy import AdaptiveRanking, RetentionPolicy
 
 
 def test_members_equal_hash_and_print_as_their_strings():
-    for mode in (*SwaEviction, *EvictionRanking, *SwaRelease):
+    for mode in (*SwaEviction, *EvictionRanking, *SwaRelease, *WritePolicy, *L3Swa):
         assert mode == mode.value and hash(mode) == hash(mode.value)
         assert str(mode) == f"{mode}" == mode.value
         assert {mode.value: 1}[mode] == 1
@@ -25,6 +27,8 @@ def test_strings_become_members():
     assert cfg.swa_release is SwaRelease.EAGER
     tc = TreeConfig(2, 4, swa_eviction="none", ranking="arc")
     assert tc.swa_eviction is SwaEviction.NONE and tc.ranking is EvictionRanking.ARC
+    tiers = TierConfig(l2_bytes=1, write_policy="write_back", l3_swa="all")
+    assert tiers.write_policy is WritePolicy.WRITE_BACK and tiers.l3_swa is L3Swa.ALL
 
 
 def test_retention_is_the_old_name_of_swa_release():
@@ -42,6 +46,8 @@ def test_retention_is_the_old_name_of_swa_release():
     (lambda: CacheConfig(eviction_ranking="mru"), "eviction_ranking"),
     (lambda: TreeConfig(2, 4, ranking="mru"), "ranking"),
     (lambda: TreeConfig(2, 4, swa_eviction=3), "swa_eviction"),
+    (lambda: TierConfig(l2_bytes=1, write_policy="back"), "write_policy"),
+    (lambda: TierConfig(l2_bytes=1, l3_swa="some"), "l3_swa"),
 ])
 def test_bad_modes_name_the_argument(build, name):
     with pytest.raises(ValueError, match=f"^{name} must be one of"):
