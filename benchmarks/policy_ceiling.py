@@ -132,7 +132,7 @@ def fitted_policy(parent):
     model = ReuseModel()
     for i in range(n):
         model.start(cls[i], i)
-        model.end(cls[i], i, int(nxt[i]) if nxt[i] >= 0 else n, bool(nxt[i] >= 0))
+        model.end(cls[i], i, int(nxt[i]) if nxt[i] >= 0 else n, returned=bool(nxt[i] >= 0))
     model._refresh(n)
     return density_victim(model, cls), nxt
 
@@ -148,7 +148,7 @@ class OnlineEvents:
         self.victim = density_victim(self.model, self.cls)
 
     def returned(self, p, i):
-        self.model.end(self.cls[p], p, i, True)
+        self.model.end(self.cls[p], p, i, returned=True)
 
     def missed(self, p, i):
         self.model.on_miss(p, i)  # a ghost: its return is seen all the same

@@ -12,12 +12,13 @@ Quick start::
 """
 
 from .cache import CacheConfig, CacheFullError, HybridKVCache, Request, StepBatch
+from .modes import EvictionRanking, SwaEviction, SwaRelease
 from .pools import DualPool
 from .radix import TreeConfig, WindowSafeTree
 from .spec import AttnKind, KVShape, ModelSpec, PRESETS, preset_names
 
 __version__ = "0.1.0"
 
-__all__ = ["AttnKind", "CacheConfig", "CacheFullError", "DualPool", "HybridKVCache", "KVShape",
-           "ModelSpec", "PRESETS", "Request", "StepBatch", "TreeConfig", "WindowSafeTree", "preset_names",
-           "__version__"]
+__all__ = ["AttnKind", "CacheConfig", "CacheFullError", "DualPool", "EvictionRanking", "HybridKVCache", "KVShape",
+           "ModelSpec", "PRESETS", "Request", "StepBatch", "SwaEviction", "SwaRelease", "TreeConfig", "WindowSafeTree",
+           "preset_names", "__version__"]

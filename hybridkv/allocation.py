@@ -1,26 +1,22 @@
-"""Page growth and SWA release of live requests: the allocation half of
-:class:`~hybridkv.cache.HybridKVCache`.
+"""Page growth and SWA release of live requests.
 
-:class:`RequestPages` is a mixin of the cache (it works on the cache's
-``pool``, ``tree``, ``config``, ``counters``, ``page_size`` and live
-requests), kept in its own module so the request facade stays small.  Its
-methods trust their callers: the cache's public methods validate first.
+:class:`RequestPages` is a collaborator of :class:`~hybridkv.cache.HybridKVCache`
+(its ``pages``): it is built over the cache's pool, tree, config, counters and
+live requests and changes them only through their public calls.  Its methods
+trust their callers: the cache's public methods validate first.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from .cache_config import CacheConfig
+from .modes import SwaRelease
+from .pools import DualPool
+from .radix import WindowSafeTree
 from .radix.node import NO_PAGE
+from .request import Request
 from .window import group_keeps
-
-if TYPE_CHECKING:
-    from .cache import Request
-    from .cache_config import CacheConfig
-    from .pools import DualPool
-    from .radix import WindowSafeTree
 
 __all__ = ["CacheFullError", "RequestPages"]
 
@@ -32,25 +28,37 @@ class CacheFullError(RuntimeError):
 class RequestPages:
     """Pages of live requests: growth (evicting, then releasing spare SWA, as
     memory requires) and the release of out-of-window SWA that the retention
-    policy allows.  A mixin of :class:`~hybridkv.cache.HybridKVCache`."""
+    policy allows.
 
-    pool: DualPool
-    tree: WindowSafeTree
-    config: CacheConfig
-    counters: dict
-    page_size: int
-    _live: dict
+    Args:
+        pool: the pages (both kinds, and the sliding groups beside the lead one).
+        tree: evicts for room; its retention policy decides what a release keeps.
+        config: the :class:`CacheConfig` (``swa_release``, ``spare_fraction``).
+        counters: the cache's counters (``rejected``, ``released_swa_pages``,
+            ``released_group_pages``), updated in place.
+        live: the cache's live requests by ``id``, read only (spare SWA of other
+            requests is released when memory runs short).
+    """
 
-    def _reserve(self, req: Request, n: int) -> None:
+    def __init__(self, pool: DualPool, tree: WindowSafeTree, config: CacheConfig, counters: dict[str, int],
+                 live: dict[int, Request]) -> None:
+        self.pool = pool
+        self.tree = tree
+        self.config = config
+        self.counters = counters
+        self.live = live
+        self.page_size = tree.page_size
+
+    def reserve(self, req: Request, n: int) -> None:
         """Pages for positions up to ``req.computed + n`` (grows when needed).  O(new pages)."""
         end = req.computed + n
         need = -(-end // self.page_size) - req.n_pages
         if need > 0:
-            self._grow(req, need)
+            self.grow(req, need)
         if end > req.allocated:
             req.allocated = end
 
-    def _grow(self, req: Request, need: int, waiting: set | None = None) -> None:
+    def grow(self, req: Request, need: int, waiting: set | None = None) -> None:
         """Give ``req`` ``need`` more pages of each kind, evicting if needed; raises
         :class:`CacheFullError` with ``req`` unchanged.  ``waiting``: ids of other
         requests (rows of a step not served yet) whose spare SWA is not released."""
@@ -59,11 +67,11 @@ class RequestPages:
             short = self.pool.shortfall(need, need)
             self.tree.evict(short[0], short[1], short[2])
             got = self.pool.take(need, need)
-        if got is None and self.config.retention == "adaptive":
+        if got is None and self.config.swa_release is SwaRelease.ADAPTIVE:
             # SWA that live requests kept while memory was spare is the cheapest to give back
-            for live in self._live.values():
+            for live in self.live.values():
                 if live is not req and (waiting is None or id(live) not in waiting):
-                    self._release(live, force=True)
+                    self.release(live, force=True)
             # the request's own spare SWA goes too, but only once the allocation is sure to
             # succeed with it (a request that gets CacheFullError is left exactly as it
             # was): evict what is short beyond it, then release it if that is enough
@@ -75,7 +83,7 @@ class RequestPages:
             if got is None and own:
                 short = self.pool.shortfall(need, need)
                 if short[0] == 0 and short[1] <= own and short[2] <= own * sb:
-                    self._release(req, force=True)
+                    self.release(req, force=True)
                     got = self.pool.take(need, need)
         if got is None:
             self.counters["rejected"] += 1
@@ -85,7 +93,7 @@ class RequestPages:
         self._place(req, got[0], got[1])
 
     def _own_releasable(self, req: Request) -> int:
-        """SWA pages ``_release(req, force=True)`` would free now.  O(1 + runs)."""
+        """SWA pages ``release(req, force=True)`` would free now.  O(1 + runs)."""
         lo, cut = self._release_range(req)
         if cut <= lo:
             return 0
@@ -118,16 +126,16 @@ class RequestPages:
         return rp.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len,
                                   req.prompt_len // self.page_size if rp.pretail_pages >= 0 else 0)
 
-    def _release(self, req: Request, force: bool) -> int:
+    def release(self, req: Request, *, force: bool) -> int:
         """Free ``req``'s out-of-window SWA runs the policy releases (``force``: even
         while the adaptive policy sees spare memory).  Returns pages freed.  O(runs)."""
-        policy = self.config.retention
-        if policy in ("none", "dense"):
+        policy = self.config.swa_release
+        if policy is SwaRelease.NONE or policy is SwaRelease.DENSE:
             return 0
         lo, cut = self._release_range(req)
         if cut <= lo:
             return 0  # nothing new to scan (checked first: it is cheaper than free_bytes)
-        if (policy == "adaptive" and not force
+        if (policy is SwaRelease.ADAPTIVE and not force
                 and self.pool.free_bytes() > self.config.spare_fraction * self.pool.budget_bytes):
             return 0
         req.release_mark = cut
@@ -148,10 +156,10 @@ class RequestPages:
                 swa[a:b] = NO_PAGE
             self.counters["released_swa_pages"] += count
         if self.pool.groups:  # after the lead's release: the groups follow its windows
-            self._release_groups(req, cut)
+            self.release_groups(req, cut)
         return count
 
-    def _release_groups(self, req: Request, final: int) -> None:
+    def release_groups(self, req: Request, final: int) -> None:
         """Free the pages of each sliding group beside the lead one that no hit can
         use: page ``i`` of a group with a ``w``-page window is kept only while some
         end ``L`` in ``(i, i + w]`` has the lead group's whole window held (so the
@@ -182,7 +190,7 @@ class RequestPages:
                 self.counters["released_group_pages"] += self.pool.release_group_trusted(group, gone)
             req.group_marks[gi] = hi
 
-    def _step_grow(self, pending: list, ok: np.ndarray, errors: dict, nums: list, grew: list,
+    def step_grow(self, pending: list, ok: np.ndarray, errors: dict, nums: list, grew: list,
                    reqs: list) -> None:
         """Pages for the rows of a step that cross a page boundary: one pool call for
         all of them when memory is free (decode: every row of a batch that started
@@ -202,7 +210,7 @@ class RequestPages:
                 o += need
             else:
                 try:
-                    self._grow(req, need, waiting)
+                    self.grow(req, need, waiting)
                 except CacheFullError as exc:
                     req.n_tokens -= appended
                     ok[i] = False
@@ -212,16 +220,16 @@ class RequestPages:
             waiting.discard(id(req))
             grew.append((i, before, req.n_pages))
 
-    def _check_page_ownership(self) -> None:
+    def check_ownership(self) -> None:
         """Every used page is owned exactly once (by a tree node or a live request),
         and each live request's page bookkeeping is consistent.  O(n)."""
         owned_full = [n.full for n in self.tree.iter_nodes()]
         owned_swa = [n.swa[n.swa >= 0] for n in self.tree.iter_nodes()]
-        for req in self._live.values():
+        for req in self.live.values():
             owned_full.append(req.full_pages[req.tree_pages:req.n_pages])
             s = req.swa_pages[req.tree_pages:req.n_pages]
             owned_swa.append(s[s >= 0])
-            # _release relies on this: pages past the release mark were never released
+            # release relies on this: pages past the release mark were never released
             assert (req.swa_pages[max(req.release_mark, req.tree_pages):req.n_pages] >= 0).all(), req
             assert req.tree_pages <= req.n_pages
             assert req.computed <= req.allocated <= min(req.n_tokens, req.n_pages * self.page_size)

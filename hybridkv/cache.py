@@ -23,11 +23,12 @@ request); pages after that belong to the request until :meth:`finish`.  The
 request's SWA view holds a page id only where the request may read it: the
 pinned window of its cached prefix and its own unreleased pages.
 
-Validation happens once, at the public methods; internal calls (``_reserve``,
-``_append``, the tree's ``match_parts``/``insert_tokens``) trust their callers.
-Page growth and SWA release live in :mod:`hybridkv.allocation` (a mixin of the
-cache), the step's record and row arguments in :mod:`hybridkv.step`, the
-policy in :mod:`hybridkv.cache_config`.
+Validation happens once, at the public methods; internal calls (``_append``,
+:class:`~hybridkv.allocation.RequestPages`, the tree's ``match_parts`` /
+``insert_tokens``) trust their callers.  The cache composes its parts: page
+growth and SWA release are :class:`~hybridkv.allocation.RequestPages`
+(``pages``), the request record :mod:`hybridkv.request`, the step's record
+and row arguments :mod:`hybridkv.step`, the policy :mod:`hybridkv.cache_config`.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ from ._validate import as_token_array, check_int
 from .allocation import CacheFullError, RequestPages
 from .cache_config import CacheConfig, check_count
 from .pools import DualPool
-from .radix import LockHandle, MatchResult, TreeConfig, WindowSafeTree
+from .radix import MatchResult, TreeConfig, WindowSafeTree
 from .radix.node import NO_PAGE
+from .request import Request
 from .spec import ModelSpec
 from .step import StepBatch, build_batch, check_distinct, step_counts, step_tokens
 
@@ -69,59 +71,7 @@ def _own_tokens(tokens: object) -> tuple[np.ndarray, int]:
 
 
 
-class Request:
-    """A live request: its tokens, pages and lock.  Mutated only by the cache.
-
-    ``tokens`` is a read-only view of the first ``n_tokens`` entries of a
-    buffer that doubles when full, so decode appends are amortised O(1).
-    ``allocated`` is the end of the slots handed out (``commit`` may not pass it).
-    """
-
-    __slots__ = ("rid", "namespace", "_tok", "n_tokens", "prefix_len", "raw_match_len", "full_pages",
-                 "swa_pages", "tree_pages", "handle", "computed", "n_pages", "allocated", "last_release", "prompt_len",
-                 "release_mark", "group_marks", "finished", "extra", "__weakref__")
-
-    def __init__(self, rid: Any, namespace: str, buf: np.ndarray, n_tokens: int, prefix_len: int,
-                 raw_match_len: int, full_pages: np.ndarray, swa_pages: np.ndarray, tree_pages: int,
-                 handle: LockHandle, computed: int = 0, n_pages: int = 0, last_release: int = 0) -> None:
-        self.rid = rid
-        self.namespace = namespace
-        # the request owns its tokens (``buf``, from _own_tokens: a copy with room to
-        # grow), so decode appends in place and the caller may reuse its array
-        self._tok = buf
-        self.n_tokens = n_tokens
-        self.prompt_len = n_tokens  # the tokens given to begin; later appends are output
-        self.prefix_len = prefix_len
-        self.raw_match_len = raw_match_len
-        self.full_pages = full_pages
-        self.swa_pages = swa_pages
-        self.tree_pages = tree_pages
-        self.handle = handle
-        self.computed = computed
-        self.n_pages = n_pages
-        self.allocated = computed
-        self.last_release = last_release
-        self.release_mark = tree_pages  # pages below this were already scanned for release
-        # per sliding group beside the lead one: pages below it were scanned for its release
-        self.group_marks: list[int] | None = None
-        self.finished = False
-        self.extra: dict = {}
-
-    @property
-    def tokens(self) -> np.ndarray:
-        """The request's tokens (prompt + appended), a read-only int32 view."""
-        view = self._tok[:self.n_tokens]
-        view.flags.writeable = False
-        return view
-
-    def __repr__(self) -> str:
-        return (f"Request(rid={self.rid!r}, namespace={self.namespace!r}, n_tokens={self.n_tokens}, "
-                f"prefix_len={self.prefix_len}, computed={self.computed}, n_pages={self.n_pages}, "
-                f"finished={self.finished})")
-
-
-
-class HybridKVCache(RequestPages):
+class HybridKVCache:
     """Window-safe prefix cache over dual Full/SWA pools for one engine worker.
 
     Args:
@@ -151,7 +101,7 @@ class HybridKVCache(RequestPages):
                 f"{pool.full_page_bytes} + {pool.swa_page_bytes} bytes per full + SWA page)")
         self.tree = WindowSafeTree(
             TreeConfig(spec.page_size, spec.window, config.swa_checkpoint, config.swa_eviction,
-                       config.anchor_branch_points, config.eviction_ranking),
+                       anchor_branch_points=config.anchor_branch_points, ranking=config.eviction_ranking),
             # an SWA page frees at least the lead group's bytes (other groups may have
             # given theirs back already): eviction counts that, so it never frees too little
             self.pool, full_page_bytes=self.pool.full_page_bytes, swa_page_bytes=self.pool.lead_page_bytes)
@@ -161,6 +111,9 @@ class HybridKVCache(RequestPages):
                          "rejected": 0, "released_swa_pages": 0}
         if self.pool.groups:  # pages of the smaller windows' groups given back early
             self.counters["released_group_pages"] = 0
+        # page growth and SWA release of the live requests: a collaborator working on the
+        # same pool, tree, counters and live requests (the dict objects are shared)
+        self.pages = RequestPages(self.pool, self.tree, config, self.counters, self._live)
         # L2/L3 beside the tree (a hybridkv.tiers TierCoordinator, set by TieredCache):
         # called in begin (before_match, after_begin), finish (before_finish), stats
         # and check_invariants; None: L1 only
@@ -171,7 +124,7 @@ class HybridKVCache(RequestPages):
         """Peek: window-safe hit for ``tokens`` without locking or touching LRU."""
         tokens = as_token_array(tokens)
         self._check_namespace(namespace)
-        return self.tree.match_tokens(tokens, namespace, max(0, len(tokens) - 1), False, False)
+        return self.tree.match_tokens(tokens, namespace, max(0, len(tokens) - 1), split=False, touch=False)
 
     def begin(self, tokens: object, namespace: str = "default", rid: Any = None) -> Request:
         """Start a request: match its prompt, lock the hit.
@@ -197,7 +150,7 @@ class HybridKVCache(RequestPages):
         tokens = buf[:n_tokens]
         t0 = time.perf_counter()
         # the hit's page ids are copied once, straight from the nodes into the request
-        safe, raw_pages, parts, node = tree.match_parts(tokens, namespace, len(tokens) - 1, True, True)
+        safe, raw_pages, parts, node = tree.match_parts(tokens, namespace, len(tokens) - 1, split=True, touch=True)
         self.last_match_us = (time.perf_counter() - t0) * 1e6
         handle = tree.lock(node)
         # room for every page of the prompt (+ some decode) so prefill never regrows
@@ -232,11 +185,11 @@ class HybridKVCache(RequestPages):
     @staticmethod
     def _append(req: Request, new: np.ndarray) -> None:
         n, m = req.n_tokens, len(new)
-        if n + m > req._tok.size:
-            grown = np.empty(max(2 * req._tok.size, n + m), dtype=np.int32)
-            grown[:n] = req._tok[:n]
-            req._tok = grown
-        req._tok[n:n + m] = new
+        if n + m > req.token_buffer.size:
+            grown = np.empty(max(2 * req.token_buffer.size, n + m), dtype=np.int32)
+            grown[:n] = req.token_buffer[:n]
+            req.token_buffer = grown
+        req.token_buffer[n:n + m] = new
         req.n_tokens = n + m
 
     def allocate(self, req: Request, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -247,7 +200,7 @@ class HybridKVCache(RequestPages):
         :class:`CacheFullError` (request unchanged) when memory cannot be found.
         """
         self._check_reserve(req, n)
-        self._reserve(req, n)
+        self.pages.reserve(req, n)
         start = req.computed
         if n == 1:  # decode: two scalars, not two fancy-indexing passes
             P = self.page_size
@@ -261,7 +214,7 @@ class HybridKVCache(RequestPages):
     def reserve(self, req: Request, n: int) -> None:
         """:meth:`allocate` without computing slots (schedulers that only account)."""
         self._check_reserve(req, n)
-        self._reserve(req, n)
+        self.pages.reserve(req, n)
 
     def _check_reserve(self, req: Request, n: object) -> None:
         self._check_live(req)
@@ -295,7 +248,7 @@ class HybridKVCache(RequestPages):
             release = n > 1 or req.computed - req.last_release >= self.config.decode_release_interval
         if release:
             req.last_release = req.computed
-            self._release(req, force=False)
+            self.pages.release(req, force=False)
 
     def release_out_of_window(self, req: Request) -> int:
         """Free the request's own SWA pages wholly before ``computed - W``.
@@ -305,11 +258,11 @@ class HybridKVCache(RequestPages):
         """
         self._check_live(req)
         req.last_release = req.computed
-        return self._release(req, force=False)
+        return self.pages.release(req, force=False)
 
 
     # ================================================================ finish
-    def finish(self, req: Request, cache: bool = True) -> int:
+    def finish(self, req: Request, *, cache: bool = True) -> int:
         """End ``req``: insert its computed page-aligned prefix (if ``cache``),
         unlock, and free what the tree did not take.  Returns new cached pages.
 
@@ -332,8 +285,8 @@ class HybridKVCache(RequestPages):
             if start is not None and (not start.alive or start.start + len(start.key) != req.tree_pages * P):
                 start = None  # cannot happen while locked; the root walk is always right
             if self.pool.groups:
-                self._release_groups(req, aligned)
-            res = self.tree.insert_tokens(req._tok[:aligned * P], req.full_pages[:aligned], req.swa_pages[:aligned],
+                self.pages.release_groups(req, aligned)
+            res = self.tree.insert_tokens(req.token_buffer[:aligned * P], req.full_pages[:aligned], req.swa_pages[:aligned],
                                     req.namespace, start=start, owned=True,  # the request ends here
                                     mark=req.prompt_len // P)
             new_pages = res.new_pages
@@ -387,7 +340,7 @@ class HybridKVCache(RequestPages):
         grew: list[tuple[int, int, int]] = []
         pending = self._step_rows(reqs, toks, counts, ok, errors, starts, nums)
         if pending:
-            self._step_grow(pending, ok, errors, nums, grew, reqs)
+            self.pages.step_grow(pending, ok, errors, nums, grew, reqs)
         fs, ss, multi = self._step_slots(reqs, starts, nums)
         return build_batch(reqs, ok, errors, starts, nums, fs, ss, multi, grew)
 
@@ -409,10 +362,10 @@ class HybridKVCache(RequestPages):
             if t is not None:
                 if type(t) is int:
                     n = req.n_tokens
-                    if n == req._tok.size:
+                    if n == req.token_buffer.size:
                         self._append(req, np.array([t], dtype=np.int32))
                     else:
-                        req._tok[n] = t
+                        req.token_buffer[n] = t
                         req.n_tokens = n + 1
                     appended = 1
                 else:
@@ -487,7 +440,7 @@ class HybridKVCache(RequestPages):
             req.computed += k
             if release if release is not None else (k > 1 or req.computed - req.last_release >= interval):
                 req.last_release = req.computed
-                self._release(req, force=False)
+                self.pages.release(req, force=False)
 
     def page_table(self, requests: Sequence[Request], kind: str = "full") -> np.ndarray:
         """Logical pages of ``requests`` as an int32 ``[batch, max_pages]`` table
@@ -584,6 +537,6 @@ class HybridKVCache(RequestPages):
         lower tiers' own checks (if any).  O(n)."""
         self.tree.check_invariants()
         self.pool.check_invariants()
-        self._check_page_ownership()
+        self.pages.check_ownership()
         if self.lower_tiers is not None:
             self.lower_tiers.check_invariants()

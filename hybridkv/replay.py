@@ -52,12 +52,12 @@ def system_config(system: str, spec: ModelSpec, budget_bytes: int, *, swa_checkp
                            eviction_ranking=eviction_ranking)
     if system == "naive":
         return CacheConfig(budget_bytes=budget_bytes, device=device, swa_checkpoint=0,
-                           retention="none", swa_eviction="none", anchor_branch_points=False)
+                           swa_release="none", swa_eviction="none", anchor_branch_points=False)
     if system == "tombstone":
         fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
         full = int(budget_bytes // (fpb + TOMBSTONE_SWA_RATIO * spb))
         return CacheConfig(full_pages=full, swa_pages=int(full * TOMBSTONE_SWA_RATIO), device=device,
-                           swa_checkpoint=0, retention="none", swa_eviction="node",
+                           swa_checkpoint=0, swa_release="none", swa_eviction="node",
                            anchor_branch_points=False)
     raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
 

@@ -36,7 +36,7 @@ _CONTAINERS = (list, dict, set, frozenset, collections.deque)
 
 
 def index_sizes(cache: HybridKVCache, depth: int = 3) -> dict[str, int]:
-    """``{"tree._swa_heap": 1234, "pool.full._allocated": 5678, ...}``: entries of
+    """``{"tree.eviction._swa_heap": 1234, "pool.full._allocated": 5678, ...}``: entries of
     every container (list, dict, set, deque; numpy arrays by size) reachable from
     ``cache`` through attributes of hybridkv objects (``depth`` levels), named by
     their attribute path.

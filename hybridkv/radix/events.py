@@ -1,13 +1,11 @@
 """Tree events: what the prefix index tells listeners (KV-event publishers).
 
 :class:`~hybridkv.radix.types.TreeEvent` describes a change of what the tree
-caches.  Inside an update (a method decorated with :func:`deliver_after`)
-events are held and delivered when the update completes, so a listener sees
-the tree and its pool consistent.  A listener that raises is logged and
-counted (``listener_errors``), never propagated.
-
-A mix-in of :class:`~hybridkv.radix.tree.WindowSafeTree`: the methods run on
-the tree's own state (``listeners``, ``listener_errors``, ``_event_queue``).
+caches.  :class:`TreeEvents` builds and delivers them for one tree.  Inside an
+update (a tree method decorated with :func:`deliver_after`) events are held
+and delivered when the update completes, so a listener sees the tree and its
+pool consistent.  A listener that raises is logged and counted
+(``TreeEvents.errors``), never propagated.
 """
 
 from __future__ import annotations
@@ -21,40 +19,59 @@ import numpy as np
 from .node import TreeNode
 from .types import EMPTY, TreeEvent
 
-__all__ = ["EventsMixin", "deliver_after"]
+__all__ = ["TreeEvents", "deliver_after"]
 
 _logger = logging.getLogger("hybridkv.radix")
 
 
 def deliver_after(fn: Callable) -> Callable:
-    """Deliver the tree events ``fn`` emits only when it returns (the tree, and the
-    pool its freed pages went back to, are consistent again).  Nested calls join
-    the outermost batch."""
+    """Deliver the tree events ``fn`` (a method of an object with an ``events``
+    :class:`TreeEvents`) emits only when it returns (the tree, and the pool its
+    freed pages went back to, are consistent again).  Nested calls join the
+    outermost batch."""
 
     @functools.wraps(fn)
     def run(self: Any, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        if self._event_queue is not None or not self.listeners:
+        events = self.events
+        if events.queue is not None or not events.listeners:
             return fn(self, *args, **kwargs)
-        self._event_queue = []
+        events.queue = []
         try:
             return fn(self, *args, **kwargs)
         finally:
-            queued, self._event_queue = self._event_queue, None
+            queued, events.queue = events.queue, None
             for event in queued:
-                self._deliver(event)
+                events.deliver(event)
 
     return run
 
 
-class EventsMixin:
-    """Event emission of :class:`~hybridkv.radix.tree.WindowSafeTree`."""
+class TreeEvents:
+    """The listeners of one tree and the events it emits.
 
-    def _emit(self, kind: str, node: TreeNode, lo: int = 0, hi: int | None = None) -> None:
-        """Tell listeners about ``node``'s pages ``[lo, hi)`` (only built when someone listens).
+    Args:
+        page_size: tokens per page (events are in tokens).
+        held_by_all: with several sliding groups, which SWA page ids every group
+            still holds (bool per id); None: a page is held where its id is valid.
 
-        Inside an update (:func:`_events_after`) the event is held and delivered
-        when the update completes.  A listener that raises is logged and counted
-        (``listener_errors``), never propagated."""
+    Attributes: ``listeners`` (callables taking a :class:`TreeEvent`),
+    ``errors`` (listener exceptions caught), ``queue`` (events held while an
+    update runs, None outside one; written only by :func:`deliver_after`).
+    """
+
+    def __init__(self, page_size: int, held_by_all: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        self.page_size = page_size
+        self.held_by_all = held_by_all
+        self.listeners: list[Callable[[TreeEvent], None]] = []
+        self.errors = 0
+        self.queue: list[TreeEvent] | None = None
+
+    def emit(self, kind: str, node: TreeNode, lo: int = 0, hi: int | None = None) -> None:
+        """Tell listeners about ``node``'s pages ``[lo, hi)``; callers check
+        ``listeners`` first, so nothing is built when no one listens.
+
+        Inside an update (:func:`deliver_after`) the event is held and delivered
+        when the update completes.  O(depth + tokens of the prefix)."""
         parts = []
         n: TreeNode | None = node
         while n is not None and n.parent is not None:
@@ -65,21 +82,23 @@ class EventsMixin:
         end = node.start + hi * self.page_size
         ids = node.swa[lo:hi]
         # with several sliding groups a page counts where every group holds it
-        held = self.pool.held_by_all(ids) if self.groups else ids >= 0
+        held = self.held_by_all(ids) if self.held_by_all is not None else ids >= 0
         event = TreeEvent(kind, node.namespace, node.start + lo * self.page_size, end, tokens[:end], held)
-        if self._event_queue is not None:
-            self._event_queue.append(event)
+        if self.queue is not None:
+            self.queue.append(event)
         else:
-            self._deliver(event)
+            self.deliver(event)
 
-    def _deliver(self, event: TreeEvent) -> None:
+    def deliver(self, event: TreeEvent) -> None:
+        """Hand ``event`` to every listener; a listener that raises is logged (1st,
+        2nd, 4th, ... failure) and counted, never propagated.  O(listeners)."""
         kind = event.kind
         for listener in list(self.listeners):
             try:
                 listener(event)
             except Exception as exc:  # noqa: BLE001 - a listener must not leave the tree half-updated
-                self.listener_errors += 1
-                if self.listener_errors & (self.listener_errors - 1) == 0:  # 1st, 2nd, 4th, ... failure
+                self.errors += 1
+                if self.errors & (self.errors - 1) == 0:  # 1st, 2nd, 4th, ... failure
                     _logger.warning("tree event listener %r failed on %s (%s: %s); event dropped for it "
                                     "(%d listener failures so far)", listener, kind, type(exc).__name__, exc,
-                                    self.listener_errors)
+                                    self.errors)

@@ -1,38 +1,97 @@
 """Eviction for the prefix index: what goes when a pool is short.
 
-Order (:meth:`EvictionMixin.evict`): unanchored SWA (LRU first), then leaves
+Order (:meth:`Eviction.evict`): unanchored SWA (LRU first), then leaves
 (the ranking's victim, :mod:`~hybridkv.radix.rankings`, trimmed back to their
 last hittable window when that frees enough), then predicted windows, then
 anchored SWA.  SWA lives in three lazy heaps by recency (unanchored, predicted,
 anchored): touching a node costs O(1), stale entries are refreshed when they
 reach the top, and the heaps are rebuilt when they outgrow the live nodes.
 
-A mix-in of :class:`~hybridkv.radix.tree.WindowSafeTree`: the methods run on
-the tree's own state.
+:class:`Eviction` is a collaborator of :class:`~hybridkv.radix.tree.WindowSafeTree`:
+it owns the heaps and the order; the index it evicts from (an
+:class:`EvictableIndex`) unlinks leaves, keeps the page counts and gives pages
+back to the pool.  Anchors, pins, the ranking, the divergence model and the
+event listeners are its other named collaborators.
 """
 
 from __future__ import annotations
 
 import heapq
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
+from .anchors import WindowAnchors
+from .divergence import DivergenceModel
+from .events import TreeEvents
+from .learning import ghost_key
 from .node import NO_PAGE, TreeNode
-from .events import deliver_after
+from .pins import SwaPins
+from .policy import RetentionPolicy
+from .rankings import Ranking
+from .types import SwaEviction
 
-__all__ = ["EvictionMixin"]
+__all__ = ["EvictableIndex", "Eviction"]
 
 
-class EvictionMixin:
-    """Eviction of :class:`~hybridkv.radix.tree.WindowSafeTree`."""
+class EvictableIndex(Protocol):
+    """What eviction asks of the prefix index it evicts from."""
 
-    def evictable_full_pages(self) -> int:
-        return self.full_pages_cached - self.protected_full_pages
+    num_nodes: int
 
-    def evictable_swa_pages(self) -> int:
-        return self.swa_pages_cached - self.protected_swa_pages
+    def iter_nodes(self, namespace: str | None = None) -> Iterator[TreeNode]: ...
 
-    @deliver_after
+    def detach_leaf(self, node: TreeNode) -> TreeNode: ...
+
+    def uncount(self, full_pages: int, swa_pages: int) -> None: ...
+
+    def return_full_pages(self, pages: np.ndarray) -> None: ...
+
+    def return_swa_pages(self, pages: np.ndarray) -> None: ...
+
+
+class Eviction:
+    """Eviction heaps and order for one prefix index.
+
+    Args:
+        index: the :class:`EvictableIndex` whose nodes are evicted.
+        anchors: the index's :class:`WindowAnchors` (kept in step as pages go).
+        ranking: chooses the leaf to evict (:mod:`~hybridkv.radix.rankings`).
+        pins: pinned SWA pages are never evicted.
+        divergence: hears what the last bytes evicted would have hit.
+        events: told about every page removed.
+        policy: the retention policy (window, branch points).
+        mode: :class:`~hybridkv.radix.types.SwaEviction`.
+        page_size, full_page_bytes, swa_page_bytes: the page geometry.
+        group_bytes: with several sliding groups, the bytes SWA page ids free
+            in the groups still holding them (None: one group).
+
+    Attributes: ``evicted_full_pages`` / ``evicted_swa_pages`` (totals).
+    """
+
+    def __init__(self, index: EvictableIndex, anchors: WindowAnchors, ranking: Ranking, pins: SwaPins,
+                 divergence: DivergenceModel, events: TreeEvents, policy: RetentionPolicy, *,
+                 mode: SwaEviction, page_size: int, full_page_bytes: int, swa_page_bytes: int,
+                 group_bytes: Callable[[np.ndarray], int] | None = None) -> None:
+        self.index = index
+        self.anchors = anchors
+        self.ranking = ranking
+        self.pins = pins
+        self.divergence = divergence
+        self.events = events
+        self.policy = policy
+        self.mode = mode
+        self.page_size = page_size
+        self.full_page_bytes = full_page_bytes
+        self.swa_page_bytes = swa_page_bytes
+        self.group_bytes = group_bytes
+        self.evicted_full_pages = 0
+        self.evicted_swa_pages = 0
+        self._dead: list[TreeNode] = []  # leaves left without a held tail window: no hit can end in them
+        self._swa_heap: list[tuple[int, int, TreeNode]] = []      # unanchored SWA first
+        self._point_heap: list[tuple[int, int, TreeNode]] = []    # then predicted windows
+        self._anchor_heap: list[tuple[int, int, TreeNode]] = []   # then tails/checkpoints
+
     def evict(self, full_pages: int = 0, swa_pages: int = 0, nbytes: int = 0) -> tuple[int, int]:
         """Free at least ``full_pages`` full pages, ``swa_pages`` SWA pages and
         ``nbytes`` bytes (weighted by page bytes), as far as unlocked data allows.
@@ -46,12 +105,11 @@ class EvictionMixin:
         predicted windows and then anchored SWA go before leaves.  When SWA cannot be
         evicted on its own (``swa_eviction="none"``/``"node"`` with pins),
         leaves are evicted for it.  Locked full KV and pinned SWA are never
-        touched.  Returns the pages freed ``(full, swa)``.
+        touched.  Returns the pages freed ``(full, swa)``.  Arguments are
+        validated by the tree (:meth:`WindowSafeTree.evict`), which also holds
+        the events back until the eviction is complete.
         Runtime: O(k log n) for k nodes visited.
         """
-        for name, value in (("full_pages", full_pages), ("swa_pages", swa_pages), ("nbytes", nbytes)):
-            if not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         self.ranking.evict_started()
         try:
             return self._evict(full_pages, swa_pages, nbytes)
@@ -70,8 +128,8 @@ class EvictionMixin:
         while True:
             short_full = full_pages - nf
             short_swa = swa_pages - ns
-            if self.groups and counted < len(freed_s):
-                group_bytes += self.pool.group_bytes(np.concatenate(freed_s[counted:]))
+            if self.group_bytes is not None and counted < len(freed_s):
+                group_bytes += self.group_bytes(np.concatenate(freed_s[counted:]))
                 counted = len(freed_s)
             short_bytes = nbytes - (nf * fb + ns * sb + group_bytes)
             if short_full <= 0 and short_swa <= 0 and short_bytes <= 0:
@@ -100,9 +158,9 @@ class EvictionMixin:
             nf += got[0]
             ns += got[1]
         if freed_f:
-            self._free_full(np.concatenate(freed_f))
+            self.index.return_full_pages(np.concatenate(freed_f))
         if freed_s:
-            self._free_swa(np.concatenate(freed_s))
+            self.index.return_swa_pages(np.concatenate(freed_s))
         self.evicted_full_pages += nf
         self.evicted_swa_pages += ns
         return nf, ns
@@ -135,20 +193,21 @@ class EvictionMixin:
         node = self._pop_leaf()
         if node is None:
             return 0, 0
-        if want is not None and not self._window_held(node):
+        anchors = self.anchors
+        if want is not None and not anchors.window_held(node):
             want = 1  # dead: keep what still ends at a held window, free the rest
         keep = self._trim_point(node, want)
         size = self.page_size
         parent = node.parent
         assert parent is not None
         if node.ends:
-            self._anchor_window(node, -1)
+            anchors.anchor_window(node, -1)
             node.ends = 0
         if node.points:  # predicted windows past what stays go with the pages
             first = node.start // size
             for p in node.points:
                 if p > first + keep:
-                    self._anchor_window(node, -1, p - first)
+                    anchors.anchor_window(node, -1, p - first)
             node.points = [p for p in node.points if p <= first + keep] or None
         if node.mark >= node.start // size + keep:  # the prompt's end went with the pages
             node.mark = -1
@@ -159,49 +218,45 @@ class EvictionMixin:
         if swa.size:
             freed_s.append(swa)
         gone = len(node.full) - keep
-        self.full_pages_cached -= gone
-        self.swa_pages_cached -= int(swa.size)
+        self.index.uncount(gone, int(swa.size))
         pos = node.start + keep * size
-        ghost = self._ghost_key(node.namespace, pos, node.key[keep * size:(keep + 1) * size])
+        ghost = ghost_key(node.namespace, pos, node.key[keep * size:(keep + 1) * size])
         if self.policy.branch_points:  # what the last bytes evicted would have hit: the margin
             self.divergence.evicted(ghost, gone * self.full_page_bytes + int(swa.size) * self.swa_page_bytes,
-                                    gone, 4 * self.num_nodes + 1024)
+                                    gone, 4 * self.index.num_nodes + 1024)
         self.ranking.leaf_shrunk(node, ghost, gone)
-        if self.listeners:
-            self._emit("remove", node, keep)
+        if self.events.listeners:
+            self.events.emit("remove", node, keep)
         if keep:  # trimmed: still a leaf, its tail window now ends at the new end
             node.key = node.key[:keep * size]
             node.full = node.full[:keep]
             node.swa = node.swa[:keep]
             node.anchor = node.anchor[:keep].copy()
             node.swa_valid -= int(swa.size)
-            self._reanchor(node)
-            self._enqueue(node, swa=False)
+            anchors.reanchor(node)
+            self.enqueue(node, swa=False)
             return gone, int(swa.size)
-        del parent.children[node.key[:size].tobytes()]
-        self.num_nodes -= 1
-        self.ranking.leaf_removed(node, parent, ghost, self.num_nodes)
-        node.key = None  # type: ignore[assignment]
-        node.parent = None
+        self.index.detach_leaf(node)
+        self.ranking.leaf_removed(node, parent, ghost, self.index.num_nodes)
         if parent.parent is not None:
-            self._reanchor(parent)
-            self._enqueue(parent)  # may be a leaf now; its tail became a leaf tail
-            if not parent.children and not parent.lock and not self._window_held(parent):
+            anchors.reanchor(parent)
+            self.enqueue(parent)  # may be a leaf now; its tail became a leaf tail
+            if not parent.children and not parent.lock and not anchors.window_held(parent):
                 self._dead.append(parent)
         return gone, int(swa.size)
 
-    def _evict_swa(self, freed_s: list, anchored: bool) -> tuple[int, int]:
+    def _evict_swa(self, freed_s: list, *, anchored: bool) -> tuple[int, int]:
         """Free the SWA of the least recently used node holding some: its unanchored
         unpinned pages, or (``anchored``) all its unpinned pages.  Returns ``(0, freed)``."""
-        mode = self.config.swa_eviction
-        if mode == "none" or (anchored and mode != "page"):
+        mode = self.mode
+        if mode is SwaEviction.NONE or (anchored and mode is not SwaEviction.PAGE):
             return 0, 0
         heap = self._anchor_heap if anchored else self._swa_heap
         while heap:
             t, _, node = heapq.heappop(heap)
             if node.key is None or not node.swa_valid or not self._fresh(heap, t, node):
                 continue
-            count = self._drop_swa(node, freed_s, anchored)
+            count = self._drop_swa(node, freed_s, anchored=anchored)
             if count:
                 return 0, count
         return 0, 0
@@ -214,7 +269,7 @@ class EvictionMixin:
         from full KV for one window per cached sequence, a predicted window kept over
         another sequence's tail cost that sequence its next hit.  Mutates the node's
         anchors, points and SWA.  Returns ``(0, freed)``.  O(window + log n)."""
-        if self.config.swa_eviction != "page":
+        if self.mode is not SwaEviction.PAGE:
             return 0, 0
         heap = self._point_heap
         while heap:
@@ -224,25 +279,25 @@ class EvictionMixin:
             first, wp = node.start // self.page_size, self.policy.window_pages
             above = False  # a window reaching above the node (cut by a split)
             for p in node.points:
-                self._anchor_window(node, -1, p - first)
+                self.anchors.anchor_window(node, -1, p - first)
                 above = above or p - first < wp
             node.points = None
             if above and node.parent is not None and node.parent.key is not None:
-                self._enqueue(node.parent, leaf=False)  # its SWA there is plain SWA now
+                self.enqueue(node.parent, leaf=False)  # its SWA there is plain SWA now
             count = self._drop_swa(node, freed_s, anchored=False) if node.swa_valid else 0
             if node.swa_valid:
-                self._enqueue(node, leaf=False)
+                self.enqueue(node, leaf=False)
             if count:
                 return 0, count
         return 0, 0
 
-    def _drop_swa(self, node: TreeNode, freed_s: list, anchored: bool) -> int:
+    def _drop_swa(self, node: TreeNode, freed_s: list, *, anchored: bool) -> int:
         """Free ``node``'s unpinned SWA pages (only unanchored ones unless ``anchored``;
         ``"node"`` eviction: all or none) into ``freed_s``.  Returns how many."""
         drop = node.swa >= 0
         # only a locked node can hold pinned pages (a tree invariant): skip the lookup otherwise
         pinned = self.pins.pinned(node.swa) if node.lock else None
-        if self.config.swa_eviction == "node":
+        if self.mode is SwaEviction.NODE:
             if pinned is not None and np.count_nonzero(pinned):
                 return 0
         else:
@@ -257,21 +312,30 @@ class EvictionMixin:
         node.swa = node.swa.copy()
         node.swa[drop] = NO_PAGE
         node.swa_valid -= count
-        self.swa_pages_cached -= count
-        if self.listeners:
-            self._emit("swa_remove", node)
+        self.index.uncount(0, count)
+        if self.events.listeners:
+            self.events.emit("swa_remove", node)
         return count
 
-    def _enqueue(self, node: TreeNode, leaf: bool = True, swa: bool = True) -> None:
+    def watch_points(self, node: TreeNode) -> None:
+        """``node`` holds predicted windows now (``node.points``): file it with them.  O(log n)."""
+        heapq.heappush(self._point_heap, (node.last_access, node.nid, node))
+
+    def mark_dead(self, node: TreeNode) -> None:
+        """``node`` is a leaf whose pages end no hit: evict it before any ranked leaf.  O(1)."""
+        self._dead.append(node)
+
+    def enqueue(self, node: TreeNode, *, leaf: bool = True, swa: bool = True) -> None:
         """Make sure ``node`` has heap entries after a state change that can make
-        it evictable (new leaf, unlocked, lost a child, gained SWA)."""
+        it evictable (new leaf, unlocked, lost a child, gained SWA).  O(log n),
+        O(n) when the heaps are rebuilt."""
         entry = (node.last_access, node.nid, node)
         if leaf and not node.children and node.lock == 0:
             self.ranking.leaf_ready(node)
-        mode = self.config.swa_eviction
-        if swa and node.swa_valid and mode != "none":
+        mode = self.mode
+        if swa and node.swa_valid and mode is not SwaEviction.NONE:
             heapq.heappush(self._swa_heap, entry)
-            if mode == "page":
+            if mode is SwaEviction.PAGE:
                 heapq.heappush(self._anchor_heap, entry)
         # lazy heaps collect stale entries; rebuilding at 4x the live nodes keeps
         # memory O(nodes); every heap counts, the anchor heap included
@@ -283,7 +347,7 @@ class EvictionMixin:
     def heap_limit(self) -> int:
         """Entries a lazy heap may hold (stale ones included) before the heaps are
         rebuilt from the live nodes: 4x the nodes + 4096, so their memory is O(nodes)."""
-        return 4 * self.num_nodes + 4096
+        return 4 * self.index.num_nodes + 4096
 
     @staticmethod
     def _fresh(heap: list, t: int, node: TreeNode) -> bool:
@@ -296,7 +360,7 @@ class EvictionMixin:
 
     def _rebuild_heaps(self) -> None:
         leaves, swa, points = [], [], []
-        for node in self.iter_nodes():
+        for node in self.index.iter_nodes():
             entry = (node.last_access, node.nid, node)
             if not node.children and node.lock == 0:
                 leaves.append(node)
@@ -309,7 +373,7 @@ class EvictionMixin:
         heapq.heapify(points)
         self._point_heap = points
         self._swa_heap = swa
-        self._anchor_heap = list(swa) if self.config.swa_eviction == "page" else []
+        self._anchor_heap = list(swa) if self.mode is SwaEviction.PAGE else []
 
     def heap_sizes(self) -> dict[str, int]:
         """Entries of each eviction heap (stale ones included: heaps are cleaned

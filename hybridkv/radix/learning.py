@@ -1,6 +1,6 @@
 """What the prefix index learns from matches, fed after each match is answered.
 
-:meth:`LearningMixin._observe_match` runs once per touching match, after the
+:meth:`MatchLearning.observe_match` runs once per touching match, after the
 hit is computed: the :class:`~hybridkv.radix.divergence.DivergenceModel` hears
 where the request left a cached sequence (it sets
 ``RetentionPolicy.pretail_pages``, where predicted windows go) and whether it
@@ -9,23 +9,53 @@ hears misses at ghosts and returns of cached sequences; the path's recency is
 refreshed.  Order: divergence, ranking (before the recency refresh), recency,
 ranking (after).
 
-A mix-in of :class:`~hybridkv.radix.tree.WindowSafeTree`: the methods run on
-the tree's own state.
+:class:`MatchLearning` is a collaborator of
+:class:`~hybridkv.radix.tree.WindowSafeTree`: the tree calls it with the walk
+of each touching match and with the leaves eviction cuts (:func:`ghost_key`).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
+from .divergence import DivergenceModel
 from .node import TreeNode
+from .policy import RetentionPolicy
+from .rankings import Ranking
 
-__all__ = ["LearningMixin"]
+__all__ = ["MatchLearning", "ghost_key"]
 
 
-class LearningMixin:
-    """Match observers of :class:`~hybridkv.radix.tree.WindowSafeTree`."""
+def ghost_key(namespace: str, pos: int, page: np.ndarray) -> int:
+    """Name of the page at token ``pos`` (a statistic: collisions only mis-steer adaptation).  O(page)."""
+    return hash((namespace, pos, page.tobytes()))
 
-    def _observe_match(self, key: np.ndarray, namespace: str, path: list[tuple[TreeNode, int]], safe: int,
+
+class MatchLearning:
+    """What matches teach the divergence model and the ranking.
+
+    Args:
+        policy: the tree's retention policy (its ``pretail_pages`` is set here).
+        divergence: the :class:`DivergenceModel` it feeds.
+        ranking: the tree's leaf ranking (hears misses at ghosts and returns).
+        page_size / swa_page_bytes: the tree's page geometry.
+        now: advances the tree's clock and returns the new tick (recency).
+        node_count: the tree's current number of nodes.
+    """
+
+    def __init__(self, policy: RetentionPolicy, divergence: DivergenceModel, ranking: Ranking, page_size: int,
+                 swa_page_bytes: int, now: Callable[[], int], node_count: Callable[[], int]) -> None:
+        self.policy = policy
+        self.divergence = divergence
+        self.ranking = ranking
+        self.page_size = page_size
+        self.swa_page_bytes = swa_page_bytes
+        self.now = now
+        self.node_count = node_count
+
+    def observe_match(self, key: np.ndarray, namespace: str, path: list[tuple[TreeNode, int]], safe: int,
                        raw_pages: int, limit: int, diverged: bool, node: TreeNode | None,
                        unmatched: TreeNode | None) -> None:
         """What a touching match tells the learners, after the index answered it: the
@@ -53,15 +83,15 @@ class LearningMixin:
                 self._observe_divergence(end_node, took, raw_pages)
         pos = raw_pages * size
         if pos + size <= len(key):  # did a ghost of an evicted leaf start here?
-            ghost = self._ghost_key(namespace, pos, key[pos:pos + size])
+            ghost = ghost_key(namespace, pos, key[pos:pos + size])
             div = self.divergence
             if ghost in div.ghosts:
                 div.ghost_hit(ghost, (len(key) - pos) // size)
             self.ranking.missed(namespace, pos, ghost)
         if path:
             last = path[-1][0]
-            token = self.ranking.matched_before_touch(last, namespace, pos, diverged)
-            now = self._now()
+            token = self.ranking.matched_before_touch(last, namespace, pos, diverged=diverged)
+            now = self.now()
             touch = self.ranking.touch
             for n, _ in path:
                 if n.key is not None and n is not unmatched:  # a request does not use what it left
@@ -102,10 +132,5 @@ class LearningMixin:
         kp = self.policy.checkpoint_pages
         base = (raw_pages // kp) * kp if kp else 0
         if self.divergence.observe(dist, raw_pages - base):
-            leaves = self.ranking.leaves_hint(self.num_nodes)
+            leaves = self.ranking.leaves_hint(self.node_count())
             self.policy.pretail_pages = self.divergence.decide(leaves, self.policy.window_pages * self.swa_page_bytes)
-
-    @staticmethod
-    def _ghost_key(namespace: str, pos: int, page: np.ndarray) -> int:
-        """Name of the page at token ``pos`` (a statistic: collisions only mis-steer adaptation)."""
-        return hash((namespace, pos, page.tobytes()))

@@ -14,10 +14,20 @@ import numpy as np
 
 from ..window import safe_pages
 
-__all__ = ["TreeNode", "window_safe_pages", "NO_PAGE"]
+__all__ = ["TreeNode", "node_array", "window_safe_pages", "NO_PAGE"]
 
 NO_PAGE = -1
 _ids = itertools.count(1)
+
+
+def node_array(part: np.ndarray, owned: bool) -> np.ndarray:
+    """``part`` (of a caller's key or page ids) for a node to keep: a copy, unless the caller gave its arrays away and
+    the view pins at most twice its own bytes (node arrays are never written in
+    place: they are replaced by modified copies)."""
+    base = part.base
+    if owned and (base is None or base.nbytes <= 2 * part.nbytes):
+        return part
+    return part.copy()
 
 
 class TreeNode:

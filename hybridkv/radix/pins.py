@@ -1,15 +1,38 @@
-"""Pin counts of SWA pages: the windows locked requests rely on.
+"""Locks and pins: what live requests hold in the prefix index.
 
-A locked request pins the SWA pages of the window ending at its hit; a pinned
-page is never evicted.  Counts are per page id (pages are shared by requests
-that hit the same window), in one growable int32 array indexed by page id.
+A locked request locks the path to its hit (``TreeNode.lock``: full KV that
+is never evicted) and pins the SWA pages of the window ending at it; a pinned
+page is never evicted.  :class:`SwaPins` counts pins per page id (pages are
+shared by requests that hit the same window), in one growable int32 array
+indexed by page id; :class:`PathLocks` takes and gives back the locks of a
+tree's nodes.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
-__all__ = ["SwaPins"]
+from .node import TreeNode
+from .policy import RetentionPolicy
+from .types import LockHandle
+
+__all__ = ["PathLocks", "SwaPins"]
+
+_SCALAR_PINS = 8  # up to this many pages, pins are counted in a Python loop (numpy calls cost more)
+
+
+class _Windows(Protocol):
+    """What locking reads of the window anchors: the window ending at a node."""
+
+    def window_ids(self, node: TreeNode) -> list[int]: ...
+
+
+class _Queue(Protocol):
+    """What locking tells eviction: a node may have become evictable."""
+
+    def enqueue(self, node: TreeNode, *, leaf: bool = True, swa: bool = True) -> None: ...
 
 
 class SwaPins:
@@ -76,3 +99,99 @@ class SwaPins:
         """``protected`` equals the pinned ids; AssertionError otherwise."""
         assert int(np.count_nonzero(self.counts)) == self.protected, (
             int(np.count_nonzero(self.counts)), self.protected)
+
+
+class PathLocks:
+    """Path locks and window pins of one tree's nodes.
+
+    Args:
+        pins: the tree's :class:`SwaPins`.
+        windows: reads the SWA window ending at a node (the tree's anchors).
+        evictable: hears of nodes a release may have made evictable (eviction).
+        policy: the retention policy (its ``window_pages``).
+
+    Attributes: ``protected_full_pages``, the full pages on locked paths.
+    Invariant (checked by the tree): ``node.lock >= sum(child.lock)``.
+    """
+
+    def __init__(self, pins: SwaPins, windows: _Windows, evictable: _Queue, policy: RetentionPolicy) -> None:
+        self.pins = pins
+        self.windows = windows
+        self.evictable = evictable
+        self.policy = policy
+        self.protected_full_pages = 0
+
+    def lock(self, node: TreeNode | None) -> LockHandle:
+        """Protect the path to ``node`` (full KV) and the SWA window ending at it.
+
+        The window pages must hold SWA (true for a node returned by a split
+        :meth:`match`).  Runtime complexity: O(depth).
+        """
+        if node is None or node.parent is None:
+            return LockHandle(None)
+        if not node.alive:
+            raise ValueError("node was evicted; match again before locking")
+        ids = self.windows.window_ids(node)
+        if ids and min(ids) < 0:
+            raise ValueError("the SWA window ending at node is not held (not window safe)")
+        n: TreeNode = node
+        protected = 0
+        while n.parent is not None:
+            if n.lock == 0:
+                protected += len(n.full)
+            n.lock += 1
+            n = n.parent
+        self.protected_full_pages += protected
+        self.pins.pin_ids(ids, +1)
+        return LockHandle(node, None, ids)
+
+    def unlock(self, handle: LockHandle) -> None:
+        """Undo :meth:`lock`.  O(depth).  Raises ValueError on a second release."""
+        if not isinstance(handle, LockHandle):
+            raise TypeError(f"handle must be a LockHandle, got {type(handle).__name__}")
+        if handle.released:
+            raise ValueError("lock handle already released")
+        handle.released = True
+        node = handle.node
+        if node is None:
+            return
+        ids = handle.ids
+        if ids is not None:
+            self.pins.pin_ids(ids, -1)
+        else:
+            pages = handle.swa_pages
+            if pages.size <= _SCALAR_PINS:
+                self.pins.pin_ids(pages.tolist(), -1)
+            else:
+                self.pins.pin(pages, -1)
+        window = self.policy.window_pages
+        n: TreeNode = node
+        while n.parent is not None:
+            n.lock -= 1
+            assert n.lock >= 0
+            if n.lock == 0:
+                self.protected_full_pages -= len(n.full)
+            # pins were released on the window nodes: their SWA may be evictable now;
+            # a still-locked inner node above the window has nothing to enqueue
+            leafish = n.lock == 0 and not n.children
+            if leafish or (window > 0 and n.swa_valid):
+                self.evictable.enqueue(n, leaf=leafish, swa=window > 0)
+            window -= len(n.full)
+            n = n.parent
+
+    def lock_path(self, node: TreeNode | None, swa_pages: np.ndarray) -> LockHandle:
+        """Lock the path to ``node`` (full KV) and pin ``swa_pages`` (int32 SWA ids
+        the caller relies on), without :meth:`lock`'s requirement that the window
+        ending at ``node`` is held: a tier loading the missing window into L1 holds
+        what it has while it allocates.  Undo with :meth:`unlock`.  O(depth + pages)."""
+        if node is None:
+            return LockHandle(None)
+        n: TreeNode | None = node
+        while n is not None and n.parent is not None:
+            if n.lock == 0:
+                self.protected_full_pages += n.n_pages
+            n.lock += 1
+            n = n.parent
+        pages = np.asarray(swa_pages, dtype=np.int32)
+        self.pins.pin(pages, +1)
+        return LockHandle(node, pages)

@@ -13,7 +13,7 @@ is likely to end.  This module decides, for every user of that rule:
   point into a hittable branch point) and **checkpoints** (the W tokens
   before every multiple of K);
 * which of a live request's own SWA pages it may free (:meth:`releasable`),
-  used by ``HybridKVCache._release``;
+  used by :meth:`hybridkv.allocation.RequestPages.release`;
 * which pages L2/L3 treat as anchored (:meth:`tier_anchored`);
 * the segment rankings used by eviction (:class:`AdaptiveRanking`: recency
   vs. proven reuse of a sequence, balanced online by ghost hits as in ARC);
@@ -50,7 +50,7 @@ class RetentionPolicy:
         branch_points: anchor the window before a branch point.
     """
 
-    def __init__(self, page_size: int, window: int, checkpoint: int = 0, branch_points: bool = True) -> None:
+    def __init__(self, page_size: int, window: int, checkpoint: int = 0, *, branch_points: bool = True) -> None:
         self.page_size = page_size
         self.window = window
         self.window_pages = window_pages(window, page_size)
@@ -205,11 +205,11 @@ class AdaptiveRanking:
     def capacity(self) -> int:
         return self.pages[self.RECENT] + self.pages[self.REUSED]
 
-    def start_segment(self, extends_reused: bool) -> int:
+    def start_segment(self, *, extends_reused: bool) -> int:
         """Segment of a new leaf; ``extends_reused``: it extends a ``REUSED`` leaf."""
         return self.REUSED if extends_reused and self.inherit else self.RECENT
 
-    def evict_from(self, recent_available: bool, reused_available: bool) -> int:
+    def evict_from(self, *, recent_available: bool, reused_available: bool) -> int:
         """Segment to evict from next (the other one if the preferred has no leaf)."""
         prefer_recent = self.pages[self.RECENT] > self.target
         if prefer_recent and recent_available or not reused_available:

@@ -101,7 +101,7 @@ class Ranking:
     def missed(self, namespace: str, pos: int, ghost: int) -> None:
         """A match stopped at token ``pos``; ``ghost`` names the page there."""
 
-    def matched_before_touch(self, last: TreeNode, namespace: str, pos: int, diverged: bool) -> bool:
+    def matched_before_touch(self, last: TreeNode, namespace: str, pos: int, *, diverged: bool) -> bool:
         """A match's walk ended in ``last`` at token ``pos``; ``diverged``: the
         request leaves the sequence inside it.  Returns a token for
         :meth:`matched_after_touch`."""
@@ -115,12 +115,12 @@ class Ranking:
         return num_nodes
 
     # -- structure ---------------------------------------------------------
-    def leaf_added(self, leaf: TreeNode, parent: TreeNode, parent_is_root: bool, was_leaf: bool,
+    def leaf_added(self, leaf: TreeNode, parent: TreeNode, *, parent_is_root: bool, was_leaf: bool,
                    pos: int, pages: int) -> None:
         """The index added ``leaf`` (``pages`` pages at token ``pos``) under
         ``parent``; ``was_leaf``: ``parent`` had no children before."""
         extends_reused = not parent_is_root and was_leaf and parent.seg == REUSED
-        leaf.seg = self.segments.start_segment(extends_reused)
+        leaf.seg = self.segments.start_segment(extends_reused=extends_reused)
         self._place(leaf, parent, parent_is_root, pos)
         self.pages[leaf.seg] += pages
         self._filed(leaf, parent, parent_is_root, pos)
@@ -231,7 +231,7 @@ class SegmentRanking(Ranking):
         elif self.mode == "lru":
             pick = recent if (recent.last_access, recent.nid) < (reused.last_access, reused.nid) else reused
         else:
-            pick = recent if self.segments.evict_from(True, True) == RECENT else reused
+            pick = recent if self.segments.evict_from(recent_available=True, reused_available=True) == RECENT else reused
         heapq.heappop(self._recent_heap if pick.seg == RECENT else self._reused_heap)
         return pick
 
@@ -290,7 +290,7 @@ class ValueRanking(Ranking):
             return
         del self._by_class[node.vcls][node.nid]
         if end:
-            self.reuse.end(node.vcls, node.since, self._clock(), False)
+            self.reuse.end(node.vcls, node.since, self._clock(), returned=False)
         node.vcls = -1
 
     def missed(self, namespace: str, pos: int, ghost: int) -> None:
@@ -300,7 +300,7 @@ class ValueRanking(Ranking):
                 self._ghost_returns.clear()
             self._ghost_returns[(namespace, pos)] = came_back
 
-    def matched_before_touch(self, last: TreeNode, namespace: str, pos: int, diverged: bool) -> bool:
+    def matched_before_touch(self, last: TreeNode, namespace: str, pos: int, *, diverged: bool) -> bool:
         # a request that diverges inside the leaf brought the sequence back up to ``pos``: the
         # return counts for the leaf's class (its period ends), but the history goes to the node
         # that will end at ``pos`` (the branch point), not to the tail past it (crediting the tail
@@ -312,7 +312,7 @@ class ValueRanking(Ranking):
                 self._branch_returns.clear()
             self._branch_returns[(namespace, pos)] = (last.returns + 1, next_gap(last.gap, tick - last.last_access))
         if returned:  # a cached sequence came back: its period ends with a return
-            self.reuse.end(last.vcls, last.since, tick, True)
+            self.reuse.end(last.vcls, last.since, tick, returned=True)
             self._unfile(last, end=False)
             if not diverged:
                 last.returns += 1
@@ -413,7 +413,7 @@ class ValueRanking(Ranking):
             if parent.returns > node.returns:
                 # requests branched off the parent: it came back on its own account
                 if cls >= 0:
-                    self.reuse.end(cls, since, self._clock(), False)
+                    self.reuse.end(cls, since, self._clock(), returned=False)
                 self._file(parent)
             else:
                 # the parent is the same sequence, shorter: it carries the period on

@@ -146,7 +146,7 @@ class ReuseModel:
         k = cls + self.CLASSES * (since >> _BIN)
         self._running[k] = self._running.get(k, 0) + 1
 
-    def end(self, cls: int, since: int, now: int, returned: bool) -> None:
+    def end(self, cls: int, since: int, now: int, *, returned: bool) -> None:
         """The period started at ``since`` ended at ``now``: by a return, or not (censored)."""
         k = cls + self.CLASSES * (since >> _BIN)
         left = self._running.get(k, 0) - 1
@@ -181,11 +181,11 @@ class ReuseModel:
         ghosts = self._ghosts
         if key in ghosts:
             old = ghosts.pop(key)
-            self.end(old[0], old[1], now, False)
+            self.end(old[0], old[1], now, returned=False)
         ghosts[key] = (cls, since, history)
         while len(ghosts) > self.max_ghosts:
             _, (g_cls, g_since, _h) = ghosts.popitem(last=False)
-            self.end(g_cls, g_since, now, False)  # censored: we stop watching
+            self.end(g_cls, g_since, now, returned=False)  # censored: we stop watching
 
     def on_miss(self, key: int, now: int) -> tuple[int, float] | None:
         """A request's match stopped at ``key``: if it is a ghost, record the return and
@@ -194,7 +194,7 @@ class ReuseModel:
         if hit is None:
             return None
         cls, since, (returns, gap) = hit
-        self.end(cls, since, now, True)
+        self.end(cls, since, now, returned=True)
         return returns + 1, next_gap(gap, now - since)
 
     # --------------------------------------------------------------- tables

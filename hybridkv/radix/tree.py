@@ -4,12 +4,15 @@ The tree decides what is a hit and what is evicted; it never touches KV
 tensors.  Pages it drops are returned to the pool through ``free_full`` /
 ``free_swa`` (``free_listeners`` hear them first).
 
-Rooms: this module holds the structure (walk, match, insert, split, locks,
-events, invariants); :mod:`~hybridkv.radix.retention` the anchored windows and
-the window-safe length of a path; :mod:`~hybridkv.radix.evict` eviction and its
-SWA heaps; :mod:`~hybridkv.radix.learning` what matches teach the models;
-:mod:`~hybridkv.radix.rankings` the leaf rankings (plug-ins); :mod:`~hybridkv.radix.pins`
-SWA pin counts; :mod:`~hybridkv.radix.types` the configuration and results.
+This module holds the index itself (nodes, walk, match, insert, split, locks,
+invariants); the rest are named collaborators, each in its own module and
+reached through public methods: ``anchors``
+(:class:`~hybridkv.radix.anchors.WindowAnchors`), ``eviction``
+(:class:`~hybridkv.radix.evict.Eviction`), ``learning``
+(:class:`~hybridkv.radix.learning.MatchLearning`), ``events``
+(:class:`~hybridkv.radix.events.TreeEvents`), ``locks`` / ``pins``
+(:mod:`~hybridkv.radix.pins`), ``ranking`` (:mod:`~hybridkv.radix.rankings`)
+and ``policy`` (:class:`~hybridkv.radix.policy.RetentionPolicy`).
 
 Invariants (checked by :meth:`WindowSafeTree.check_invariants`):
 
@@ -28,48 +31,39 @@ page-aligned window-safe ``L`` not exceeding the token match.
 
 from __future__ import annotations
 
-import heapq
 from typing import Callable, Iterator
 
 import numpy as np
 
 from .._validate import as_int_array, as_token_array, check_int
 from ..spec import AttnKind
+from .anchors import WindowAnchors
 from .divergence import DivergenceModel
-from .events import EventsMixin, deliver_after
-from .evict import EvictionMixin
-from .learning import LearningMixin
-from .node import NO_PAGE, TreeNode
-from .pins import SwaPins
+from .events import TreeEvents, deliver_after
+from .evict import Eviction
+from .learning import MatchLearning
+from .node import NO_PAGE, TreeNode, node_array
+from .pins import PathLocks, SwaPins
 from .policy import RetentionPolicy
 from .rankings import Ranking, make_ranking
-from .retention import RetentionMixin
 from .types import (EMPTY, RANKINGS, SWA_EVICTIONS, InsertResult, LockHandle, MatchResult, PagePool, TreeConfig,
                     TreeEvent)
 
 __all__ = ["TreeConfig", "TreeEvent", "WindowSafeTree", "MatchResult", "LockHandle", "InsertResult",
            "PagePool", "RANKINGS", "SWA_EVICTIONS", "as_token_array"]
 
-_SCALAR_PINS = 8  # up to this many pages, pins are counted in a Python loop (numpy calls cost more)
 
-
-def _keep(part: np.ndarray, owned: bool) -> np.ndarray:
-    """``part`` for a node to keep: a copy, unless the caller gave its arrays away and
-    the view pins at most twice its own bytes (node arrays are never written in
-    place: they are replaced by modified copies)."""
-    base = part.base
-    if owned and (base is None or base.nbytes <= 2 * part.nbytes):
-        return part
-    return part.copy()
-
-
-class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
+class WindowSafeTree:
     """Radix tree over page-aligned token keys with dual full/SWA page ids.
 
     Args:
         config: :class:`TreeConfig`.
         pool: receives freed pages (:class:`PagePool`).
         full_page_bytes / swa_page_bytes: used to weigh byte-budget eviction.
+
+    Collaborators (attributes, see the module docstring): ``anchors``,
+    ``eviction``, ``learning``, ``events``, ``locks``, ``pins``, ``policy``,
+    ``ranking``, ``divergence``.
     """
 
     def __init__(self, config: TreeConfig, pool: PagePool, *, full_page_bytes: int = 1,
@@ -79,7 +73,7 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
         self.config = config
         self.pool = pool
         # sliding groups beside the lead one (a pool of a several-window model): a
-        # hit needs each of their windows too (see RetentionMixin._safe_pages)
+        # hit needs each of their windows too (see WindowAnchors.safe_pages)
         self.groups: tuple = tuple(getattr(pool, "groups", ()))
         self.page_size = config.page_size
         self.full_page_bytes = full_page_bytes
@@ -88,24 +82,25 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
         self._tick = 0
         self.pins = SwaPins()
         self.policy = RetentionPolicy(config.page_size, config.window, config.swa_checkpoint,
-                                      config.anchor_branch_points)
+                                      branch_points=config.anchor_branch_points)
         ranking = make_ranking(config.ranking, self._clock)
         self.reuse = ranking.reuse  # the "value" ranking's learned return hazards
         self.ranking: Ranking = ranking
         self.divergence = DivergenceModel()  # learns RetentionPolicy.pretail_pages
-        self._dead: list[TreeNode] = []  # leaves left without a held tail window: no hit can end in them
-        self._swa_heap: list[tuple[int, int, TreeNode]] = []      # unanchored SWA first
-        self._point_heap: list[tuple[int, int, TreeNode]] = []    # then predicted windows
-        self._anchor_heap: list[tuple[int, int, TreeNode]] = []   # then tails/checkpoints
         self.num_nodes = 0
         self.full_pages_cached = 0
         self.swa_pages_cached = 0
-        self.protected_full_pages = 0
-        self.evicted_full_pages = 0
-        self.evicted_swa_pages = 0
-        self.listeners: list[Callable[[TreeEvent], None]] = []
-        self.listener_errors = 0  # listener exceptions caught (logged; the tree stays consistent)
-        self._event_queue: list[TreeEvent] | None = None  # events held until an update completes
+        # with several sliding groups a page counts (in events, in bytes freed) where
+        # every group still holds it: the pool knows
+        self.events = TreeEvents(self.page_size, pool.held_by_all if self.groups else None)  # type: ignore[attr-defined]
+        self.anchors = WindowAnchors(self.policy, self.page_size, self.groups)
+        self.learning = MatchLearning(self.policy, self.divergence, ranking, self.page_size, swa_page_bytes,
+                                      now=self._now, node_count=lambda: self.num_nodes)
+        self.eviction = Eviction(self, self.anchors, ranking, self.pins, self.divergence, self.events, self.policy,
+                                 mode=config.swa_eviction, page_size=self.page_size, full_page_bytes=full_page_bytes,
+                                 swa_page_bytes=swa_page_bytes,
+                                 group_bytes=pool.group_bytes if self.groups else None)  # type: ignore[attr-defined]
+        self.locks = PathLocks(self.pins, self.anchors, self.eviction, self.policy)
         # Called with (kind, int32 page ids) just before the tree gives pages back to
         # ``pool`` (an eviction, a duplicate of an insert): the pages still hold their
         # KV, so a tier below can copy them first.  A hook must not call into the tree.
@@ -113,12 +108,16 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
         self._pool_free_full = getattr(pool, "free_full_trusted", None) or pool.free_full
         self._pool_free_swa = getattr(pool, "free_swa_trusted", None) or pool.free_swa
 
-    def _free_full(self, pages: np.ndarray) -> None:
+    def return_full_pages(self, pages: np.ndarray) -> None:
+        """Give int32 full ``pages`` the tree dropped back to the pool, after the
+        ``free_listeners``.  O(pages)."""
         for hook in self.free_listeners:
             hook(AttnKind.FULL, pages)
         self._pool_free_full(pages)
 
-    def _free_swa(self, pages: np.ndarray) -> None:
+    def return_swa_pages(self, pages: np.ndarray) -> None:
+        """Give int32 SWA ``pages`` the tree dropped back to the pool, after the
+        ``free_listeners``.  O(pages)."""
         for hook in self.free_listeners:
             hook(AttnKind.SWA, pages)
         self._pool_free_swa(pages)
@@ -130,6 +129,60 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
     def _clock(self) -> int:
         """The tick of the last update (rankings read it without advancing it)."""
         return self._tick
+
+    # ======================================================= collaborators
+    listeners = property(lambda self: self.events.listeners,
+                         doc="Callables that hear every :class:`TreeEvent` (append to subscribe).")
+    listener_errors = property(lambda self: self.events.errors,
+                               doc="Listener exceptions caught (logged; the tree stays consistent).")
+
+    evicted_full_pages = property(lambda self: self.eviction.evicted_full_pages, doc="Full pages evicted so far.")
+    evicted_swa_pages = property(lambda self: self.eviction.evicted_swa_pages, doc="SWA pages evicted so far.")
+
+    def evictable_full_pages(self) -> int:
+        return self.full_pages_cached - self.protected_full_pages
+
+    def evictable_swa_pages(self) -> int:
+        return self.swa_pages_cached - self.protected_swa_pages
+
+    @deliver_after
+    def evict(self, full_pages: int = 0, swa_pages: int = 0, nbytes: int = 0) -> tuple[int, int]:
+        """Free at least ``full_pages`` full pages, ``swa_pages`` SWA pages and
+        ``nbytes`` bytes, as far as unlocked data allows; returns the pages freed
+        ``(full, swa)``.  The order is :meth:`Eviction.evict`'s; events are
+        delivered once it is done.  Runtime: O(k log n) for k nodes visited.
+        Raises ValueError for a negative or non-int amount, changing nothing."""
+        for name, value in (("full_pages", full_pages), ("swa_pages", swa_pages), ("nbytes", nbytes)):
+            if not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        return self.eviction.evict(full_pages, swa_pages, nbytes)
+
+    def heap_limit(self) -> int:
+        return self.eviction.heap_limit()  # see Eviction.heap_limit
+
+    def heap_sizes(self) -> dict[str, int]:
+        return self.eviction.heap_sizes()  # see Eviction.heap_sizes
+
+    def anchored(self, node: TreeNode) -> np.ndarray:
+        """bool per page of ``node``: its SWA ends a likely hit (anchor count > 0).  O(pages)."""
+        return self.anchors.anchored(node)
+
+    # ============================================ what eviction asks of the index
+    def detach_leaf(self, node: TreeNode) -> TreeNode:
+        """Unlink leaf ``node`` (eviction took all its pages) from its parent and
+        mark it dead (``node.alive`` is False); returns the parent.  O(1)."""
+        parent = node.parent
+        assert parent is not None and not node.children
+        del parent.children[node.key[:self.page_size].tobytes()]
+        self.num_nodes -= 1
+        node.key = None  # type: ignore[assignment]
+        node.parent = None
+        return parent
+
+    def uncount(self, full_pages: int, swa_pages: int) -> None:
+        """Eviction dropped ``full_pages`` / ``swa_pages`` pages from nodes.  O(1)."""
+        self.full_pages_cached -= full_pages
+        self.swa_pages_cached -= swa_pages
 
     @property
     def protected_swa_pages(self) -> int:
@@ -149,9 +202,6 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
 
     def namespaces(self) -> list[str]:
         return list(self._roots)
-
-    def _page_key(self, key: np.ndarray, pos: int) -> bytes:
-        return key[pos:pos + self.page_size].tobytes()
 
     def _common_pages(self, node_key: np.ndarray, key: np.ndarray, pos: int, limit: int) -> int:
         """Number of whole pages on which ``node_key`` equals ``key[pos:]`` (<= limit)."""
@@ -207,12 +257,12 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
         Runtime complexity: O(depth + L / page_size) plus numpy compares of the
         matched tokens.  Mutates only recency (and node boundaries if ``split``).
         """
-        return self.match_tokens(as_token_array(key, "key"), namespace, max_len, split, touch)
+        return self.match_tokens(as_token_array(key, "key"), namespace, max_len, split=split, touch=touch)
 
-    def match_tokens(self, key: np.ndarray, namespace: str, max_len: int | None, split: bool,
-               touch: bool) -> MatchResult:
+    def match_tokens(self, key: np.ndarray, namespace: str, max_len: int | None = None, *, split: bool = False,
+                     touch: bool = True) -> MatchResult:
         """:meth:`match` on an already validated key."""
-        safe, raw_pages, parts, node = self.match_parts(key, namespace, max_len, split, touch)
+        safe, raw_pages, parts, node = self.match_parts(key, namespace, max_len, split=split, touch=touch)
         # copies: the caller may write into them, the nodes' arrays are the tree's
         if len(parts) == 1:
             n, take = parts[0]
@@ -225,8 +275,8 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
         size = self.page_size
         return MatchResult(safe * size, raw_pages * size, full, swa, node)
 
-    def match_parts(self, key: np.ndarray, namespace: str, max_len: int | None, split: bool,
-                     touch: bool) -> tuple[int, int, list[tuple[TreeNode, int]], TreeNode | None]:
+    def match_parts(self, key: np.ndarray, namespace: str, max_len: int | None = None, *, split: bool = False,
+                    touch: bool = True) -> tuple[int, int, list[tuple[TreeNode, int]], TreeNode | None]:
         """:meth:`match_tokens` without building the page arrays: ``(safe_pages, raw_pages,
         [(node, pages taken)], node)``; the hit's pages are ``node.full[:taken]`` of
         each part in order (a caller copying them into its own buffer skips a copy)."""
@@ -239,7 +289,7 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
         raw_pages = 0
         for _, k in path:
             raw_pages += k
-        safe = self._safe_pages(path, raw_pages)
+        safe = self.anchors.safe_pages(path, raw_pages)
         # the request leaves the cached sequence inside its last node (not at its end,
         # and not because the request ends there): it diverges, e.g. a new question on
         # a cached document or a regenerated reply
@@ -262,7 +312,7 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
             node = n
             left -= take
         if touch:
-            self._observe_match(key, namespace, path, safe, raw_pages, limit, diverged, node, unmatched)
+            self.learning.observe_match(key, namespace, path, safe, raw_pages, limit, diverged, node, unmatched)
         return safe, raw_pages, parts, node
 
     # ================================================================= split
@@ -284,7 +334,7 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
             upper.points = up or None
             node.points = [p for p in node.points if p > cut_abs] or None
             if up:
-                heapq.heappush(self._point_heap, (upper.last_access, upper.nid, upper))
+                self.eviction.watch_points(upper)
         if 0 <= node.mark <= node.start // self.page_size + pages:  # the prompt ended in the upper half
             upper.mark, node.mark = node.mark, -1
         node.key = node.key[cut:]
@@ -296,8 +346,8 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
         upper.children[node.key[:self.page_size].tobytes()] = node
         node.parent = upper
         self.num_nodes += 1  # a locked node's halves stay locked: protected count unchanged
-        self._reanchor(upper)  # the upper half may end at the prompt's end (node.mark)
-        self._enqueue(upper, leaf=False)
+        self.anchors.reanchor(upper)  # the upper half may end at the prompt's end (node.mark)
+        self.eviction.enqueue(upper, leaf=False)
 
     # ================================================================ insert
     def insert(self, key: object, full_pages: object, swa_pages: object,
@@ -407,9 +457,9 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
                 child.swa_valid += got
                 self.swa_pages_cached += got
                 adopted += got
-                self._enqueue(child, leaf=False)
-                if self.listeners:
-                    self._emit("swa_store", child)
+                self.eviction.enqueue(child, leaf=False)
+                if self.events.listeners:
+                    self.events.emit("swa_store", child)
             drop_swa.append(ours_s[have & mine & (ours_s != child.swa)])
             self.ranking.touch(child, now)
             node = child
@@ -418,9 +468,9 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
         if new_pages:
             node = self._add_leaf(node, root, key, full, swa, pi, n, namespace, now, owned, mark)
         if drop_full:
-            self._free_full(drop_full[0] if len(drop_full) == 1 else np.concatenate(drop_full))
+            self.return_full_pages(drop_full[0] if len(drop_full) == 1 else np.concatenate(drop_full))
         if drop_swa:
-            self._free_swa(drop_swa[0] if len(drop_swa) == 1 else np.concatenate(drop_swa))
+            self.return_swa_pages(drop_swa[0] if len(drop_swa) == 1 else np.concatenate(drop_swa))
         return InsertResult(node if node is not root else None, new_pages, adopted)
 
     def _add_leaf(self, node: TreeNode, root: TreeNode, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
@@ -431,7 +481,8 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
         size = self.page_size
         new_pages = n - pi
         was_leaf = not node.children
-        leaf = TreeNode(_keep(key[pi * size:], owned), _keep(full[pi:], owned), _keep(swa[pi:], owned),
+        leaf = TreeNode(node_array(key[pi * size:], owned), node_array(full[pi:], owned),
+                        node_array(swa[pi:], owned),
                         node, pi * size, namespace, now)
         if pi < mark < n:
             leaf.mark = mark
@@ -443,101 +494,48 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
         self.num_nodes += 1
         self.full_pages_cached += new_pages
         self.swa_pages_cached += leaf.swa_valid
-        self.ranking.leaf_added(leaf, node, node is root, was_leaf, pi * size, new_pages)
+        self.ranking.leaf_added(leaf, node, parent_is_root=node is root, was_leaf=was_leaf, pos=pi * size,
+                                pages=new_pages)
         for a, b in self.policy.checkpoint_windows(pi, n):  # the new leaf's counts are all 0
             leaf.anchor[a - pi:b - pi] = 1
-        self._reanchor(node)
-        self._anchor_window(leaf, 1)  # _reanchor(leaf), inlined: a fresh leaf's tail is an anchor
+        anchors, eviction = self.anchors, self.eviction
+        anchors.reanchor(node)
+        anchors.anchor_window(leaf, 1)  # reanchor(leaf), inlined: a fresh leaf's tail is an anchor
         leaf.ends = 1
-        self._enqueue(leaf)
+        eviction.enqueue(leaf)
         if node is not root:
-            self._enqueue(node, leaf=False)  # its tail is no longer a leaf tail
+            eviction.enqueue(node, leaf=False)  # its tail is no longer a leaf tail
         if self.policy.pretail_pages >= 0 and not 0 <= mark <= pi:  # (not a leaf of output only)
-            self._predict_window(leaf)
-        if self.listeners:
-            self._emit("store", leaf)
+            if anchors.predict_window(leaf):
+                eviction.watch_points(leaf)
+        if self.events.listeners:
+            self.events.emit("store", leaf)
         return leaf
 
     # ================================================================= locks
     def lock(self, node: TreeNode | None) -> LockHandle:
-        """Protect the path to ``node`` (full KV) and the SWA window ending at it.
-
-        The window pages must hold SWA (true for a node returned by a split
-        :meth:`match`).  Runtime complexity: O(depth).
-        """
-        if node is None or node.parent is None:
-            return LockHandle(None)
-        if not node.alive:
-            raise ValueError("node was evicted; match again before locking")
-        ids = self._window_ids(node)
-        if ids and min(ids) < 0:
-            raise ValueError("the SWA window ending at node is not held (not window safe)")
-        n: TreeNode = node
-        protected = 0
-        while n.parent is not None:
-            if n.lock == 0:
-                protected += len(n.full)
-            n.lock += 1
-            n = n.parent
-        self.protected_full_pages += protected
-        self.pins.pin_ids(ids, +1)
-        return LockHandle(node, None, ids)
+        """Protect the path to ``node`` (full KV) and the SWA window ending at it;
+        see :meth:`PathLocks.lock`.  O(depth)."""
+        return self.locks.lock(node)
 
     def unlock(self, handle: LockHandle) -> None:
-        """Undo :meth:`lock`.  O(depth).  Raises ValueError on a second release."""
-        if not isinstance(handle, LockHandle):
-            raise TypeError(f"handle must be a LockHandle, got {type(handle).__name__}")
-        if handle.released:
-            raise ValueError("lock handle already released")
-        handle.released = True
-        node = handle.node
-        if node is None:
-            return
-        ids = handle.ids
-        if ids is not None:
-            self.pins.pin_ids(ids, -1)
-        else:
-            pages = handle.swa_pages
-            if pages.size <= _SCALAR_PINS:
-                self.pins.pin_ids(pages.tolist(), -1)
-            else:
-                self.pins.pin(pages, -1)
-        window = self.policy.window_pages
-        n: TreeNode = node
-        while n.parent is not None:
-            n.lock -= 1
-            assert n.lock >= 0
-            if n.lock == 0:
-                self.protected_full_pages -= len(n.full)
-            # pins were released on the window nodes: their SWA may be evictable now;
-            # a still-locked inner node above the window has nothing to enqueue
-            leafish = n.lock == 0 and not n.children
-            if leafish or (window > 0 and n.swa_valid):
-                self._enqueue(n, leaf=leafish, swa=window > 0)
-            window -= len(n.full)
-            n = n.parent
+        """Undo :meth:`lock` / :meth:`lock_path`; see :meth:`PathLocks.unlock`.  O(depth)."""
+        self.locks.unlock(handle)
 
     def lock_path(self, node: TreeNode | None, swa_pages: np.ndarray) -> LockHandle:
-        """Lock the path to ``node`` (full KV) and pin ``swa_pages`` (int32 SWA ids
-        the caller relies on), without :meth:`lock`'s requirement that the window
-        ending at ``node`` is held: a tier loading the missing window into L1 holds
-        what it has while it allocates.  Undo with :meth:`unlock`.  O(depth + pages)."""
-        if node is None:
-            return LockHandle(None)
-        n: TreeNode | None = node
-        while n is not None and n.parent is not None:
-            if n.lock == 0:
-                self.protected_full_pages += n.n_pages
-            n.lock += 1
-            n = n.parent
-        pages = np.asarray(swa_pages, dtype=np.int32)
-        self.pins.pin(pages, +1)
-        return LockHandle(node, pages)
+        """Lock the path to ``node`` and pin ``swa_pages``; see :meth:`PathLocks.lock_path`.
+        O(depth + pages)."""
+        return self.locks.lock_path(node, swa_pages)
 
     def pin_swa(self, pages: np.ndarray, delta: int) -> None:
         """Add ``delta`` (+1 / -1) to the pin counts of int32 SWA ``pages`` (pinned
         pages are never evicted).  O(n)."""
         self.pins.pin(pages, delta)
+
+    @property
+    def protected_full_pages(self) -> int:
+        """Full pages on locked paths (never evicted while locked)."""
+        return self.locks.protected_full_pages
 
     # ============================================================= inspection
     def iter_nodes(self, namespace: str | None = None) -> Iterator[TreeNode]:
@@ -584,7 +582,9 @@ class WindowSafeTree(RetentionMixin, EvictionMixin, LearningMixin, EventsMixin):
                 full_seen.append(node.full)
                 swa_seen.append(node.swa[valid])
         assert n_nodes == self.num_nodes, (n_nodes, self.num_nodes)
-        self._check_anchors()
+        nodes = list(self.iter_nodes())
+        self.anchors.check(nodes)
+        self.ranking.check(nodes)
         assert swa_valid == self.swa_pages_cached
         assert prot_full == self.protected_full_pages, (prot_full, self.protected_full_pages)
         full = np.concatenate(full_seen) if full_seen else EMPTY

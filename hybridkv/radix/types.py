@@ -8,23 +8,24 @@ importing each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from .._validate import check_int
+from ..modes import EvictionRanking, SwaEviction
 from ..spec import window_pages
 from .node import TreeNode
 
 __all__ = ["TreeConfig", "TreeEvent", "MatchResult", "LockHandle", "InsertResult", "PagePool",
-           "RANKINGS", "SWA_EVICTIONS", "EMPTY"]
+           "RANKINGS", "SWA_EVICTIONS", "EMPTY", "EvictionRanking", "SwaEviction"]
 
 EMPTY = np.zeros(0, dtype=np.int32)
 
 
-RANKINGS = ("value", "adaptive", "arc", "lru")  # TreeConfig.ranking
-SWA_EVICTIONS = ("page", "node", "none")  # TreeConfig.swa_eviction
+RANKINGS = tuple(m.value for m in EvictionRanking)  # TreeConfig.ranking, as strings
+SWA_EVICTIONS = tuple(m.value for m in SwaEviction)  # TreeConfig.swa_eviction, as strings
 
 
 class PagePool(Protocol):
@@ -44,13 +45,14 @@ class TreeConfig:
         window: sliding window W in tokens.
         swa_checkpoint: K; SWA pages in the W tokens before every multiple of
             K are retention checkpoints (evicted last).  0 disables them.
-        swa_eviction: ``"page"`` (hybridkv: per-page SWA eviction, cheapest
-            SWA first), ``"node"`` (tombstone baseline: a node's SWA goes as a
-            whole, plain LRU) or ``"none"`` (naive baseline: SWA lives and
-            dies with full KV).
+        swa_eviction: a :class:`~hybridkv.modes.SwaEviction` (or its string):
+            ``"page"`` (hybridkv: per-page SWA eviction, cheapest SWA first),
+            ``"node"`` (tombstone baseline: a node's SWA goes as a whole, plain
+            LRU) or ``"none"`` (naive baseline: SWA lives and dies with full KV).
         anchor_branch_points: treat the window before a branch point as a
             checkpoint (shared system prompts end there).
-        ranking: which leaf eviction takes: ``"value"`` (default: the
+        ranking: which leaf eviction takes, a
+            :class:`~hybridkv.modes.EvictionRanking` (or its string): ``"value"`` (default: the
             lowest hit density, returns per tick held, learned online per
             reuse class and idle time by
             :class:`~hybridkv.radix.reuse.ReuseModel`), ``"adaptive"``
@@ -62,13 +64,12 @@ class TreeConfig:
     page_size: int
     window: int
     swa_checkpoint: int = 0
-    swa_eviction: str = "page"
-    anchor_branch_points: bool = True
-    ranking: str = "value"
+    swa_eviction: SwaEviction = SwaEviction.PAGE
+    anchor_branch_points: bool = field(default=True, kw_only=True)
+    ranking: EvictionRanking = EvictionRanking.VALUE
 
     def __post_init__(self) -> None:
-        if self.ranking not in RANKINGS:
-            raise ValueError(f"ranking must be one of {RANKINGS}, got {self.ranking!r}")
+        object.__setattr__(self, "ranking", EvictionRanking.parse(self.ranking, "ranking"))
         for name in ("page_size", "window", "swa_checkpoint"):
             object.__setattr__(self, name, check_int(getattr(self, name), name))
         if self.page_size < 1:
@@ -77,8 +78,7 @@ class TreeConfig:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if self.swa_checkpoint < 0:
             raise ValueError(f"swa_checkpoint must be >= 0, got {self.swa_checkpoint}")
-        if self.swa_eviction not in SWA_EVICTIONS:
-            raise ValueError(f"swa_eviction must be one of {SWA_EVICTIONS}, got {self.swa_eviction!r}")
+        object.__setattr__(self, "swa_eviction", SwaEviction.parse(self.swa_eviction, "swa_eviction"))
 
     @property
     def window_pages(self) -> int:

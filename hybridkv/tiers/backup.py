@@ -17,16 +17,23 @@ registration and in L2 and queued for L3 (:meth:`L2Backup.anchor_hit_window`).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from threading import RLock
+from typing import Any, Callable
 
 import numpy as np
 
+from ..pools import DualPool
+from ..radix import WindowSafeTree
+from ..request import Request
+from ..modes import L3Swa, WritePolicy
 from ..spec import AttnKind
-from .payload import swa_key
+from .config import TierConfig
+from .host import HostTier
+from .payload import PayloadCodec, swa_key
+from .writes import L3WriteQueue
 
-if TYPE_CHECKING:
-    from ..cache import Request
-    from .coordinator import TierCoordinator
+#: copies pages of a kind between two pools: ``copy(kind, src, src_pages, dst, dst_pages)``
+PageCopy = Callable[[AttnKind, Any, np.ndarray, Any, np.ndarray], None]
 
 __all__ = ["L2Backup"]
 
@@ -35,11 +42,37 @@ _EMPTY = np.zeros(0, dtype=np.int32)
 
 
 class L2Backup:
-    """The L1 page-key registry and the L1 -> L2 copies of ``coordinator`` (its
-    host, codec, write queue, counters; everything under its mutex)."""
+    """The L1 page-key registry and the L1 -> L2 copies of a tier coordinator.
 
-    def __init__(self, coordinator: TierCoordinator) -> None:
-        self._co = coordinator
+    Args:
+        tree / pool: L1 (the tree's pages are registered; its retention policy
+            says which pages are anchored).
+        host: L2.
+        writes: the L3 write queue (what enters L2 is queued for L3).
+        codec: the payload codec (bytes per page, for the counters).
+        tiers: the :class:`TierConfig` (write policy, ``l3_swa``).
+        counters: the coordinator's tier counters, updated in place.
+        mutex: the coordinator's lock (taken when the tree frees pages).
+        window_pages: the model's SWA window in pages.
+        copy: moves pages between L1 and L2 (:data:`PageCopy`).
+        protected: the L2 pages (full, SWA) a load under way reads; a store
+            made meanwhile must not evict them.
+    """
+
+    def __init__(self, tree: WindowSafeTree, pool: DualPool, host: HostTier, writes: L3WriteQueue,
+                 codec: PayloadCodec, tiers: TierConfig, counters: dict[str, int], mutex: RLock, *,
+                 window_pages: int, copy: PageCopy, protected: Callable[[], tuple[set[int], set[int]]]) -> None:
+        self.tree = tree
+        self.pool = pool
+        self.host = host
+        self.writes = writes
+        self.codec = codec
+        self.tiers = tiers
+        self.counters = counters
+        self.mutex = mutex
+        self.window_pages = window_pages
+        self.copy = copy
+        self.protected = protected
         self._full_key: dict[int, bytes] = {}              # L1 full page -> page key
         self._swa_key: dict[int, tuple[bytes, bool]] = {}  # L1 SWA page -> (page key, anchored)
 
@@ -73,7 +106,7 @@ class L2Backup:
 
     def check_registered(self) -> None:
         """Every page the L1 tree holds has a registered key, no other page has.  O(n)."""
-        tree = self._co.tree
+        tree = self.tree
         tree_full = {int(p) for nd in tree.iter_nodes() for p in nd.full.tolist()}
         assert set(self._full_key) == tree_full, "L1 full pages and registered keys differ"
         tree_swa = {int(p) for nd in tree.iter_nodes() for p in nd.swa[nd.swa >= 0].tolist()}
@@ -82,7 +115,7 @@ class L2Backup:
     def _anchored(self, idx: np.ndarray, end: int) -> np.ndarray:
         """Which page indices end a kept window: the tail before ``end`` or a checkpoint
         (the tree's :class:`~hybridkv.radix.policy.RetentionPolicy` decides, as in L1)."""
-        return self._co.tree.policy.tier_anchored(idx, end)
+        return self.tree.policy.tier_anchored(idx, end)
 
     def anchor_hit_window(self, req: Request, keys: list[bytes], h: int) -> None:
         """Anchor the SWA window ``[h - W, h)`` that ends this hit (repair case 4).
@@ -92,42 +125,40 @@ class L2Backup:
         backup at finish keeps the flag); L2 copies are promoted to the
         anchored class and queued for L3 if not known there.  O(window pages).
         """
-        co = self._co
-        lo = max(0, h - co.spec.window_pages)
+        lo = max(0, h - self.window_pages)
         for i, p in zip(range(lo, h), req.swa_pages[lo:h].tolist()):
             if p >= 0 and p in self._swa_key:
                 self._swa_key[p] = (keys[i], True)
         swa_keys = [swa_key(k) for k in keys[lo:h]]
-        pages = co.host.lookup_swa(swa_keys)
+        pages = self.host.lookup_swa(swa_keys)
         have = pages >= 0
         if have.any():
             held = [k for k, o in zip(swa_keys, have.tolist()) if o]
-            co.host.anchor(held)
-            co.writes.queue(AttnKind.SWA, held, pages[have], base=[k for k, o in zip(keys[lo:h], have) if o])
+            self.host.anchor(held)
+            self.writes.queue(AttnKind.SWA, held, pages[have], base=[k for k, o in zip(keys[lo:h], have) if o])
 
     # ============================================================== copies
     def at_finish(self, req: Request, aligned: int, keys: list[bytes]) -> None:
         """Copy ``req``'s pages ``[0, aligned)`` to L2 as the write policy asks:
         write-through all the full KV L2 lacks, and the SWA L2 lacks (write-back:
         only where L2 holds the full KV, repair case 1).  O(pages)."""
-        co = self._co
-        through = co.tiers.write_policy == "write_through"
-        have_full = co.host.lookup_full(keys[:aligned]) >= 0
+        through = self.tiers.write_policy is WritePolicy.WRITE_THROUGH
+        have_full = self.host.lookup_full(keys[:aligned]) >= 0
         if through:
             missing_full = np.flatnonzero(~have_full)
             self.store_l2(AttnKind.FULL, req.full_pages[missing_full], [keys[i] for i in missing_full], None)
             have_full[:] = True
         # a tier copies an SWA page only where every sliding group still holds its KV
-        idx = np.flatnonzero(co.pool.held_by_all(req.swa_pages[:aligned]))
+        idx = np.flatnonzero(self.pool.held_by_all(req.swa_pages[:aligned]))
         if not through:
             idx = idx[have_full[idx]]
         if idx.size == 0:
             return
         swa_keys = [swa_key(keys[i]) for i in idx]
-        missing = co.host.lookup_swa(swa_keys) < 0
+        missing = self.host.lookup_swa(swa_keys) < 0
         idx = idx[missing]
         if not through:
-            co.counters["repair_swa_d2h_pages"] += idx.size
+            self.counters["repair_swa_d2h_pages"] += idx.size
         pages = req.swa_pages[idx]
         # A window anchored since registration (it ended a hit) keeps its anchor.
         marked = np.fromiter((self._swa_key.get(p, (b"", False))[1] for p in pages.tolist()),
@@ -146,38 +177,37 @@ class L2Backup:
         n = len(keys)
         if n == 0:
             return
-        co = self._co
-        protect_full, protect_swa = co.protected
-        got = co.host.alloc(n if kind is AttnKind.FULL else 0, n if kind is AttnKind.SWA else 0,
+        host = self.host
+        protect_full, protect_swa = self.protected()
+        got = host.alloc(n if kind is AttnKind.FULL else 0, n if kind is AttnKind.SWA else 0,
                             protect=protect_full, protect_swa=protect_swa)
         if got is None:
-            co.counters["l2_store_failed"] += n
+            self.counters["l2_store_failed"] += n
             return
         host_pages = got[0] if kind is AttnKind.FULL else got[1]
         try:
-            co.copy(kind, co.pool, l1_pages, co.host.pool, host_pages)
+            self.copy(kind, self.pool, l1_pages, host.pool, host_pages)
         except BaseException:
-            co.host.free(host_pages if kind is AttnKind.FULL else _EMPTY,
+            host.free(host_pages if kind is AttnKind.FULL else _EMPTY,
                          host_pages if kind is AttnKind.SWA else _EMPTY)
             raise
         if kind is AttnKind.FULL:
-            co.host.insert_full(keys, host_pages)
+            host.insert_full(keys, host_pages)
         else:
-            co.host.insert_swa(keys, host_pages, anchored if anchored is not None else np.ones(n, bool), base)
-        c = co.counters
+            host.insert_swa(keys, host_pages, anchored if anchored is not None else np.ones(n, bool), base)
+        c = self.counters
         c["l1_to_l2_full_pages" if kind is AttnKind.FULL else "l1_to_l2_swa_pages"] += n
-        c["bytes_d2h"] += n * co.codec.nominal_bytes(kind)
+        c["bytes_d2h"] += n * self.codec.nominal_bytes(kind)
         sel = None
-        if kind is AttnKind.SWA and co.tiers.l3_swa == "anchored" and anchored is not None:
+        if kind is AttnKind.SWA and self.tiers.l3_swa is L3Swa.ANCHORED and anchored is not None:
             sel = np.asarray(anchored, bool)
-        co.writes.queue(kind, keys, host_pages, sel, base=base)
+        self.writes.queue(kind, keys, host_pages, sel, base=base)
 
     def on_l1_free(self, kind: AttnKind, pages: np.ndarray) -> None:
         """The L1 tree frees ``pages`` (a tree free listener): drop their keys, back
         them up to L2 first under write-back.  Never raises.  O(pages)."""
-        co = self._co
         try:
-            with co.mutex:
+            with self.mutex:
                 if kind is AttnKind.FULL:
                     keys = [self._full_key.pop(p, None) for p in pages.tolist()]
                     bases = anchored = None
@@ -186,19 +216,19 @@ class L2Backup:
                     keys = [None if x is None else swa_key(x[0]) for x in pairs]
                     bases = [None if x is None else x[0] for x in pairs]
                     anchored = np.array([bool(x and x[1]) for x in pairs], dtype=bool)
-                if co.tiers.write_policy != "write_back":
+                if self.tiers.write_policy is not WritePolicy.WRITE_BACK:
                     return
                 sel = np.array([k is not None for k in keys], dtype=bool)
-                if kind is AttnKind.SWA and co.pool.groups:
-                    sel &= co.pool.held_by_all(pages)
+                if kind is AttnKind.SWA and self.pool.groups:
+                    sel &= self.pool.held_by_all(pages)
                 if not sel.any():
                     return
                 named = [keys[i] for i in np.flatnonzero(sel).tolist()]
-                have = (co.host.lookup_full(named) if kind is AttnKind.FULL else co.host.lookup_swa(named)) >= 0
+                have = (self.host.lookup_full(named) if kind is AttnKind.FULL else self.host.lookup_swa(named)) >= 0
                 idx = np.flatnonzero(sel)[~have]
                 self.store_l2(kind, pages[idx], [keys[i] for i in idx],
                               None if anchored is None else anchored[idx],
                               base=None if bases is None else [bases[i] for i in idx])
         except Exception as exc:  # noqa: BLE001 - freeing must go on; the backup is best effort
-            co.counters["tier_errors"] += 1
+            self.counters["tier_errors"] += 1
             logger.warning("L1 -> L2 backup failed (%s: %s); pages dropped", type(exc).__name__, exc)

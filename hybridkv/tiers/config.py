@@ -9,11 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from ..modes import L3Swa, WritePolicy
 from .storage import backend_lacks
 
-__all__ = ["PageOrigin", "TierConfig"]
-
-_POLICIES = ("write_through", "write_back")
+__all__ = ["L3Swa", "PageOrigin", "TierConfig", "WritePolicy"]
 
 
 class PageOrigin(IntEnum):
@@ -35,7 +34,8 @@ class TierConfig:
         l2_bytes: host (L2) budget in bytes for both kinds (> 0).
         l3: L3 backend URL (see :func:`~hybridkv.tiers.storage.open_backend`),
             a backend object, or None (no L3).
-        write_policy: ``"write_through"`` or ``"write_back"`` (L1 -> L2).
+        write_policy: a :class:`~hybridkv.modes.WritePolicy` (or its string),
+            ``"write_through"`` or ``"write_back"`` (L1 -> L2).
         l2_device: host buffer device; None picks ``"cpu"`` when L1 holds
             real KV and ``"meta"`` (accounting only) when L1 is ``"meta"``.
         l3_timeout_s: the most :meth:`~hybridkv.tiers.tiered.TieredCache.begin` waits for L3 in total
@@ -47,17 +47,18 @@ class TierConfig:
             ``cooldown_s``; then one probe read goes out, not waited for.
         touch_interval_s: minimum seconds between two L3 touches of a key.
         max_queued_writes: pending L3 write pages before writes are dropped.
-        l3_swa: ``"anchored"`` (tails and checkpoint windows only) or ``"all"``.
+        l3_swa: a :class:`~hybridkv.modes.L3Swa` (or its string), ``"anchored"``
+            (tails and checkpoint windows only) or ``"all"``.
     """
 
     l2_bytes: int
     l3: Any = None
-    write_policy: str = "write_through"
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     l2_device: str | None = None
     l3_timeout_s: float = 5.0
     touch_interval_s: float = 30.0
     max_queued_writes: int = 65536
-    l3_swa: str = "anchored"
+    l3_swa: L3Swa = L3Swa.ANCHORED
     l3_read_breaker: tuple = (3, 5.0)
 
     def __post_init__(self) -> None:
@@ -65,10 +66,8 @@ class TierConfig:
             raise TypeError(f"l2_bytes must be an int, got {type(self.l2_bytes).__name__}")
         if self.l2_bytes <= 0:
             raise ValueError(f"l2_bytes must be > 0, got {self.l2_bytes}")
-        if self.write_policy not in _POLICIES:
-            raise ValueError(f"write_policy must be one of {_POLICIES}, got {self.write_policy!r}")
-        if self.l3_swa not in ("anchored", "all"):
-            raise ValueError(f"l3_swa must be 'anchored' or 'all', got {self.l3_swa!r}")
+        object.__setattr__(self, "write_policy", WritePolicy.parse(self.write_policy, "write_policy"))
+        object.__setattr__(self, "l3_swa", L3Swa.parse(self.l3_swa, "l3_swa"))
         rb = self.l3_read_breaker
         if (not isinstance(rb, tuple) or len(rb) != 2 or not isinstance(rb[0], int) or rb[0] < 1
                 or not isinstance(rb[1], (int, float)) or rb[1] < 0):

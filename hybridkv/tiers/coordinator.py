@@ -46,9 +46,9 @@ from .storage import StorageBackend, open_backend
 from .writes import L3Keys, L3WriteQueue
 
 if TYPE_CHECKING:
-    from ..cache import Request
     from ..pools import DualPool
     from ..radix import WindowSafeTree
+    from ..request import Request
 
 __all__ = ["Residency", "TierCoordinator"]
 
@@ -116,7 +116,11 @@ class TierCoordinator:
         self.landing = Landing(self.host, self.codec, self.l3, self.l3_keys, self.counters)
         self.reads = (ReadAhead(self.l3, self.mutex, spec.window_pages, self.writes, self.landing, self.counters)
                       if self.l3 is not None else None)
-        self.backup = L2Backup(self)
+        # ``copy`` is looked up at each call, so a replaced ``self.copy`` (another backend,
+        # an injected fault) serves the backup's copies too
+        self.backup = L2Backup(tree, pool, self.host, self.writes, self.codec, tiers, self.counters, self.mutex,
+                               window_pages=spec.window_pages, protected=lambda: self._protect,
+                               copy=lambda kind, src, sp, dst, dp: self.copy(kind, src, sp, dst, dp))
         self._protect: tuple[set[int], set[int]] = (set(), set())  # L2 pages a load reads
         tree.free_listeners.append(self.backup.on_l1_free)  # back L1 pages up to L2 before they go
         self.host.free_listeners.append(self.writes.on_l2_freeing)  # encode queued L3 writes first

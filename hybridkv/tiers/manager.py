@@ -106,15 +106,15 @@ class TierManager:
         self.listeners: list[TierListener] = []
         self._swa_written: set[bytes] = set()  # full keys whose SWA was written (store events' flags)
         self._closed = False
-        self._reader = threading.Thread(target=self._run, args=(self._reads, True), name="hybridkv-l3-read",
-                                        daemon=True)
-        self._writer = threading.Thread(target=self._run, args=(self._writes, False), name="hybridkv-l3-write",
-                                        daemon=True)
+        self._reader = threading.Thread(target=self._run, args=(self._reads,), kwargs={"reads": True},
+                                        name="hybridkv-l3-read", daemon=True)
+        self._writer = threading.Thread(target=self._run, args=(self._writes,), kwargs={"reads": False},
+                                        name="hybridkv-l3-write", daemon=True)
         self._reader.start()
         self._writer.start()
 
     # ---------------------------------------------------------------- workers
-    def _run(self, q: queue.Queue, reads: bool) -> None:
+    def _run(self, q: queue.Queue, *, reads: bool) -> None:
         while True:
             item = q.get()
             if item is _STOP:
@@ -317,12 +317,12 @@ class TierManager:
             self.count("l3_write_pages_ok", good)
             self.count("l3_write_failed", len(ks) - good)
             if ev is not None:
-                self._announce([k for k, o in zip(ev, ok) if o], swa)
+                self._announce([k for k, o in zip(ev, ok) if o], swa=swa)
 
         self._submit(job, wait=False, n_write=n)
         return True
 
-    def _announce(self, written: list[bytes], swa: bool) -> None:
+    def _announce(self, written: list[bytes], *, swa: bool) -> None:
         """Tell listeners about pages now stored (worker thread)."""
         if swa:
             with self._lock:

@@ -1,9 +1,14 @@
-"""The package's shape, enforced: small files, small functions, no reach-ins, no cycles.
+"""The package's shape, enforced: small files, small functions, no reach-ins, no
+cycles, objects composed rather than mixed in, no copied ``__dict__``.
 
-A redesign that leaves a 1,400-line class behind, or a module reading another
-object's ``_private`` state, fails here instead of in review.  Measured over
-``hybridkv/`` and the adapters' packages (tests, benchmarks and scripts are
-free to poke at internals).  Run as a script it prints the figures:
+A redesign that leaves a 1,400-line class behind, a module reading another
+object's ``_private`` state, a class cut into mixins to meet the line caps, a
+cycle hidden behind ``TYPE_CHECKING`` or an object built by copying another's
+``__dict__`` fails here instead of in review.  Measured over ``hybridkv/`` and
+the adapters' packages (tests, benchmarks and scripts are free to poke at
+internals); mixins only over ``hybridkv/`` (an adapter may mix into the host
+engine's own classes, e.g. vLLM's two schedulers).  Each check is shown to
+catch a planted fault.  Run as a script it prints the figures:
 
     python tests/core/test_architecture.py [ROOT]
 """
@@ -17,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = [ROOT / "hybridkv", ROOT / "adapters" / "sglang" / "hybridkv_sglang",
             ROOT / "adapters" / "vllm" / "hybridkv_vllm"]
+LIBRARY = PACKAGES[0]  # where no mixin may split a class
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
@@ -96,17 +102,14 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(path: Path, tree: ast.Module, known: set[str]) -> set[str]:
-    """Modules of the packages that ``path`` imports, at module level or inside a
-    function (a lazy import still ties the two modules together); imports under
-    ``if TYPE_CHECKING:`` are annotations only and do not count."""
+    """Modules of the packages that ``path`` imports, at module level, inside a
+    function (a lazy import still ties the two modules together) or under ``if
+    TYPE_CHECKING:`` (two modules whose annotations name each other are still
+    one design cut in two)."""
     mod = _module_name(path)
     pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-    skip = {id(n) for st in ast.walk(tree) if isinstance(st, ast.If) and "TYPE_CHECKING" in ast.unparse(st.test)
-            for n in ast.walk(st)}
     out: set[str] = set()
     for st in ast.walk(tree):
-        if id(st) in skip:
-            continue
         if isinstance(st, ast.Import):
             names = [a.name for a in st.names]
         elif isinstance(st, ast.ImportFrom):
@@ -124,7 +127,7 @@ def _imports(path: Path, tree: ast.Module, known: set[str]) -> set[str]:
 
 
 def import_cycles() -> list[list[str]]:
-    """Cycles among module-level imports of the packages' modules."""
+    """Cycles among the imports of the packages' modules (``TYPE_CHECKING`` ones included)."""
     trees = _trees()
     known = {_module_name(p) for p in trees}
     graph = {_module_name(p): _imports(p, t, known) for p, t in trees.items()}
@@ -150,6 +153,63 @@ def import_cycles() -> list[list[str]]:
     return cycles
 
 
+def _library_classes() -> dict[str, tuple[Path, ast.ClassDef]]:
+    """Classes defined in the library, by name (a name defined twice keeps one)."""
+    out = {}
+    for path, tree in _trees().items():
+        if LIBRARY in path.parents:
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    out[node.name] = (path, node)
+    return out
+
+
+def _base_name(base: ast.expr) -> str:
+    """``Foo`` of ``Foo``, ``mod.Foo`` or ``Foo[int]``."""
+    if isinstance(base, ast.Subscript):
+        base = base.value
+    if isinstance(base, ast.Attribute):
+        return base.attr
+    return base.id if isinstance(base, ast.Name) else ""
+
+
+def mixins() -> list[str]:
+    """Library classes named ``*Mixin``, and library classes with two or more
+    library classes as bases (one object split over several classes).  Bases
+    from outside the library (``str, Enum``, ``Protocol``, ``Exception``) do not
+    count; nor does a Protocol listing another (an interface, not an object)."""
+    classes = _library_classes()
+    out = []
+    for name, (path, node) in sorted(classes.items()):
+        where = f"{_rel(path)}:{node.lineno} {name}"
+        if name.endswith("Mixin"):
+            out.append(f"{where} is a mixin")
+        own = [b for b in map(_base_name, node.bases) if b in classes and b != "Protocol"]
+        if len(own) >= 2 and "Protocol" not in map(_base_name, node.bases):
+            out.append(f"{where} mixes {', '.join(own)}")
+    return out
+
+
+def dict_copies() -> list[str]:
+    """Objects built by copying another's state wholesale: ``x.__dict__.update(...)``,
+    ``vars(x).update(...)`` and assignments to ``x.__dict__``."""
+    out = []
+    for path, tree in _trees().items():
+        for node in ast.walk(tree):
+            hit = False
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update":
+                target = node.func.value
+                hit = ((isinstance(target, ast.Attribute) and target.attr == "__dict__")
+                       or (isinstance(target, ast.Call) and isinstance(target.func, ast.Name)
+                           and target.func.id == "vars"))
+            elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                hit = any(isinstance(t, ast.Attribute) and t.attr == "__dict__" for t in targets)
+            if hit:
+                out.append(f"{_rel(path)}:{node.lineno} {ast.unparse(node)[:80]}")
+    return out
+
+
 def test_no_file_over_the_limit():
     assert long_files() == [], f"files over {MAX_FILE_LINES} lines"
 
@@ -163,7 +223,56 @@ def test_no_private_reach_ins():
 
 
 def test_no_import_cycle():
-    assert import_cycles() == [], "modules that import each other"
+    assert import_cycles() == [], "modules that import each other (TYPE_CHECKING imports count)"
+
+
+def test_no_mixins_in_the_library():
+    assert mixins() == [], "a class split into mixins: compose named collaborators instead"
+
+
+def test_no_dict_copies():
+    assert dict_copies() == [], "an object built by copying another's __dict__: compose or delegate"
+
+
+def _plant(tmp_path: Path, monkeypatch, files: dict[str, str]) -> Path:  # noqa: ANN001
+    """A fake package of ``files`` under ``tmp_path``, measured instead of ours."""
+    pkg = tmp_path / "fakepkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", [pkg])
+    monkeypatch.setattr(sys.modules[__name__], "LIBRARY", pkg)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    return pkg
+
+
+def test_the_cycle_check_sees_type_checking_imports(tmp_path, monkeypatch):
+    _plant(tmp_path, monkeypatch, {
+        "a.py": "from . import b\n",
+        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import X\n"})
+    assert import_cycles(), "a <-> b behind TYPE_CHECKING not found"
+
+
+def test_the_mixin_check_catches_mixins(tmp_path, monkeypatch):
+    _plant(tmp_path, monkeypatch, {
+        "parts.py": "class EvictionMixin:\n    pass\n\nclass Events:\n    pass\n",
+        "tree.py": "from .parts import EvictionMixin, Events\n\nclass Tree(EvictionMixin, Events):\n    pass\n",
+        "fine.py": "from enum import Enum\n\nclass Mode(str, Enum):\n    A = 'a'\n"})
+    found = mixins()
+    assert any("EvictionMixin is a mixin" in f for f in found), found
+    assert any(" Tree mixes EvictionMixin, Events" in f for f in found), found
+    assert not any("Mode" in f for f in found), found
+
+
+def test_the_dict_copy_check_catches_copies(tmp_path, monkeypatch):
+    _plant(tmp_path, monkeypatch, {
+        "a.py": "def adopt(self, other):\n    self.__dict__.update(other.__dict__)\n",
+        "b.py": "def adopt(self, other):\n    vars(self).update(vars(other))\n",
+        "c.py": "def adopt(self, other):\n    self.__dict__ = other.__dict__\n",
+        "d.py": "def fine(self, other):\n    self.state.update(other.state)\n"})
+    found = dict_copies()
+    assert [f.split(":")[0] for f in found] == ["fakepkg/a.py", "fakepkg/b.py", "fakepkg/c.py"], found
 
 
 def test_the_checks_catch_what_they_claim(tmp_path, monkeypatch):
@@ -186,6 +295,7 @@ if __name__ == "__main__":  # [ROOT]: figures of another checkout
         ROOT = Path(sys.argv[1]).resolve()
         PACKAGES = [ROOT / "hybridkv", ROOT / "adapters" / "sglang" / "hybridkv_sglang",
                     ROOT / "adapters" / "vllm" / "hybridkv_vllm"]
+        LIBRARY = PACKAGES[0]
     for title, rows in (("files over %d lines" % MAX_FILE_LINES, long_files()),
                         ("functions over %d lines" % MAX_FUNCTION_LINES, long_functions())):
         print(f"{title}: {len(rows)}")
@@ -196,6 +306,10 @@ if __name__ == "__main__":  # [ROOT]: figures of another checkout
     for r in reach:
         print(f"  {r}")
     cyc = import_cycles()
-    print(f"import cycles: {len(cyc)}")
+    print(f"import cycles (TYPE_CHECKING imports included): {len(cyc)}")
     for c in cyc:
         print("  " + " -> ".join(c))
+    for title, rows in (("mixins in the library", mixins()), ("__dict__ copies", dict_copies())):
+        print(f"{title}: {len(rows)}")
+        for r in rows:
+            print(f"  {r}")

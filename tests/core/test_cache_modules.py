@@ -6,6 +6,7 @@ import hybridkv.cache as cache_mod
 from hybridkv import ModelSpec
 from hybridkv.allocation import CacheFullError, RequestPages
 from hybridkv.cache_config import CacheConfig
+from hybridkv.request import Request
 from hybridkv.replay import _make_cache
 from hybridkv.step import StepBatch
 
@@ -15,7 +16,12 @@ def test_public_names_are_the_same_objects():
     assert cache_mod.CacheConfig is CacheConfig
     assert cache_mod.CacheFullError is CacheFullError
     assert cache_mod.StepBatch is StepBatch
-    assert issubclass(cache_mod.HybridKVCache, RequestPages)
+    assert cache_mod.Request is Request
+    # page growth is a collaborator the cache owns, not a base class
+    assert not issubclass(cache_mod.HybridKVCache, RequestPages)
+    spec = ModelSpec.preset("mimo-v2.5-pro", page_size=64)
+    cache = cache_mod.HybridKVCache(spec, CacheConfig(budget_bytes=10**9))
+    assert isinstance(cache.pages, RequestPages) and cache.pages.counters is cache.counters
 
 
 def test_replay_builds_the_cache():

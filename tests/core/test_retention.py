@@ -111,8 +111,8 @@ def test_adaptive_ranking_moves_target_toward_ghost_hits():
     assert r.on_miss(1) and r.target == 4           # ratio |B2| / |B1| = 3 / 4 -> 1
     assert r.on_miss(2) and r.target == 1           # B1 is empty now: ratio 1
     assert not r.on_miss(3)
-    assert r.evict_from(True, True) == AdaptiveRanking.RECENT   # 10 > target 1
-    assert r.evict_from(False, True) == AdaptiveRanking.REUSED
+    assert r.evict_from(recent_available=True, reused_available=True) == AdaptiveRanking.RECENT   # 10 > target 1
+    assert r.evict_from(recent_available=False, reused_available=True) == AdaptiveRanking.REUSED
 
 
 def test_a_leaf_left_without_its_window_is_evicted_before_live_data():

@@ -18,9 +18,9 @@ def _feed(model, cls, ages, censor, start=0):
         since = start + i
         model.start(cls, since)
         if a <= c:
-            model.end(cls, since, since + int(a), True)
+            model.end(cls, since, since + int(a), returned=True)
         else:
-            model.end(cls, since, since + int(c), False)
+            model.end(cls, since, since + int(c), returned=False)
 
 
 def test_age_buckets_are_half_octaves():

@@ -63,8 +63,9 @@ def test_lazy_heaps_stay_within_their_rebuild_limit():
         run_request(cache, mat.tokens(r), r.namespace, 8192, stats)
         limit = tree.heap_limit()
         assert limit == 4 * tree.num_nodes + 4096
-        for heap in (tree._swa_heap, tree._anchor_heap):
-            worst = max(worst, len(heap) / limit)
+        sizes = tree.heap_sizes()
+        for heap in ("swa", "anchor"):
+            worst = max(worst, sizes[heap] / limit)
     assert tree.evicted_full_pages > 0  # eviction popped and refreshed heap entries
     # the next push past the limit rebuilds; between pushes, evicted nodes lower the
     # limit (4 entries each) while their stale entries wait: O(nodes) all the same

@@ -149,7 +149,7 @@ def test_decode_append_does_not_copy_the_prompt_each_token():
     buffers = set()
     for t in range(5000):
         cache.commit_step(cache.step([req], new_tokens=[t % 50]))
-        buffers.add(id(req._tok))
+        buffers.add(id(req.token_buffer))
     assert len(buffers) <= 4  # doubling: a handful of reallocations for 5,000 appends
     assert req.n_tokens == 6000 and req.tokens[-1] == 4999 % 50
     with pytest.raises(ValueError):

@@ -72,12 +72,36 @@ class _Live:
     looked: bool = False  # its first lookup was counted as a use (vLLM retries waiting requests)
 
 
+#: The state vLLM 0.32's ``KVCacheManager.__init__`` builds, which its methods
+#: (inherited here: ``allocate_slots``, ``free``, ``take_events``, ...) read and
+#: write.  It stays in the manager vLLM's scheduler made: the adopting manager
+#: delegates each of these names to it (:func:`_delegate`), nothing is copied.
+_VLLM_STATE = ("max_model_len", "enable_caching", "enable_kv_cache_events", "use_eagle", "log_stats",
+               "metrics_collector", "prefix_cache_stats", "coordinator", "mamba_shared_prefix_checkpoint",
+               "num_kv_cache_groups", "block_pool", "retained_hit_group_ids", "kv_cache_config",
+               "watermark_blocks", "kv_cache_event_metadata", "empty_kv_cache_blocks")
+
+
+def _delegate(name: str) -> property:
+    """``name`` read from and written to the adopted vLLM manager (``self.vllm``)."""
+
+    def get(self: HybridKVCacheManager) -> Any:
+        return getattr(self.vllm, name)
+
+    def put(self: HybridKVCacheManager, value: Any) -> None:
+        setattr(self.vllm, name, value)
+
+    return property(get, put, doc=f"vLLM's manager's ``{name}`` (delegated).")
+
+
 class HybridKVCacheManager(KVCacheManager):
     """vLLM's ``KVCacheManager`` with hybridkv's tree deciding hits and eviction.
 
-    Built from the manager vLLM's scheduler made (:meth:`adopt`): same block
-    pool, coordinator and settings.  Not thread-safe (vLLM's scheduler is
-    single-threaded).
+    Built over the manager vLLM's scheduler made (:meth:`adopt`), which it
+    keeps as ``vllm``: the block pool, coordinator and settings that vLLM's
+    own methods (inherited, called through ``super()``) use are that
+    manager's, reached by delegation (:data:`_VLLM_STATE`).  Not thread-safe
+    (vLLM's scheduler is single-threaded).
     """
 
     @classmethod
@@ -91,8 +115,10 @@ class HybridKVCacheManager(KVCacheManager):
             raise ValueError("enable_prefix_caching is off: hybridkv's prefix cache has nothing to decide")
         if manager.use_eagle:
             raise ValueError("speculative decoding (EAGLE/MTP drafts) is not supported by hybridkv's prefix cache")
+        # KVCacheManager.__init__ would build a second coordinator and block pool:
+        # the adopted manager's are used instead, through the delegated state
         self = cls.__new__(cls)
-        self.__dict__.update(manager.__dict__)
+        self.vllm = manager
         self._init_tree(options or PrefixOptions())
         return self
 
@@ -161,7 +187,7 @@ class HybridKVCacheManager(KVCacheManager):
         # first lookup is a use the ranking learns from (recency, returns)
         live = self._live.get(request.request_id)
         first = live is None or not live.looked
-        m = self.tree.match_tokens(tokens, self.namespace(request), None, True, first)
+        m = self.tree.match_tokens(tokens, self.namespace(request), None, split=True, touch=first)
         self.counters["raw_match_tokens"] += m.raw_length
         if m.length == 0:
             self._track(request, LockHandle(None), 0, m.raw_length // P)
@@ -447,6 +473,11 @@ class HybridKVCacheManager(KVCacheManager):
             else:
                 assert b.ref_cnt == 0, f"block {b.block_id}: ref_cnt {b.ref_cnt} with no request live"
                 assert b.block_hash is None, f"block {b.block_id} keeps a hash the tree does not hold"
+
+
+for _name in _VLLM_STATE:
+    setattr(HybridKVCacheManager, _name, _delegate(_name))
+del _name
 
 
 def _complement(lo: int, hi: int, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:

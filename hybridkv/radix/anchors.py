@@ -1,4 +1,4 @@
-"""Which SWA windows the prefix index keeps: anchors, and the window-safe length of a path.
+"""Window anchors: which SWA windows the prefix index keeps, and the window-safe length of a path.
 
 A window is *anchored* when a hit is likely to end at it: a leaf's tail, a
 branch point, a retention checkpoint (:class:`~hybridkv.radix.policy.RetentionPolicy`)
@@ -8,27 +8,41 @@ eviction frees unanchored SWA first.  The window rule itself (when a matched
 path is a usable hit) is :mod:`hybridkv.window`'s, reached through
 :func:`~hybridkv.radix.node.window_safe_pages`.
 
-A mix-in of :class:`~hybridkv.radix.tree.WindowSafeTree`: the methods run on
-the tree's own state.
+:class:`WindowAnchors` is a collaborator of
+:class:`~hybridkv.radix.tree.WindowSafeTree`: it keeps the anchor counts of the
+nodes the tree hands it and reads their windows; it holds no node of its own.
 """
 
 from __future__ import annotations
-
-import heapq
 
 import numpy as np
 
 from ..window import groups_safe_pages
 from .node import TreeNode, window_safe_pages
+from .policy import RetentionPolicy
 from .types import EMPTY
 
-__all__ = ["RetentionMixin"]
+__all__ = ["WindowAnchors"]
 
 
-class RetentionMixin:
-    """Anchors and window reads of :class:`~hybridkv.radix.tree.WindowSafeTree`."""
+class WindowAnchors:
+    """Anchor counts and window reads over the nodes of one tree.
 
-    def _anchor_window(self, node: TreeNode, delta: int, end: int | None = None) -> None:
+    Args:
+        policy: the tree's :class:`~hybridkv.radix.policy.RetentionPolicy`
+            (window, checkpoints, branch points, the predicted window's place).
+        page_size: tokens per page.
+        groups: the sliding groups beside the lead one (a pool of a
+            several-window model; each has ``holds(ids)`` and ``window_pages``):
+            a hit needs each of their windows too.
+    """
+
+    def __init__(self, policy: RetentionPolicy, page_size: int, groups: tuple = ()) -> None:
+        self.policy = policy
+        self.page_size = page_size
+        self.groups = groups
+
+    def anchor_window(self, node: TreeNode, delta: int, end: int | None = None) -> None:
         """Add ``delta`` to the anchor count of the ``window_pages`` pages ending at
         ``node``'s end, or ``end`` pages into it (a predicted window), walking into the
         parents."""
@@ -47,7 +61,7 @@ class RetentionMixin:
             n = n.parent
             k = len(n.anchor) if n is not None else 0
 
-    def _wants_end_anchor(self, node: TreeNode) -> int:
+    def wants_end_anchor(self, node: TreeNode) -> int:
         """1 if a window ending at ``node`` is an anchor: a leaf's tail, a branch
         point, now or before (``node.branched``), or a prompt's end with the
         request's output cached below it (``node.mark``).  A point where requests
@@ -64,33 +78,35 @@ class RetentionMixin:
             return 1
         return int(node.mark >= 0 and node.mark == node.start // self.page_size + len(node.full))
 
-    def _reanchor(self, node: TreeNode) -> None:
+    def reanchor(self, node: TreeNode) -> None:
         """Bring ``node``'s end anchor in line with its children (after they changed).  O(window)."""
         if node.parent is None or node.key is None:
             return
-        want = self._wants_end_anchor(node)
+        want = self.wants_end_anchor(node)
         if want != node.ends:
-            self._anchor_window(node, want - node.ends)
+            self.anchor_window(node, want - node.ends)
             node.ends = want
 
-    def _predict_window(self, leaf: TreeNode) -> None:
+    def predict_window(self, leaf: TreeNode) -> bool:
         """Anchor the window ending ``policy.pretail_pages`` before new ``leaf``'s end
         (where the learned divergence model expects requests to leave it), if the leaf
         holds that window's SWA.  The window stays inside the leaf: no split, no extra
-        node; eviction can trim the leaf back to it like to a checkpoint.  O(window)."""
+        node; eviction can trim the leaf back to it like to a checkpoint.  Returns
+        True if a window was anchored (the caller files the leaf with eviction's
+        predicted windows).  O(window)."""
         d, wp = self.policy.pretail_pages, self.policy.window_pages
         cut = (leaf.mark - leaf.start // self.page_size if leaf.mark >= 0 else len(leaf.full)) - d
         if d < 0 or cut < wp or cut >= len(leaf.full) or int(np.count_nonzero(leaf.swa[cut - wp:cut] >= 0)) < wp:
-            return  # (a window at the leaf's end is its tail's, already kept)
+            return False  # (a window at the leaf's end is its tail's, already kept)
         leaf.anchor[cut - wp:cut] += 1
         leaf.points = [leaf.start // self.page_size + cut]
-        heapq.heappush(self._point_heap, (leaf.last_access, leaf.nid, leaf))
+        return True
 
     def anchored(self, node: TreeNode) -> np.ndarray:
         """bool per page of ``node``: its SWA ends a likely hit (anchor count > 0).  O(pages)."""
         return node.anchor > 0
 
-    def _window_ids(self, node: TreeNode) -> list[int]:
+    def window_ids(self, node: TreeNode) -> list[int]:
         """SWA page ids of the last ``window_pages`` pages ending at ``node``, as
         Python ints: a window is a few pages, where a list beats numpy calls."""
         need = self.policy.window_pages
@@ -108,17 +124,17 @@ class RetentionMixin:
             n = n.parent
         return ids
 
-    def _window_pages(self, node: TreeNode) -> np.ndarray:
-        """SWA page ids of the last ``window_pages`` pages ending at ``node``."""
-        ids = self._window_ids(node)
+    def window_page_ids(self, node: TreeNode) -> np.ndarray:
+        """SWA page ids of the last ``window_pages`` pages ending at ``node`` (int32)."""
+        ids = self.window_ids(node)
         return np.array(ids, dtype=np.int32) if ids else EMPTY
 
-    def _window_held(self, node: TreeNode) -> bool:
+    def window_held(self, node: TreeNode) -> bool:
         """True if every page of the window ending at ``node`` holds SWA."""
-        ids = self._window_ids(node)
+        ids = self.window_ids(node)
         return not ids or min(ids) >= 0
 
-    def _safe_pages(self, path: list[tuple[TreeNode, int]], total: int) -> int:
+    def safe_pages(self, path: list[tuple[TreeNode, int]], total: int) -> int:
         """:func:`window_safe_pages` of the matched path (``total`` pages).  The common
         case, a held tail window, is checked on Python ints (a window is a few
         pages); only a broken tail takes the numpy scan."""
@@ -131,12 +147,12 @@ class RetentionMixin:
             take = k if k < need else need
             if take and min(n.swa[k - take:k].tolist()) < 0:
                 safe = window_safe_pages([n.swa[:k] for n, k in path], self.policy.window_pages)
-                return self._groups_safe(path, safe) if self.groups else safe
+                return self.groups_safe(path, safe) if self.groups else safe
             need -= take
             i -= 1
-        return self._groups_safe(path, total) if self.groups else total
+        return self.groups_safe(path, total) if self.groups else total
 
-    def _groups_safe(self, path: list[tuple[TreeNode, int]], limit: int) -> int:
+    def groups_safe(self, path: list[tuple[TreeNode, int]], limit: int) -> int:
         """Largest end ``<= limit`` pages (safe for the lead group) where every other
         sliding group holds its own window too.  O(limit x groups)."""
         if limit == 0:
@@ -146,11 +162,10 @@ class RetentionMixin:
         wps = [self.policy.window_pages] + [g.window_pages for g in self.groups]
         return groups_safe_pages(masks, wps, limit)
 
-    def _check_anchors(self) -> None:
-        """Anchor counts equal checkpoints + one window per tail / branch point; the
-        ranking's own invariants."""
+    def check(self, nodes: list[TreeNode]) -> None:
+        """Anchor counts of ``nodes`` (all of a tree's) equal checkpoints + one window
+        per tail / branch point / predicted window; AssertionError otherwise.  O(n)."""
         expect: dict[int, np.ndarray] = {}
-        nodes = list(self.iter_nodes())
         for node in nodes:
             lo = node.start // self.page_size
             expect[node.nid] = self.policy.checkpoint_mask(lo, lo + node.n_pages).astype(np.int32)
@@ -165,7 +180,7 @@ class RetentionMixin:
                 k = n.n_pages if n is not None else 0
 
         for node in nodes:
-            want = self._wants_end_anchor(node)
+            want = self.wants_end_anchor(node)
             assert node.ends == want, (node, node.ends, want)
             if want:
                 window(node, node.n_pages)
@@ -176,4 +191,3 @@ class RetentionMixin:
             assert node.mark == -1 or 0 < node.mark - node.start // self.page_size <= node.n_pages, (node, node.mark)
         for node in nodes:
             assert np.array_equal(node.anchor, expect[node.nid]), (node, node.anchor, expect[node.nid])
-        self.ranking.check(nodes)
