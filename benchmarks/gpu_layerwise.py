@@ -19,7 +19,9 @@ Printed per prefix size:
   buffer) / the layerwise load, both alone;
 * ``host_us_per_layer``: host time ``LayerwiseLoader.start()`` spends
   issuing, per layer (the model's thread waits for it), and ``plan_ms``:
-  validating and planning the request's load once, before that.
+  validating and planning the request's load once, before that;
+  ``one_shot_us_per_layer``: the same load issued the old way, one
+  validated ``copy_pages``-style call per layer.
 And once: a two-stream check, a copy of the same pages beside matmuls on an
 independent stream, by the SM kernel and by the copy engines
 (``*_overlap_ratio`` as above).
@@ -124,6 +126,24 @@ def issue_us(setup: Setup, dry_run: bool, rounds: int) -> tuple[float, float]:
     if not dry_run:
         torch.cuda.synchronize()
     return statistics.median(got), statistics.median(plan)
+
+
+def one_shot_us(setup: Setup, dry_run: bool, rounds: int) -> float:
+    """Median host us per layer of the old way: validate, plan and issue each
+    layer's copy on its own (one ``copy_pages`` per layer), for comparison."""
+    got = []
+    stream = None if dry_run else torch.cuda.Stream()
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for job in setup.jobs:
+            for c in job.copies:
+                prepare_copy(c.src_k, c.src_v, c.dst_k, c.dst_v, c.src_pages, c.dst_pages,
+                             c.page_size, layers=(c.kind_layer, c.kind_layer + 1),
+                             dry_run=dry_run).issue(stream=stream)
+        got.append((time.perf_counter() - t0) / len(setup.jobs) * 1e6)
+    if stream is not None:
+        stream.synchronize()
+    return statistics.median(got)
 
 
 def run_gpu(setup: Setup, repeats: int, mm: int) -> dict[str, Any]:
@@ -250,7 +270,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         setup = Setup(size, args.device)
         us, plan_ms = issue_us(setup, not gpu, args.repeats)
         row: dict[str, Any] = {"prefix_tokens": size, "bytes": setup.nbytes,
-                               "host_us_per_layer": us, "plan_ms": plan_ms}
+                               "host_us_per_layer": us, "plan_ms": plan_ms,
+                               "one_shot_us_per_layer": one_shot_us(setup, not gpu, 3)}
         if gpu:
             row.update(run_gpu(setup, args.repeats, args.mm))
         else:
@@ -271,7 +292,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  {r['prefix_tokens']:>6} tokens {r['bytes'] / 1e6:8.1f} MB: overlap "
                   f"{fig('overlap_ratio')} (serial {fig('serial_ratio')}), load/memcpy "
                   f"{fig('load_vs_memcpy')}, host {r['host_us_per_layer']:.1f} us/layer "
-                  f"(planning {r['plan_ms']:.2f} ms/request)")
+                  f"(planning {r['plan_ms']:.2f} ms/request; unplanned "
+                  f"{r['one_shot_us_per_layer']:.0f} us/layer)")
         print("  copy beside matmul: " + ", ".join(
             f"{k} {'-' if v is None else f'{v:.2f}'}" for k, v in conc.items()))
     return 0
