@@ -354,7 +354,8 @@ def _mapped(kernel: CudaKernel, tensors: Sequence[torch.Tensor], base: tuple[int
     if tensors[0].device.type == "cuda":
         return base
     anchors = tuple(tensors) if len(tensors) == 2 else (tensors[0], tensors[0])
-    return tuple(kernel.device_address(a, index) + b - a.data_ptr()  # type: ignore[return-value]
+    # an empty tensor (e.g. zero-width V) is never read: no mapping to ask for
+    return tuple(b if a.numel() == 0 else kernel.device_address(a, index) + b - a.data_ptr()  # type: ignore[return-value]
                  for a, b in zip(anchors, base))
 
 
