@@ -343,6 +343,15 @@ def compact(plan: L.CopyPlan) -> L.CopyPlan:
                       run_bytes=plan.run_bytes, src=plan.src, dst=plan.dst)
 
 
+def _dry_kernel() -> Optional[CudaKernel]:
+    """The CUDA library for a dry run's stubbed issue; None: the host
+    library's stub entry point stands in (same arguments, no CUDA)."""
+    try:
+        return load_cuda_kernel()
+    except RuntimeError:
+        return None
+
+
 def _cuda_device(named: Sequence[torch.Tensor]) -> torch.device:
     return next(t.device for t in named if t.device.type == "cuda")
 
@@ -371,13 +380,7 @@ def plan_copy(chosen: str, plan: L.CopyPlan, src: Sequence[torch.Tensor],
     nbytes = active * nl * (plan.run_bytes[0] + plan.run_bytes[1])
     tensors = (*src, *dst)
     if dry_run:
-        kernel = None
-        try:
-            kernel = load_cuda_kernel()
-        except RuntimeError:
-            pass  # the host library's stub entry point stands in
-        runs = build_runs(plan, by_layer=by_layer)
-        ex: _Executor = _Dma(runs, 0, kernel, FLAG_DRY_RUN)
+        ex: _Executor = _Dma(build_runs(plan, by_layer=by_layer), 0, _dry_kernel(), FLAG_DRY_RUN)
         return PreparedCopy("dry-run", "dma", layers, by_layer, nbytes, None, ex, tensors)
     if chosen == "meta":
         return PreparedCopy("meta", "meta", layers, by_layer, 0, None, _Meta(), tensors)
@@ -409,13 +412,8 @@ def plan_runs(chosen: str, runs: Runs, tensors: Sequence[torch.Tensor], *,
     copy engines beside a GPU, a C ``memcpy`` loop on the CPU."""
     nbytes = runs.nbytes
     if dry_run:
-        kernel = None
-        try:
-            kernel = load_cuda_kernel()
-        except RuntimeError:
-            pass
         return PreparedCopy("dry-run", "dma", (0, 1), False, nbytes, None,
-                            _Dma(runs, 0, kernel, FLAG_DRY_RUN), tensors)
+                            _Dma(runs, 0, _dry_kernel(), FLAG_DRY_RUN), tensors)
     if chosen == "meta":
         return PreparedCopy("meta", "meta", (0, 1), False, 0, None, _Meta(), tensors)
     cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
