@@ -13,6 +13,7 @@ from typing import Any, Callable, NoReturn, Sequence
 from . import __version__
 from .defaults import CHUNK, SWA_CHECKPOINT
 from .spec import ModelSpec, preset_names
+from .traces import FORMATS
 
 __all__ = ["main"]
 
@@ -21,13 +22,49 @@ _LEVELS = ("debug", "info", "warning", "error")
 _QUICK_REQUESTS = 15  # verify --quick: 15 trace requests + 5 branch prompts
 
 
+_DESCRIPTION = ("hybridkv: KV-cache management for hybrid sliding-window-attention models.  "
+                "Commands: replay a trace through the cache and baselines, verify the cache against a "
+                "dense forward of a reference model, info on bytes per token and what fits, route-sim to "
+                "compare routing policies.  'hybridkv COMMAND --help' describes each.")
+
+
+class _HelpFormat(argparse.HelpFormatter):
+    """Help that names every option's default: an option taking a value whose help does
+    not already say its default gets ``(default X)`` appended."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.nargs == 0 or "default" in text
+                or action.default in (None, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line (``hybridkv replay: error: --hbm-gb must be
-    > 0 (got -1); see 'hybridkv replay --help'``) instead of the usage block and then the error.
-    Subcommand parsers inherit the class (``add_subparsers`` uses the parent's type)."""
+    > 0 (got -1); see 'hybridkv replay --help'``) instead of the usage block and then the error,
+    and whose help names every default (:class:`_HelpFormat`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormat)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {_argparse_message(message)}; see '{self.prog} --help'\n")
+
+
+class _CommandParser(_Parser):
+    """A subcommand's parser: an argument it does not know is its own error (``hybridkv
+    replay: error: unrecognized arguments: --bogus; see 'hybridkv replay --help'``).
+    argparse would hand the leftovers up, and the top-level parser would point at its
+    own help, which does not list the subcommand's options."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
 
 
 def _argparse_message(message: str) -> str:
@@ -96,7 +133,7 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hybridkv", description=__doc__, epilog="GB everywhere means 10^9 bytes.  Logs go to stderr.")
+    p = _Parser(prog="hybridkv", description=_DESCRIPTION, epilog="GB everywhere means 10^9 bytes.  Logs go to stderr.")
     p.add_argument("--version", action="version", version=f"hybridkv {__version__}",
                    help="print the version and exit")
     p.add_argument("-v", "--verbose", action="count", default=0,
@@ -104,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="log errors only")
     p.add_argument("--log-level", choices=_LEVELS, default=None, type=str.lower,
                    help="log level of the hybridkv loggers (overrides -v/-q; default warning)")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--model", default="mimo-v2.5-pro", choices=preset_names(),
@@ -112,32 +149,33 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--page-size", type=_int_at_least(1), default=64, help="tokens per page (default 64)")
         sp.add_argument("--hf-config", default=None, metavar="PATH",
                         help="your model's Hugging Face config.json (layer kinds, per-layer windows, KV "
-                             "shapes); replaces --model")
+                             "shapes); replaces --model (default: none, --model is used)")
         sp.add_argument("--json", action="store_true", help="print one JSON object")
 
     r = sub.add_parser("replay", help="replay a trace through hybridkv and baselines")
     r.add_argument("trace", nargs="?", default=None,
-                   help="Mooncake .jsonl, kv-cache-tester .json/.json.gz, or a folder of sessions "
-                        "(default: the bundled Mooncake sample)")
+                   help=f"{FORMATS} (default: the bundled Mooncake sample)")
     common(r)
     r.add_argument("--hbm-gb", type=_positive_float, default=594.0,
                    help="KV budget in GB (10^9 bytes) for the preset (default 594)")
     r.add_argument("--swa-checkpoint", type=_int_at_least(0), default=SWA_CHECKPOINT,
-                   help="K: SWA checkpoint interval (0 = off)")
+                   help="K: tokens between SWA retention checkpoints, 0 = off")
     r.add_argument("--chunk", type=_int_at_least(1), default=CHUNK, help="prefill chunk size in tokens")
-    r.add_argument("--limit", type=_int_at_least(1), default=None, help="replay only the first N requests")
+    r.add_argument("--limit", type=_int_at_least(1), default=None, help="replay only the first N requests (default: all)")
     r.add_argument("--block-size", type=_int_at_least(1), default=None,
                    help="tokens per hash id of a jsonl trace (default: from the data; 512 for Mooncake, "
                         "16 for Qwen-Bailian)")
     r.add_argument("--systems", default="hybridkv,naive,tombstone",
-                   help="comma-separated subset of hybridkv,naive,tombstone")
+                   help="comma-separated subset of hybridkv,naive,tombstone (default: all three)")
     r.add_argument("--no-extension-rule", action="store_true",
                    help="treat a refilled partial block as a divergence (see docs)")
     r.add_argument("--plot", default=None, metavar="PNG",
-                   help="write a hit-rate-vs-budget PNG to this path (needs --budgets and matplotlib)")
+                   help="write a hit-rate-vs-budget PNG to this path (needs --budgets and matplotlib; "
+                        "default: no plot)")
     r.add_argument("--budgets", type=_budgets, default=None,
-                   help="budgets to sweep in GB (10^9 bytes), comma-separated, e.g. 59,150,594")
-    r.add_argument("--check-every", type=_int_at_least(0), default=0, help="check invariants every N requests")
+                   help="budgets to sweep in GB (10^9 bytes), comma-separated, e.g. 59,150,594 "
+                        "(default: the one budget of --hbm-gb)")
+    r.add_argument("--check-every", type=_int_at_least(0), default=0, help="check invariants every N requests, 0 = never")
     r.add_argument("--eviction-ranking", default="value", choices=("value", "adaptive", "arc", "lru"),
                    help="hybridkv's leaf ranking (default value; see docs/policy.md)")
     r.add_argument("--no-references", action="store_true",
@@ -165,7 +203,7 @@ def _verify_parser(sub: Any) -> None:
                     "prompt and new tokens) after every third: the default N = 60 runs 80 prompts, "
                     "about 30 s on 2 CPU cores (more on a loaded machine, and with --l2-gb/--l3); "
                     f"--quick runs {_QUICK_REQUESTS} requests ({_QUICK_REQUESTS * 4 // 3} prompts, a few seconds).")
-    v.add_argument("trace", nargs="?", default=None, help="trace (default: the bundled Mooncake sample)")
+    v.add_argument("trace", nargs="?", default=None, help=f"{FORMATS} (default: the bundled Mooncake sample)")
     n = v.add_mutually_exclusive_group()
     n.add_argument("--requests", type=_int_at_least(1), default=60,
                    help="trace requests to run (default 60); a branch prompt follows every third, "
@@ -176,7 +214,8 @@ def _verify_parser(sub: Any) -> None:
     v.add_argument("--hf-config", default=None, metavar="PATH",
                    help="verify your model's layout: the layer kinds and KV groups of this Hugging Face "
                         "config.json, windows scaled as the prompts are (the largest becomes 16 tokens, "
-                        "the others keep their ratio), tiny float64 heads; time grows with the layer count")
+                        "the others keep their ratio), tiny float64 heads; time grows with the layer count "
+                        "(default: none, a scaled-down MiMo layout: 6 layers, full at 0 and 3, window 16)")
     v.add_argument("--json", action="store_true", help="print one JSON object")
     v.add_argument("--no-progress", action="store_true",
                    help="no progress bar (it is drawn only when stderr is a terminal)")
@@ -317,11 +356,12 @@ def _trace_name(trace: str | None, n: int) -> str:
 
 def _tier_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--l2-gb", type=_positive_float, default=None,
-                    help="L2 host tier budget in GB (10^9 bytes; enables tiers for the hybridkv system)")
+                    help="L2 host tier budget in GB (10^9 bytes; enables tiers for the hybridkv system; "
+                         "default: no tiers)")
     sp.add_argument("--l3", default=None, metavar="URL",
                     help="L3 storage backend URL (file:///dir, redis://host:port/db, "
                          "mooncake://host:port?metadata=http://host:port/metadata, nixl+posix:///dir; "
-                         "needs --l2-gb)")
+                         "needs --l2-gb; default: no L3)")
     sp.add_argument("--strict", action="store_true",
                     help="exit 1 if any L3 read or write failed (the run itself degrades to misses)")
     sp.add_argument("--write-policy", default="write_through", choices=("write_through", "write_back"),

@@ -35,7 +35,11 @@ from ._validate import check_int
 log = logging.getLogger(__name__)
 
 __all__ = ["TraceRequest", "TokenMaterializer", "PrefixBound", "load_trace", "jsonl_block_size", "bundled_sample",
-           "default_shared_traces"]
+           "default_shared_traces", "FORMATS"]
+
+#: What :func:`load_trace` reads, in words (the CLI's trace help says this).
+FORMATS = ("a Mooncake or Qwen-Bailian trace (.jsonl, .jsonl.gz), a kv-cache-tester session "
+           "(.json, .json.gz) or a folder of sessions")
 
 _SYNTHETIC = 1 << 62
 _MASK = (1 << 64) - 1

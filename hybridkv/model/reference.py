@@ -16,8 +16,9 @@ style: an extra softmax column with no value).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -25,7 +26,34 @@ import torch
 from ..cache import HybridKVCache, Request, StepBatch
 from ..spec import AttnKind, KVShape, ModelSpec
 
-__all__ = ["ReferenceModel", "scaled_spec", "tiny_spec", "tiny_two_window_spec"]
+__all__ = ["ReferenceModel", "scaled_spec", "tiny_spec", "tiny_two_window_spec", "torch_threads"]
+
+# Floating-point operations one more intra-op thread must get before it pays for
+# itself: waking it and joining at the end of every op costs tens of microseconds,
+# and far more when a core is busy with another process (a thread spins until its
+# core is free).  The verify model's largest op is ~10^6 operations, so it runs on one.
+_FLOPS_PER_THREAD = 1 << 24
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[int]:
+    """Run the block with at most ``n`` of torch's intra-op threads (never more than
+    the caller had), and restore the caller's count afterwards, also on an error:
+    a library must not leave torch's global thread count changed.  Yields the count
+    in force.  ``n`` must be an int >= 1 (else ValueError / TypeError naming it)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n must be an int, got {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    before = torch.get_num_threads()
+    use = min(n, before)
+    if use != before:
+        torch.set_num_threads(use)
+    try:
+        yield use
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def tiny_spec(page_size: int = 4, window: int = 16) -> ModelSpec:
@@ -111,6 +139,20 @@ class ReferenceModel:
                 w1=rnd(hidden, 2 * hidden), w2=rnd(2 * hidden, hidden, scale=0.5),
                 sink=torch.randn(q_heads, generator=g, dtype=torch.float64) if kind is AttnKind.SWA else None))
         self.lm_head = rnd(hidden, vocab)
+
+    def threads_for(self, tokens: int) -> int:
+        """Intra-op threads worth using for forwards of up to ``tokens`` tokens: one per
+        ``2**24`` floating-point operations of the largest op (a dense forward's attention
+        scores or a projection), at least one.  The verify model (width 32, 4 heads,
+        prompts of at most a few hundred tokens) gets 1.  O(layers)."""
+        if tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {tokens}")
+        head_dim = max(max(self.spec.shape(k).k_head_dim, self.spec.shape(k).v_head_dim)
+                       for k in set(self.spec.layer_kinds))
+        attention = 2 * self.q_heads * tokens * tokens * head_dim
+        widest = max(2 * self.hidden, self.q_heads * head_dim, self.vocab)
+        projection = 2 * tokens * self.hidden * widest
+        return max(1, max(attention, projection) // _FLOPS_PER_THREAD)
 
     # ------------------------------------------------------------ pieces
     @staticmethod

@@ -20,7 +20,7 @@ from ..pools import arena_page_bytes
 from ..cache import CacheConfig, HybridKVCache
 from ..spec import ModelSpec
 from ..traces import TokenMaterializer, bundled_sample, load_trace
-from .reference import ReferenceModel, tiny_spec
+from .reference import ReferenceModel, tiny_spec, torch_threads
 
 __all__ = ["run_verify", "verify_requests", "scaled_prompts"]
 
@@ -55,7 +55,19 @@ def scaled_prompts(trace: str | None, requests: int, *, scale: int = 64, max_tok
 def verify_requests(prompts: list[tuple[str, np.ndarray]], cache: HybridKVCache, model: ReferenceModel, *,
                     chunk: int = 24, decode_tokens: int = 3,
                     on_request: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Run every prompt (chunked prefill + greedy decode) and compare with the dense forward."""
+    """Run every prompt (chunked prefill + greedy decode) and compare with the dense forward.
+
+    Runs on as many of torch's intra-op threads as the model's ops are worth
+    (:meth:`ReferenceModel.threads_for` the longest prompt: one for the verify
+    model), restored afterwards: more threads than work spin against each other,
+    and against any other process on the machine."""
+    longest = max((len(tokens) for _, tokens in prompts), default=1) + decode_tokens
+    with torch_threads(model.threads_for(longest)):
+        return _verify_requests(prompts, cache, model, chunk, decode_tokens, on_request)
+
+
+def _verify_requests(prompts: list[tuple[str, np.ndarray]], cache: HybridKVCache, model: ReferenceModel,
+                     chunk: int, decode_tokens: int, on_request: Callable[[int], None] | None) -> dict[str, Any]:
     max_diff = 0.0
     mismatched = hit = total = 0
     for idx, (ns, tokens) in enumerate(prompts):

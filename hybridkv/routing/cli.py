@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from ..spec import ModelSpec, preset_names
+from ..traces import FORMATS
 from .router import POLICIES
 from .sim import SimConfig, simulate
 
@@ -28,8 +29,7 @@ def add_route_sim_parser(sub: Any) -> argparse.ArgumentParser:
     d = SimConfig()
     r = sub.add_parser("route-sim", help="simulate N workers behind round-robin / least-loaded / affinity routing")
     r.add_argument("trace", nargs="?", default=None,
-                   help="Mooncake .jsonl, kv-cache-tester session file or folder (default: the bundled "
-                        "Mooncake sample)")
+                   help=f"{FORMATS} (default: the bundled Mooncake sample)")
     r.add_argument("--model", default="mimo-v2.5-pro", choices=preset_names(),
                    help="model preset (default: mimo-v2.5-pro)")
     r.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
@@ -47,12 +47,14 @@ def add_route_sim_parser(sub: Any) -> argparse.ArgumentParser:
     r.add_argument("--max-wait", type=float, default=d.max_wait_s, help="starvation guard, seconds")
     r.add_argument("--balance", type=float, default=d.balance, help="load weight against predicted hit")
     r.add_argument("--max-share", type=float, default=d.max_share, help="max share of total load per worker")
-    r.add_argument("--limit", type=int, default=None, help="first N requests only")
+    r.add_argument("--limit", type=int, default=None, help="first N requests only (default: all)")
     r.add_argument("--sessions", type=int, default=None,
-                   help="session folders: keep the first N sessions (namespaces)")
+                   help="session folders: keep the first N sessions (namespaces; default: all)")
     r.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
-    r.add_argument("--redis", default=None, help="redis:// URL: carry affinity's KV events over a Redis stream")
-    r.add_argument("--plot", default=None, help="write a PNG comparing the policies (needs matplotlib)")
+    r.add_argument("--redis", default=None,
+                   help="redis:// URL: carry affinity's KV events over a Redis stream (default: none, in process)")
+    r.add_argument("--plot", default=None,
+                   help="write a PNG comparing the policies (needs matplotlib; default: no plot)")
     r.add_argument("--no-extension-rule", action="store_true",
                    help="treat a refilled partial block as a divergence (see docs)")
     r.add_argument("--json", action="store_true", help="print one JSON object")

@@ -142,3 +142,19 @@ def test_every_option_has_help_and_gb_is_named():
     for name, h in _actions(_parser()):
         if "-gb" in name or "--budgets" in name:
             assert "10^9 bytes" in h, (name, h)
+
+
+def test_every_option_that_takes_a_value_names_its_default():
+    """``--help`` says what each option is when it is not given: either its help says
+    "default" or the help formatter appends the value."""
+    def help_strings(parser):
+        fmt = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action.choices, dict):  # subparsers
+                for name, sub in action.choices.items():
+                    yield from ((f"{name} {n}", h) for n, h in help_strings(sub))
+            elif action.option_strings and action.nargs != 0:
+                yield "/".join(action.option_strings), fmt._expand_help(action)
+
+    silent = [(name, h) for name, h in help_strings(_parser()) if "default" not in h]
+    assert not silent, silent

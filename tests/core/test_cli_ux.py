@@ -142,3 +142,68 @@ def test_unreachable_l3_is_one_line_and_the_run_goes_on(capsys):
     assert lines[0].endswith("the run continues without it")
     assert "breaker" not in cap.err and "WARNING" not in cap.err
     assert cap.out.count("trace: ") == 2  # both budgets ran
+
+
+_COMMANDS = ("replay", "verify", "info", "route-sim")
+
+
+@pytest.mark.parametrize("command", ("",) + _COMMANDS)
+def test_help_is_plain_text_not_rst(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"] if command else ["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for markup in ("``", ":class:", ":func:", ":doc:"):
+        assert markup not in out, (command, markup)
+    if not command:
+        assert "'hybridkv COMMAND --help'" in out and all(c in out for c in _COMMANDS)
+
+
+@pytest.mark.parametrize("argv", [["replay", "--bogus"], ["verify", "--quick", "--bogus"],
+                                  ["info", "extra"], ["route-sim", "a", "b"]])
+def test_an_unknown_argument_of_a_subcommand_points_to_its_help(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    prog = f"hybridkv {argv[0]}"
+    assert err == f"{prog}: error: unrecognized arguments: {argv[-1]}; see '{prog} --help'\n", err
+
+
+def test_an_unknown_top_level_option_still_points_to_the_top_level_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["--bogus", "info"])
+    assert capsys.readouterr().err == "hybridkv: error: unrecognized arguments: --bogus; see 'hybridkv --help'\n"
+
+
+def test_replay_help_shows_the_checkpoint_and_chunk_defaults(capsys):
+    from hybridkv.defaults import CHUNK, SWA_CHECKPOINT
+
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"0 = off (default {SWA_CHECKPOINT})" in out
+    assert f"prefill chunk size in tokens (default {CHUNK})" in out
+
+
+def test_trace_help_names_every_format_the_loader_reads(capsys):
+    from hybridkv.traces import FORMATS
+
+    for name in ("Mooncake", "Qwen-Bailian", "kv-cache-tester", ".jsonl", ".json.gz", "folder"):
+        assert name in FORMATS
+    for command in ("replay", "verify", "route-sim"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert FORMATS in " ".join(capsys.readouterr().out.split()), command
+
+
+def test_a_qwen_bailian_trace_replays_with_its_block_size(tmp_path, capsys):
+    """What the trace help promises: a Qwen-Bailian jsonl (16-token blocks, seconds,
+    ``chat_id``) loads and replays."""
+    rows = [{"chat_id": i, "parent_chat_id": -1, "timestamp": i * 0.5, "input_length": 40,
+             "output_length": 4, "hash_ids": [1, 2, 3], "turn": 1, "type": "text"} for i in range(3)]
+    p = tmp_path / "qwen_traceA_blksz_16.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["replay", str(p), "--systems", "hybridkv", "--no-references", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"] == 3 and out["trace_block_sizes"] == [16]

@@ -49,6 +49,9 @@ manager, one block table per KV-cache group):
   L2 first and L3 for the rest (L3 reads fill L2).  The scheduler decides hits
   from L3 presence (it runs in another process than the worker's L2), so L2
   saves L3 reads but never adds hits L3 cannot back.
+* Hit sources (``vllm:prompt_tokens_cached_by_source``): pages the worker reads
+  from L2 count as ``host``, from a file L3 as ``disk`` (:mod:`.sources`: the
+  scheduler side mirrors the worker's L2 index to tell which is which).
 """
 
 from __future__ import annotations
@@ -81,12 +84,13 @@ from hybridkv.tiers.storage import open_backend
 from .config import ConnectorConfig
 from .groups import fingerprints, groups_from_config
 from .kvio import GroupBuffers, as_np_tokens, load_pages
-from .l2 import HostPageCache
+from .l2 import HostPageCache, HostPageIndex
 from .logs import logger, route_core_logs
 from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
 from .plan import checkpoint_ends, pages_to_save, window_safe_tokens
 from .progress import IDLE_WAIT_S, SavesBusy, SavesWatch, WorkerSaves
 from .saver import SaveThread
+from .sources import HitSources, l3_source
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -136,6 +140,7 @@ class _ReqState:
     namespace: str
     keys: dict[int, list[bytes]] = field(default_factory=dict)  # per group, its block size
     hit_tokens: int = 0
+    hit_sources: dict[CacheHitSource, int] = field(default_factory=dict)  # of the last load job
     saved_tokens: int = 0     # full-group KV up to here already handed to a save job
     saved_swa: dict[int, set[int]] = field(default_factory=dict)  # per SWA group: pages saved
     reported: bool = False
@@ -144,7 +149,7 @@ class _ReqState:
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 KV connector backed by hybridkv's L3 storage (see module docstring)."""
 
-    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED  # only if a split is missing
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
@@ -184,6 +189,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # a load in the same step would run before the save is submitted).
         self._claimed: set[bytes] = set()
         self._worker_saves = SavesWatch()  # keeps vLLM stepping until saves are counted
+        self._sources = HitSources(self.groups, self._l2_mirror(kv_cache_config), l3_source(self.cfg.l3_url))
         # worker side
         self._saves_report = WorkerSaves()
         self._buffers: dict[int, GroupBuffers] = {}
@@ -200,6 +206,20 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("HybridKVConnector role=%s l3=%s l2_gb=%s unit=%d groups=%s", role.name,
                     self.cfg.l3_url, self.cfg.l2_gb, self.unit,
                     [(g.index, g.window, g.block_size, len(g.layer_names)) for g in self.groups])
+
+    def _l2_mirror(self, kv_cache_config: KVCacheConfig) -> HostPageIndex | None:
+        """The scheduler side's mirror of a worker's L2 index (:mod:`.sources`): same
+        budget, pages of the bytes the worker's ``GroupBuffers`` will have (every layer
+        of a group, one block).  None without L2, or where the worker has none."""
+        budget = int(self.cfg.l2_gb * (1 << 30))
+        if self.role != KVConnectorRole.SCHEDULER or budget <= 0:
+            return None
+        page_bytes = {int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
+                      for g in kv_cache_config.kv_cache_groups}
+        if len(page_bytes) != 1 or budget < min(page_bytes):
+            return None
+        windows = [int(g.window) for g in self.groups if g.is_swa] or [1]
+        return HostPageIndex(page_bytes.pop(), budget, min(windows))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -294,7 +314,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.cfg.max_hit_tokens:
             max_tokens = min(max_tokens, self.cfg.max_hit_tokens // unit * unit)
         st = self._state(request)  # every request gets state: its pages are saved later
-        st.hit_tokens = 0
+        st.hit_tokens, st.hit_sources = 0, {}
         if max_tokens <= num_computed_tokens:
             return 0, False
         keys = self._keys(st, max_tokens)
@@ -345,16 +365,32 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         start = end - int(num_external_tokens)
         keys = self._keys(st, end)
         job = PageJob(request.request_id)
+        pages: dict[int, tuple[list[int], list[bytes]]] = {}  # per group: page indices, keys
         for g in self.groups:
             blk = blocks.blocks[g.index]
             bs = g.block_size
             lo_tok = max(start, end - int(g.window)) if g.is_swa else start  # type: ignore[arg-type]
             lo, hi = max(0, lo_tok) // bs, end // bs
             sel = [i for i in range(lo, min(hi, len(blk))) if not blk[i].is_null]
-            job.groups[g.index] = ([blk[i].block_id for i in sel], [keys[g.index][i] for i in sel])
+            pages[g.index] = (sel, [keys[g.index][i] for i in sel])
+            job.groups[g.index] = ([blk[i].block_id for i in sel], pages[g.index][1])
+        st.hit_sources = self._sources.on_load(pages, start, end)
         self._pending_loads[request.request_id] = job
         self._loading[request.request_id] = [k for _, ks in job.groups.values() for k in ks]
         st.saved_tokens = max(st.saved_tokens, end)  # these pages are in storage already
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        """The request's external hit by tier: ``host`` (the worker's L2) and ``disk``
+        (a file L3), as :meth:`update_state_after_alloc` planned its load
+        (:mod:`.sources`).  O(1)."""
+        st = self._reqs.get(request.request_id)
+        split = dict(st.hit_sources) if st is not None else {}
+        if num_external_tokens <= 0:
+            return {}
+        if sum(split.values()) != num_external_tokens:  # not the load planned: no split to give
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return split
 
     def _save_job(self, st: _ReqState, block_ids: tuple[list[int], ...], end_tokens: int,
                   final: bool, null_id: int) -> PageJob | None:
@@ -420,6 +456,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta.saves.extend(self._pending_saves)
         self._pending_saves.clear()
         for job in meta.saves:  # visible to lookups from the next step on
+            self._sources.on_save(job.groups)
             for _, ks in job.groups.values():
                 for k in ks:
                     self._sent[k] = None

@@ -31,11 +31,15 @@ import torch
 from hybridkv.spec import AttnKind, KVShape, ModelSpec
 from hybridkv.tiers.host import HostTier
 
-__all__ = ["HostPageCache"]
+__all__ = ["HostPageCache", "HostPageIndex"]
 
 
-class HostPageCache:
-    """L2 page store for one worker.
+class HostPageIndex:
+    """Which pages an L2 holds and what it evicts, without the page bytes.
+
+    The worker's :class:`HostPageCache` indexes its rows with one; the scheduler
+    side keeps another, fed with the same stores and lookups, to tell which of a
+    hit's pages the worker will read from L2 (:mod:`.sources`).  Not thread-safe.
 
     Args:
         page_bytes: bytes of one page (one block of every layer of a group); > 0, even.
@@ -58,7 +62,48 @@ class HostPageCache:
                          page_size=1)
         assert spec.bytes_per_page(AttnKind.FULL) == page_bytes
         self.page_bytes = int(page_bytes)
+        self.budget_bytes = int(budget_bytes)
         self.tier = HostTier(spec, int(budget_bytes), device="meta")
+
+    def lookup(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:
+        """Host page of each key, ``-1`` where absent (touches hits).  O(n)."""
+        if swa:
+            return self.tier.lookup_swa(keys, touch=True)
+        return self.tier.lookup_full(keys, touch=True)
+
+    def admit(self, swa: bool, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """Index the keys not held yet (those held are touched); returns the indices
+        ``i`` of ``keys`` admitted and their host pages.  When the budget cannot make
+        room (everything else protected) nothing is admitted: L2 is best effort.
+        Mutates the index (may evict LRU pages).  O(n + evicted)."""
+        have = self.lookup(swa, keys)
+        todo = np.flatnonzero(have < 0)
+        none = np.zeros(0, dtype=np.int64)
+        if todo.size == 0:
+            return none, none
+        got = self.tier.alloc(0 if swa else int(todo.size), int(todo.size) if swa else 0)
+        if got is None:
+            return none, none
+        pages = got[1] if swa else got[0]
+        sel = [keys[i] for i in todo.tolist()]
+        if swa:
+            # Only tail and checkpoint windows are ever saved: all are anchors.
+            self.tier.insert_swa(sel, pages, np.ones(todo.size, dtype=bool))
+        else:
+            self.tier.insert_full(sel, pages)
+        return todo, pages
+
+
+class HostPageCache:
+    """L2 page store for one worker: a :class:`HostPageIndex` and the page bytes.
+
+    Args: as :class:`HostPageIndex`.
+    """
+
+    def __init__(self, page_bytes: int, budget_bytes: int, window: int) -> None:
+        self.index = HostPageIndex(page_bytes, budget_bytes, window)
+        self.page_bytes = self.index.page_bytes
+        self.tier = self.index.tier
         rows = int(budget_bytes) // self.page_bytes
         self._rows = {AttnKind.FULL: torch.empty((rows, self.page_bytes), dtype=torch.uint8),
                       AttnKind.SWA: torch.empty((rows, self.page_bytes), dtype=torch.uint8)}
@@ -70,9 +115,7 @@ class HostPageCache:
             return self._lookup(swa, keys)
 
     def _lookup(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:
-        if swa:
-            return self.tier.lookup_swa(keys, touch=True)
-        return self.tier.lookup_full(keys, touch=True)
+        return self.index.lookup(swa, keys)
 
     def read(self, swa: bool, pages: np.ndarray) -> torch.Tensor:
         """``[n, page_bytes]`` uint8 copies of host ``pages``.  O(n * page_bytes)."""
@@ -109,23 +152,12 @@ class HostPageCache:
             return self._store(swa, keys, rows)
 
     def _store(self, swa: bool, keys: Sequence[bytes], rows: torch.Tensor) -> int:
-        have = self._lookup(swa, keys)
-        todo = np.flatnonzero(have < 0)
+        todo, pages = self.index.admit(swa, keys)
         if todo.size == 0:
             return 0
-        got = self.tier.alloc(0 if swa else int(todo.size), int(todo.size) if swa else 0)
-        if got is None:
-            return 0
-        pages = got[1] if swa else got[0]
         kind = AttnKind.SWA if swa else AttnKind.FULL
         self._rows[kind].index_copy_(0, torch.as_tensor(pages, dtype=torch.long),
                                      rows.index_select(0, torch.as_tensor(todo, dtype=torch.long)))
-        sel = [keys[i] for i in todo.tolist()]
-        if swa:
-            # Only tail and checkpoint windows are ever saved: all are anchors.
-            self.tier.insert_swa(sel, pages, np.ones(todo.size, dtype=bool))
-        else:
-            self.tier.insert_full(sel, pages)
         return int(todo.size)
 
     def stats(self) -> dict[str, int]:

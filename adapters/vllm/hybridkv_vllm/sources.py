@@ -1,0 +1,104 @@
+"""Where the connector's hits come from, in vLLM's words (``prompt_tokens_cached_by_source``).
+
+vLLM 0.32 asks the scheduler-side connector, right after ``update_state_after_alloc``,
+to split a request's external hit by tier (``get_external_cache_hit_sources``); a
+connector that does not answer has every hit counted as ``external_unspecified``.
+hybridkv's hits come from the worker's L2 (host memory: ``host``) or from L3: ``disk``
+for a file or NIXL-POSIX store; a remote store (Redis, Mooncake) is what vLLM's
+``external_unspecified`` stands for, so its hits keep that label.
+
+The scheduler runs in another process than the worker's L2, so it keeps a mirror of
+the L2's index (:class:`.l2.HostPageIndex`: same budget, same eviction) and applies
+to it what the worker's L2 sees, in the worker's order: a load touches the pages L2
+holds and copies in the rest (read from L3); a save stores its pages.  The split is
+the worker's own while the two see the same operations; a save the worker drops
+(full queue) or a failed load makes it an estimate.  Either way the counts add up to
+the hit, as vLLM requires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .l2 import HostPageIndex
+from .plan import GroupInfo
+
+__all__ = ["HitSources", "l3_source"]
+
+# L3 URL schemes whose pages live on this machine's disks; any other is a remote store.
+_DISK_SCHEMES = ("file", "nixl+posix")
+
+
+def l3_source(url: str) -> CacheHitSource:
+    """vLLM's label for hits read from the L3 at ``url``: ``disk`` for a file or
+    NIXL-POSIX store, ``external_unspecified`` (vLLM's label for a remote store) else."""
+    if not isinstance(url, str):
+        raise TypeError(f"url must be a str, got {type(url).__name__}")
+    scheme = url.split(":", 1)[0].lower() if ":" in url else "file"
+    return CacheHitSource.DISK if scheme in _DISK_SCHEMES else CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
+class HitSources:
+    """The scheduler side's view of the worker's L2, and each hit's split by tier.
+
+    Args:
+        groups: the connector's KV-cache groups.
+        l2: a mirror of the worker's L2 index (None: no L2, every hit is L3's).
+        l3: the label of L3 hits (:func:`l3_source`).
+    """
+
+    def __init__(self, groups: Sequence[GroupInfo], l2: HostPageIndex | None, l3: CacheHitSource) -> None:
+        self.groups = {g.index: g for g in groups}
+        self.l2 = l2
+        self.l3 = l3
+
+    def on_load(self, pages: dict[int, tuple[list[int], list[bytes]]], start: int, end: int) -> dict[CacheHitSource, int]:
+        """A load of ``pages`` (per group index: page indices at the group's block size
+        and their keys) for the hit ``[start, end)``; returns its tokens by source and
+        updates the mirror as the worker's load will.
+
+        A token counts as L3's when any loaded page covering it is read from L3, else
+        as L2's; tokens no loaded page covers (a sliding window group's history
+        before its window, in a model with no full-attention group) take the farthest
+        tier the load reads.  O(pages + (end - start) / smallest block)."""
+        n = end - start
+        if n <= 0:
+            return {}
+        if self.l2 is None:
+            return {self.l3: n}
+        unit = min(self.groups[g].block_size for g in pages) if pages else n
+        slots = -(-n // unit)
+        covered = np.zeros(slots, dtype=bool)
+        from_l3 = np.zeros(slots, dtype=bool)
+        any_l3 = False
+        for gi, (idx, keys) in pages.items():
+            if not keys:
+                continue
+            g = self.groups[gi]
+            held = self.l2.lookup(g.is_swa, keys) >= 0
+            missed = [k for k, h in zip(keys, held.tolist()) if not h]
+            if missed:
+                any_l3 = True
+                self.l2.admit(g.is_swa, missed)  # the worker copies L3 reads into L2
+            for i, h in zip(idx, held.tolist()):
+                lo = max(0, i * g.block_size - start) // unit
+                hi = -(-(min(end, (i + 1) * g.block_size) - start) // unit)
+                covered[lo:hi] = True
+                if not h:
+                    from_l3[lo:hi] = True
+        from_l3[~covered] = any_l3
+        disk = min(n, int(from_l3.sum()) * unit)
+        out = {CacheHitSource.HOST: n - disk, self.l3: disk}
+        return {k: v for k, v in out.items() if v}
+
+    def on_save(self, groups: dict[int, tuple[list[int], list[bytes]]]) -> None:
+        """A save job's pages (per group index: block ids and keys) go into L2, as the
+        worker stores them.  O(pages)."""
+        if self.l2 is None:
+            return
+        for gi, (_, keys) in groups.items():
+            if keys:
+                self.l2.admit(self.groups[gi].is_swa, keys)

@@ -1,0 +1,82 @@
+"""The connector's hits by source (``vllm:prompt_tokens_cached_by_source``): L2 pages are
+``host``, a file L3's are ``disk``, and the scheduler's mirror of the worker's L2 moves
+as the worker's L2 does (no server: :class:`hybridkv_vllm.sources.HitSources` alone)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hybridkv_vllm.l2 import HostPageCache, HostPageIndex
+from hybridkv_vllm.plan import GroupInfo
+from hybridkv_vllm.sources import HitSources, l3_source
+from vllm.v1.metrics.cache_hit_source import CacheHitSource as S
+
+# MiMo-V2's shape in vLLM: a full group of 64-token blocks, a sliding group (window 64) of 32
+FULL, SWA = GroupInfo(0, None, ("f",), 64), GroupInfo(1, 64, ("s",), 32)
+PAGE = 1024
+
+
+def _keys(tag: str, n: int) -> list[bytes]:
+    return [f"{tag}{i}".encode() for i in range(n)]
+
+
+def _load(src: HitSources, tag: str, end: int, start: int = 0) -> dict:
+    """A hit [start, end): every full page, and the sliding group's window before ``end``."""
+    full = list(range(start // 64, end // 64))
+    swa = list(range(max(start, end - 64) // 32, end // 32))
+    return src.on_load({0: (full, [_keys(tag + "f", end // 64)[i] for i in full]),
+                        1: (swa, [_keys(tag + "s", end // 32)[i] for i in swa])}, start, end)
+
+
+@pytest.mark.parametrize("url, source", [("file:hybridkv-l3", S.DISK), ("file:///var/cache/hkv", S.DISK),
+                                         ("nixl+posix:///data/l3", S.DISK), ("hybridkv-l3", S.DISK),
+                                         ("redis://127.0.0.1:6379/0", S.EXTERNAL_UNSPECIFIED),
+                                         ("mooncake://127.0.0.1:50051?metadata=x", S.EXTERNAL_UNSPECIFIED)])
+def test_l3_label_is_disk_for_local_stores_only(url, source):
+    assert l3_source(url) is source
+
+
+def test_l3_label_rejects_a_non_string():
+    with pytest.raises(TypeError, match="url"):
+        l3_source(None)
+
+
+def test_first_load_is_disk_the_repeat_is_host():
+    src = HitSources([FULL, SWA], HostPageIndex(PAGE, 64 * PAGE, 64), S.DISK)
+    assert _load(src, "a", 384) == {S.DISK: 384}  # L2 empty: all from L3, which fills L2
+    assert _load(src, "a", 384) == {S.HOST: 384}
+    # a longer prompt over the same prefix: the new pages (and the new window) from L3
+    assert _load(src, "a", 512) == {S.DISK: 128, S.HOST: 384}
+
+
+def test_saved_pages_are_host_and_without_l2_every_hit_is_l3s():
+    src = HitSources([FULL, SWA], HostPageIndex(PAGE, 64 * PAGE, 64), S.DISK)
+    src.on_save({0: ([1, 2, 3], _keys("bf", 3)), 1: ([7, 8], _keys("bs", 6)[4:6])})
+    assert _load(src, "b", 192) == {S.HOST: 192}
+    none = HitSources([FULL, SWA], None, S.EXTERNAL_UNSPECIFIED)
+    assert _load(none, "b", 192) == {S.EXTERNAL_UNSPECIFIED: 192}
+    assert none.on_load({}, 64, 64) == {}
+
+
+def test_a_hit_past_a_local_hit_counts_only_its_own_tokens():
+    src = HitSources([FULL, SWA], HostPageIndex(PAGE, 64 * PAGE, 64), S.DISK)
+    split = _load(src, "c", 384, start=128)
+    assert split == {S.DISK: 256}
+
+
+def test_the_mirror_evicts_as_the_workers_l2_does():
+    """Same operations, same budget: the mirror holds exactly what the worker's L2 holds,
+    also after evictions."""
+    budget = 6 * PAGE
+    worker, mirror = HostPageCache(PAGE, budget, 64), HostPageIndex(PAGE, budget, 64)
+    rows = torch.zeros((4, PAGE), dtype=torch.uint8)
+    for tag in ("x", "y", "z"):  # 12 full pages into room for 6
+        keys = _keys(tag, 4)
+        worker.store(False, keys, rows)
+        mirror.admit(False, keys)
+        worker.lookup(False, _keys("x", 2))  # the worker reads x0, x1 again: recently used
+        mirror.lookup(False, _keys("x", 2))
+    every = _keys("x", 4) + _keys("y", 4) + _keys("z", 4)
+    held = (worker.lookup(False, every) >= 0).tolist()
+    assert held == (mirror.lookup(False, every) >= 0).tolist()
+    assert 0 < sum(held) < len(every)  # something was evicted, not everything
