@@ -62,6 +62,8 @@ SAMPLE = "benchmarks/results/replay_sample.json"
 FULL_CONV = "benchmarks/results/replay_conversation_full.json"
 BUDGETS_K0 = "benchmarks/results/budgets_conversation_1000_k0.json"
 BUDGETS_K16K = "benchmarks/results/budgets_conversation_1000_k16384.json"
+ENGINE_STEP = "benchmarks/results/engine_step.json"
+SOAK = "benchmarks/results/soak.json"
 
 Loader = Callable[[str], dict[str, Any]]
 
@@ -371,6 +373,53 @@ def render_budgets(load: Loader) -> str:
     return "\n".join(lines) + "\n\n" + source_line(load, BUDGETS_K16K, BUDGETS_K0) + "\n"
 
 
+def render_engine_step(load: Loader) -> str:
+    """benchmarks/engine_step.py: per request per decode step, and the request path."""
+    out = load(ENGINE_STEP)
+    batches = sorted(out["decode_us_per_req"]["hybridkv_batched"], key=int)
+    names = {"hybridkv_batched": "hybridkv `step` + `commit_step` (batched)",
+             "hybridkv_single": "hybridkv `append_tokens` + `allocate(1)` + `commit(1)`",
+             "vllm": "vLLM 0.32 `append_output_token_ids` + `KVCacheManager.allocate_slots`"}
+    lines = ["| context | API | " + " | ".join(f"B = {b}" for b in batches) + " |",
+             "|---|---|" + "---|" * len(batches)]
+    for ctx, key in (("4K", "decode_us_per_req"), ("32K", "decode_us_per_req_32k")):
+        for api, per_batch in out[key].items():
+            lines.append(f"| {ctx} | {names.get(api, api)} | "
+                         + " | ".join(f"{per_batch[b]:.2f}" for b in batches) + " |")
+    runs = out["request_ops_runs"]
+    p50 = " / ".join(f"{r['request_ops_us_p50']:.0f}" for r in runs)
+    p99 = " / ".join(f"{r['request_ops_us_p99'] / 1000:.2f}" for r in runs)
+    vllm = ("" if out.get("batched_vs_vllm") else
+            " vLLM's rows were not run (`--no-vllm`: they need the vLLM venv); the changelog has the last run "
+            "with them.")
+    return (
+        f"Per request per decode step, microseconds ({out['preset']}, page {out['page_size']}, {out['steps']} "
+        f"decode steps after a prefill of the context, median of {out['repeats']} runs, accounting only):\n\n"
+        + "\n".join(lines) + "\n\n"
+        f"Request path, {out['requests']:,} requests at 594 GB, {len(runs)} whole replays in the same run: "
+        f"`request_ops_us` p50 {p50} us, p99 {p99} ms; hit rate {pct(out['token_hit_rate'])}.{vllm} Measured on "
+        f"a shared 2-core machine with other jobs running: compare rows within the table, not with other runs."
+        "\n\n" + source_line(load, ENGINE_STEP) + "\n"
+    )
+
+
+def render_soak(load: Loader) -> str:
+    """python -m hybridkv.soak: heap and tree size per pass over the same cache."""
+    out = load(SOAK)
+    lines = ["| pass | seconds | heap MiB | tree nodes |", "|---|---|---|---|"]
+    for r in out["passes"]:
+        lines.append(f"| {r['pass']} | {r['seconds']:.1f} | {r['heap_bytes'] / 2**20:.1f} | {r['tree_nodes']:,} |")
+    g = out["growth_after_pass_2"]
+    heaps = ", ".join(f"`{n}` at most {h['max']:,} of {h['limit']:,}" for n, h in out["lazy_heaps"].items())
+    worst = out["worst_growth"]
+    return (
+        f"{out['requests']:,} requests per pass, {len(out['passes'])} passes:\n\n" + "\n".join(lines) + "\n\n"
+        f"From pass 2 to {len(out['passes'])} the heap grew {100 * g['heap_bytes']:.1f}%; the largest growth of "
+        f"any index (lazy heaps aside) was `{worst['name']}`, {100 * worst['fraction']:+.1f}%.  Lazy heaps against "
+        f"their rebuild limit: {heaps}.\n\n" + source_line(load, SOAK) + "\n"
+    )
+
+
 # NAME -> (result files it reads, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "readme-sample": ((SAMPLE,), render_sample),
@@ -385,6 +434,8 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "peers-weka": ((PEERS_WEKA,), render_peers_tables(PEERS_WEKA)),
     "peers-weka-first4": ((PEERS_WEKA4,), render_weka_first4),
     "in-engine-vllm": ((IN_ENGINE_CONV, IN_ENGINE_WEKA), render_in_engine_vllm),
+    "engine-step": ((ENGINE_STEP,), render_engine_step),
+    "soak": ((SOAK,), render_soak),
 }
 
 

@@ -1,0 +1,49 @@
+"""docs/index.md links every page with a plain markdown link (so the index works on
+the repository page, where Sphinx directives do not run) and lists it in a toctree
+(so the built site has it); every link of the index points at a page that exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+INDEX = (DOCS / "index.md").read_text()
+FENCE = re.compile(r"^```\{toctree\}\n(.*?)^```", re.S | re.M)
+
+
+def _pages() -> set[str]:
+    return {p.stem for p in DOCS.iterdir() if p.suffix in (".md", ".rst")} - {"index", "README"}
+
+
+def _links(text: str) -> set[str]:
+    outside = FENCE.sub("", text)
+    return {m.group(1) for m in re.finditer(r"\]\(([\w-]+)\.(?:md|rst)(?:#[\w-]*)?\)", outside)}
+
+
+def _toctree() -> set[str]:
+    return {ln.strip() for body in FENCE.findall(INDEX) for ln in body.splitlines()
+            if ln.strip() and not ln.startswith(":")}
+
+
+def test_index_links_every_page_in_markdown():
+    assert _pages() - _links(INDEX) == set(), "pages without a markdown link in docs/index.md"
+
+
+def test_index_toctrees_list_every_page():
+    assert _toctree() == _pages()
+
+
+def test_index_links_point_at_pages_that_exist():
+    assert _links(INDEX) <= _pages()
+
+
+def test_the_index_has_no_comment_filled_in_by_conf_py():
+    assert "<!--" not in INDEX
+    assert "source-read" not in (DOCS / "conf.py").read_text()
+
+
+def test_link_parser_sees_links_and_skips_toctrees():
+    text = "- [A](a.md)\n- [B](b.rst#x)\n```{toctree}\n:hidden:\n\nc\n```\n"
+    assert _links(text) == {"a", "b"}
