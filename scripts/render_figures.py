@@ -2,6 +2,7 @@
 
     python scripts/render_figures.py            # rewrite the marked regions in place
     python scripts/render_figures.py --check    # exit 1 and name each page that differs
+    python scripts/render_figures.py --rerun [FILE ...]   # rerun the quick result files at HEAD, then render
 
 A page marks a rendered region with two HTML comments (invisible on GitHub and
 in the built site)::
@@ -30,6 +31,8 @@ Every result file carries a ``"provenance"`` object:
 ``not_rerun_after``  optional: commits after ``commit`` that touch ``depends``
              but cannot change the figures, each ``{"commit", "why"}``; the
              page shows them beside the source line;
+``rerun``    optional: ``true`` when ``--rerun`` may run ``command`` again by
+             itself (a few minutes at most, prints the file's JSON on stdout);
 ``checks``   optional: later reruns that confirmed part of the file, each
              ``{"command", "commit", "date", "covers": [pathspecs], "what",
              "hit_tokens": {"SYSTEM@GB": n}}``: the pathspecs it covers count as
@@ -406,9 +409,9 @@ def render_engine_step(load: Loader) -> str:
 def render_soak(load: Loader) -> str:
     """python -m hybridkv.soak: heap and tree size per pass over the same cache."""
     out = load(SOAK)
-    lines = ["| pass | seconds | heap MiB | tree nodes |", "|---|---|---|---|"]
+    lines = ["| pass | seconds | Python heap MB | tree nodes |", "|---|---|---|---|"]
     for r in out["passes"]:
-        lines.append(f"| {r['pass']} | {r['seconds']:.1f} | {r['heap_bytes'] / 2**20:.1f} | {r['tree_nodes']:,} |")
+        lines.append(f"| {r['pass']} | {r['seconds']:.1f} | {r['heap_bytes'] / 1e6:.1f} | {r['tree_nodes']:,} |")
     g = out["growth_after_pass_2"]
     heaps = ", ".join(f"`{n}` at most {h['max']:,} of {h['limit']:,}" for n, h in out["lazy_heaps"].items())
     worst = out["worst_growth"]
@@ -550,13 +553,60 @@ def stale(rel: str, out: dict[str, Any]) -> list[str]:
     return bad
 
 
+# --------------------------------------------------------------------------- rerun
+
+
+def rerun(rel: str) -> None:
+    """Run a result file's recorded command again at HEAD and rewrite the file.
+
+    Only for files marked ``"rerun": true``; refuses when the code it depends on
+    has uncommitted changes (the commit recorded would not be what ran)."""
+    import datetime  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import shlex  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    old = load_file(rel)
+    p = old["provenance"]
+    if not p.get("rerun"):
+        raise SystemExit(f"{rel}: not marked for --rerun; run by hand: {p['command']}")
+    dirty = _git("status", "--porcelain", "--", *p["depends"]).stdout.strip()
+    if dirty:
+        raise SystemExit(f"{rel}: commit these first (the file records HEAD):\n{dirty}")
+    argv = shlex.split(p["command"])
+    if argv[0] == "hybridkv":
+        argv = [sys.executable, "-m", "hybridkv", *argv[1:]]
+    elif argv[0] == "python":
+        argv = [sys.executable, *argv[1:]]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    t0 = time.perf_counter()
+    res = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise SystemExit(f"{rel}: {p['command']} exited {res.returncode}:\n{res.stderr[-2000:]}")
+    text = res.stdout.replace(str(ROOT.parent) + "/", "../").replace(str(ROOT) + "/", "")
+    out = json.loads(text.replace("../" + ROOT.name + "/", ""))
+    commit = _git("rev-parse", "HEAD").stdout.strip()
+    prov = {k: v for k, v in p.items() if k not in ("checks", "not_rerun_after")}
+    prov.update(commit=commit, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
+    if "wall_s" in p:
+        prov["wall_s"] = round(time.perf_counter() - t0, 1)
+    out["provenance"] = prov
+    (ROOT / rel).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"{rel}: rerun at {commit[:7]}")
+
+
 # --------------------------------------------------------------------------- command line
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page differs")
+    ap.add_argument("--rerun", nargs="*", metavar="FILE", default=None,
+                    help="rerun these result files (default: every one marked \"rerun\": true), then render")
     args = ap.parse_args(argv)
+    if args.rerun is not None:
+        for rel in args.rerun or [r for r in result_files() if load_file(r)["provenance"].get("rerun")]:
+            rerun(rel)
     differ = []
     for page in pages():
         text = page.read_text()

@@ -47,3 +47,16 @@ def test_the_index_has_no_comment_filled_in_by_conf_py():
 def test_link_parser_sees_links_and_skips_toctrees():
     text = "- [A](a.md)\n- [B](b.rst#x)\n```{toctree}\n:hidden:\n\nc\n```\n"
     assert _links(text) == {"a", "b"}
+
+
+def test_gib_appears_only_where_the_code_reads_gib():
+    """Sizes are GB (10^9 bytes); the vLLM adapter's l2_gb, read as GiB by its code, is the
+    one exception a user sets, and every page that says GiB says it about l2_gb."""
+    connector = (ROOT / "adapters" / "vllm" / "hybridkv_vllm" / "connector.py").read_text()
+    assert "self.cfg.l2_gb * (1 << 30)" in connector  # if this changes, the docs must too
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        if page.name == "changelog.md":
+            continue
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            if "GiB" in line:
+                assert "l2_gb" in line or "2^30" in line, f"{page.name}:{n}: {line}"
