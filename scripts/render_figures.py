@@ -67,6 +67,7 @@ BUDGETS_K0 = "benchmarks/results/budgets_conversation_1000_k0.json"
 BUDGETS_K16K = "benchmarks/results/budgets_conversation_1000_k16384.json"
 ENGINE_STEP = "benchmarks/results/engine_step.json"
 SOAK = "benchmarks/results/soak.json"
+TIERS_VLLM = "benchmarks/peers/results/tiers_vllm.json"
 
 Loader = Callable[[str], dict[str, Any]]
 
@@ -99,8 +100,10 @@ def source_line(load: Loader, *rels: str) -> str:
         p = load(rel)["provenance"]
         later = ", ".join(d["commit"][:7] for d in p.get("not_rerun_after", []))
         checked = [c for c in p.get("checks", [])]
-        extra = f"; not rerun after {later}, see the file" if later else ""
-        extra += "".join(f"; rows of hybridkv rechecked at {c['commit'][:7]}, {c['date']}" for c in checked)
+        extra = (f"; code it depends on changed after it in {later}, judged not to change these figures: "
+                 f"see the file's not_rerun_after" if later else "")
+        extra += "".join(f"; hybridkv's rows rerun at {c['commit'][:7]}, {c['date']}: the same hit tokens"
+                         for c in checked)
         parts.append(f"`{rel}` (measured at commit {p['commit'][:7]}, {p['date']}{extra})")
     return "<sub>Source: " + "; ".join(parts) + ". Rendered by `scripts/render_figures.py`.</sub>"
 
@@ -423,6 +426,32 @@ def render_soak(load: Loader) -> str:
     )
 
 
+def render_tiers_vllm(load: Loader) -> str:
+    """benchmarks/peers/tiers_vllm.py: hit tokens per tier, vLLM's offload vs hybridkv's tiers."""
+    out = load(TIERS_VLLM)
+    names = {"hybridkv-l1": "hybridkv L1 only", "hybridkv-l2": "hybridkv L1 + L2",
+             "hybridkv-l2-l3": "hybridkv L1 + L2 + L3", "vllm-l1": "vLLM device cache only (no connector)",
+             "vllm-cpu": "vLLM CPU offload", "vllm-cpu-fs": "vLLM CPU + fs tiering"}
+    traces = {"mooncake_conversation": "conversation", "kv_cache_tester_16_sessions": "kv-cache-tester"}
+    lines = ["| trace | system | vLLM retention | L1 (device) hit tokens | L2 / CPU hit tokens | L3 (file) hit tokens "
+             "| total hit rate |", "|---|---|---|---|---|---|---|"]
+    seen = set()
+    for r in out["rows"]:
+        first = r["trace"] not in seen
+        seen.add(r["trace"])
+        what = (f"{traces.get(r['trace'], r['trace'])} ({r['requests']:,} req., {r['input_tokens']:,} tok.)"
+                if first else "")
+        vllm = r["system"].startswith("vllm")
+        ret = r.get("retention_interval")
+        ret = ("None (dense)" if ret is None else f"{ret}{' (default)' if ret == 0 else ''}") if vllm else ""
+        l2 = f"{r['l2_hit_tokens']:,}" if r["system"] not in ("hybridkv-l1", "vllm-l1") else ""
+        l3 = f"{r['l3_hit_tokens']:,}" if r["system"] in ("hybridkv-l2-l3", "vllm-cpu-fs") else ""
+        lines.append(f"| {what} | {names[r['system']]} | {ret} | {r['l1_hit_tokens']:,} | {l2} | {l3} "
+                     f"| {pct(r['token_hit_rate'])} |")
+    return (f"Device {out['l1_gb']:g} GB, host {' / '.join(f'{h:g}' for h in out['host_gb'])} GB:\n\n"
+            + "\n".join(lines) + "\n\n" + source_line(load, TIERS_VLLM) + "\n")
+
+
 # NAME -> (result files it reads, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "readme-sample": ((SAMPLE,), render_sample),
@@ -439,6 +468,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "in-engine-vllm": ((IN_ENGINE_CONV, IN_ENGINE_WEKA), render_in_engine_vllm),
     "engine-step": ((ENGINE_STEP,), render_engine_step),
     "soak": ((SOAK,), render_soak),
+    "tiers-vllm": ((TIERS_VLLM,), render_tiers_vllm),
 }
 
 
@@ -507,11 +537,13 @@ def provenance_problems(rel: str, out: dict[str, Any]) -> list[str]:
 def check_hit_tokens(rel: str, out: dict[str, Any]) -> list[str]:
     """Each check's ``hit_tokens`` must equal the file's rows for those systems and budgets."""
     bad = []
-    rows = out.get("results", [])
+    rows = out.get("results") or out.get("rows") or []
     for c in out["provenance"].get("checks", []):
         for key, n in c.get("hit_tokens", {}).items():
+            trace, _, key = key.rpartition(":")  # "SYSTEM@GB" or "TRACE:SYSTEM@GB"
             system, gb = key.rsplit("@", 1)
-            found = [r["hit_tokens"] for r in rows if r["system"] == system and r["budget_gb"] == float(gb)]
+            found = [r["hit_tokens"] for r in rows if r["system"] == system and (not trace or r["trace"] == trace)
+                     and r.get("budget_gb", r.get("l1_gb")) == float(gb)]
             if found != [n]:
                 bad.append(f"{rel}: check at {c['commit'][:7]} found {key} = {n}, the file has {found}")
     return bad
@@ -548,8 +580,10 @@ def stale(rel: str, out: dict[str, Any]) -> list[str]:
         changes = [ln for ln in log.stdout.splitlines() if ln.split(" ", 1)[0] not in declared]
         if changes:
             first = changes[-1][:7] + changes[-1][40:120]
+            how = (f"python scripts/render_figures.py --rerun {rel}" if p.get("rerun")
+                   else f"{p['command']}, then record its provenance")
             bad.append(f"{rel}: measured at {commit[:7]}, but {spec} changed after it ({first}); "
-                       f"rerun: {p['command']}")
+                       f"rerun: {p['command']} (quick way: {how})")
     return bad
 
 

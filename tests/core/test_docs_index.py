@@ -60,3 +60,23 @@ def test_gib_appears_only_where_the_code_reads_gib():
         for n, line in enumerate(page.read_text().splitlines(), 1):
             if "GiB" in line:
                 assert "l2_gb" in line or "2^30" in line, f"{page.name}:{n}: {line}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's (and MyST's myst_heading_anchors) anchor of a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_glossary_links_point_at_its_headings_and_every_term_is_linked():
+    glossary = (DOCS / "glossary.md").read_text()
+    anchors = {_slug(h) for h in re.findall(r"^## (.+)$", glossary, re.M)}
+    used: dict[str, set[str]] = {}
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for anchor in re.findall(r"glossary\.md#([\w-]+)\)", page.read_text()):
+            used.setdefault(anchor, set()).add(page.name)
+    assert set(used) <= anchors, f"links to no glossary heading: {sorted(set(used) - anchors)}"
+    first_met = {"tombstone", "window-safe", "retention", "retention-checkpoint", "anchor", "kv-group",
+                 "l1-l2-l3", "pseudo-hit", "namespace", "page"}
+    assert first_met <= anchors
+    assert first_met <= set(used), f"glossary terms no page links to: {sorted(first_met - set(used))}"
+    assert _slug("L1, L2, L3") == "l1-l2-l3" and _slug("Sliding window (SWA)") == "sliding-window-swa"
