@@ -68,6 +68,8 @@ BUDGETS_K16K = "benchmarks/results/budgets_conversation_1000_k16384.json"
 ENGINE_STEP = "benchmarks/results/engine_step.json"
 SOAK = "benchmarks/results/soak.json"
 TIERS_VLLM = "benchmarks/peers/results/tiers_vllm.json"
+GROUPS = {(w, t): f"benchmarks/results/kv_groups_{w}_window_{t}.json"
+          for w in ("two", "one") for t in ("conversation_3000", "weka_600")}
 
 Loader = Callable[[str], dict[str, Any]]
 
@@ -338,8 +340,8 @@ def render_sample(load: Loader) -> str:
 
 
 def _runs(out: dict[str, Any]) -> dict[float, dict[str, Any]]:
-    """``hybridkv replay --budgets ... --json`` runs by budget (GB)."""
-    return {r["hbm_gb"]: r for r in out["runs"]}
+    """``hybridkv replay --json`` runs by budget (GB): ``runs`` with ``--budgets``, else the one run."""
+    return {r["hbm_gb"]: r for r in out["runs"]} if "runs" in out else {out["hbm_gb"]: out}
 
 
 def render_full_conversation(load: Loader) -> str:
@@ -452,6 +454,21 @@ def render_tiers_vllm(load: Loader) -> str:
             + "\n".join(lines) + "\n\n" + source_line(load, TIERS_VLLM) + "\n")
 
 
+def render_kv_groups(load: Loader) -> str:
+    """docs/concepts.md: a two-window model against its one-window twin (hybridkv only)."""
+    names = {"conversation_3000": "Mooncake conversation", "weka_600": "kv-cache-tester"}
+    lines = ["| trace | budget | two windows | one window (what the cache kept before per-group pages) |",
+             "|---|---|---|---|"]
+    for trace, name in names.items():
+        two, one = _runs(load(GROUPS["two", trace])), _runs(load(GROUPS["one", trace]))
+        for gb in sorted(two):
+            a, b = two[gb], one[gb]
+            cell = pct(a["token_hit_rate"])
+            cell = f"**{cell}**" if a["token_hit_rate"] < b["token_hit_rate"] else cell
+            lines.append(f"| {name}, {a['requests']:,} requests | {gb:g} GB | {cell} | {pct(b['token_hit_rate'])} |")
+    return "\n".join(lines) + "\n\n" + source_line(load, *GROUPS.values()) + "\n"
+
+
 # NAME -> (result files it reads, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "readme-sample": ((SAMPLE,), render_sample),
@@ -469,6 +486,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "engine-step": ((ENGINE_STEP,), render_engine_step),
     "soak": ((SOAK,), render_soak),
     "tiers-vllm": ((TIERS_VLLM,), render_tiers_vllm),
+    "kv-groups": (tuple(GROUPS.values()), render_kv_groups),
 }
 
 
