@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -614,7 +615,6 @@ def rerun(rel: str) -> None:
     Only for files marked ``"rerun": true``; refuses when the code it depends on
     has uncommitted changes (the commit recorded would not be what ran)."""
     import datetime  # noqa: PLC0415
-    import os  # noqa: PLC0415
     import shlex  # noqa: PLC0415
     import time  # noqa: PLC0415
 
@@ -662,9 +662,10 @@ def main(argv: list[str] | None = None) -> int:
     differ = []
     for page in pages():
         text = page.read_text()
-        new = render_text(text, where=str(page.relative_to(ROOT)))
+        name = os.path.relpath(page, ROOT)
+        new = render_text(text, where=name)
         if new != text:
-            differ.append(str(page.relative_to(ROOT)))
+            differ.append(name)
             if not args.check:
                 page.write_text(new)
     if args.check and differ:

@@ -39,8 +39,15 @@ STRICT_PAGES = ("README.md", "docs/quickstart.md", "docs/concepts.md", "docs/bud
 FIGURE = re.compile(r"\d[\d,.]*\s?(?:%|x\b|us\b|ms\b|GB/s)")
 
 
-def _in_git() -> bool:
-    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode == 0
+def _history() -> str | None:
+    """Why the commits a result file names cannot be compared with HEAD here, or None."""
+    res = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"], capture_output=True,
+                         text=True)
+    if res.returncode != 0:
+        return "not a git checkout: the commits a result file names cannot be compared with HEAD"
+    if res.stdout.strip() == "true":
+        return "a shallow clone: the commits a result file names may be missing (git fetch --unshallow)"
+    return None
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -104,14 +111,14 @@ def test_result_file_records_its_command_commit_date_and_code(rel):
 
 @pytest.mark.parametrize("rel", rf.result_files())
 def test_result_file_is_not_older_than_its_code(rel):
-    if not _in_git():
-        pytest.skip("not a git checkout: the commits a result file names cannot be compared with HEAD")
+    if _history():
+        pytest.skip(_history())
     assert rf.stale(rel, rf.load_file(rel)) == []
 
 
-def test_staleness_is_detected(tmp_path):
-    if not _in_git():
-        pytest.skip("not a git checkout")
+def test_staleness_is_detected():
+    if _history():
+        pytest.skip(_history())
     out = rf.load_file(rf.SAMPLE)
     first = subprocess.run(["git", "-C", str(ROOT), "rev-list", "--max-parents=0", "HEAD"], capture_output=True,
                            text=True, check=True).stdout.split()[0]
@@ -141,3 +148,13 @@ def test_the_figure_pattern_sees_measured_figures_and_not_settings():
     found = FIGURE.findall("hits 9.34% (1.80x), op p50 126 us, p99 1.2 ms, copies at 4.67 GB/s")
     assert found == ["9.34%", "1.80x", "126 us", "1.2 ms", "4.67 GB/s"]
     assert FIGURE.findall("page 64, 594 GB, W = 128, K = 16,384 tokens, vLLM 0.32, 2,000 requests") == []
+
+
+def test_check_mode_changes_nothing_and_reports_a_difference(tmp_path, monkeypatch, capsys):
+    assert rf.main(["--check"]) == 0
+    page = tmp_path / "README.md"
+    page.write_text("<!-- figures:readme-sample -->\nold figures\n<!-- /figures:readme-sample -->\n")
+    monkeypatch.setattr(rf, "pages", lambda: [page])
+    assert rf.main(["--check"]) == 1 and "README.md" in capsys.readouterr().err
+    assert "old figures" in page.read_text()  # --check rewrites nothing
+    assert rf.main([]) == 0 and "26." in page.read_text() and "old figures" not in page.read_text()
