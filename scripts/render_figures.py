@@ -69,6 +69,7 @@ BUDGETS_K16K = "benchmarks/results/budgets_conversation_1000_k16384.json"
 ENGINE_STEP = "benchmarks/results/engine_step.json"
 SOAK = "benchmarks/results/soak.json"
 TIERS_VLLM = "benchmarks/peers/results/tiers_vllm.json"
+TIERS = "benchmarks/results/tiers.json"
 GROUPS = {(w, t): f"benchmarks/results/kv_groups_{w}_window_{t}.json"
           for w in ("two", "one") for t in ("conversation_3000", "weka_600")}
 
@@ -470,6 +471,28 @@ def render_kv_groups(load: Loader) -> str:
     return "\n".join(lines) + "\n\n" + source_line(load, *GROUPS.values()) + "\n"
 
 
+def render_tiers(load: Loader) -> str:
+    """benchmarks/tiers.py: hit rate with L1 only, L1+L2 and L1+L2+L3, and the L3 overhead."""
+    out = load(TIERS)
+    names = {"kv_cache_tester": "kv-cache-tester ({sessions} sessions, {requests:,} requests)",
+             "mooncake": "Mooncake conversation (first {requests:,} requests)"}
+    lines = ["| trace | L1 only | L1+L2 | L1+L2+L3 | prefix bound |", "|---|---|---|---|---|"]
+    for trace, r in out["hit_rates"].items():
+        lines.append(f"| {names[trace].format(**r)} | {pct(r['l1']['token_hit_rate'])} "
+                     f"| {pct(r['l1_l2']['token_hit_rate'])} | {pct(r['l1_l2_l3']['token_hit_rate'])} "
+                     f"| {pct(r['prefix_bound_hit_rate'])} |")
+    m = out["hit_rates"]["mooncake"]
+    tail = (f"Mooncake L1+L2+L3: {m['l1_l2_l3']['l2_hit_tokens'] / 1e6:.2f} M tokens hit from L2, "
+            f"{m['l1_l2_l3']['l3_hit_tokens'] / 1e6:.2f} M from L3; bytes the real model would move: "
+            f"{m['l1_l2_l3']['bytes_moved'] / 1e12:.2f} TB (L1+L2: {m['l1_l2']['bytes_moved'] / 1e12:.2f} TB, "
+            f"mostly write-through D2H).  `l3_overhead_ratio` (hybridkv put+get vs the raw client, same bytes, "
+            f"same run, in a fresh process): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in out["l3_overhead_ratio"].items()) + ".")
+    return (f"L1 {out['l1_gb']:g} GB, L2 {out['l2_gb']:g} GB, L3 a file backend without limit, extension rule "
+            f"{out['extension_rule']}:\n\n" + "\n".join(lines) + "\n\n" + tail + "\n\n"
+            + source_line(load, TIERS) + "\n")
+
+
 # NAME -> (result files it reads, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "readme-sample": ((SAMPLE,), render_sample),
@@ -488,6 +511,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "soak": ((SOAK,), render_soak),
     "tiers-vllm": ((TIERS_VLLM,), render_tiers_vllm),
     "kv-groups": (tuple(GROUPS.values()), render_kv_groups),
+    "tiers": ((TIERS,), render_tiers),
 }
 
 
