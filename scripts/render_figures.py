@@ -70,6 +70,7 @@ ENGINE_STEP = "benchmarks/results/engine_step.json"
 SOAK = "benchmarks/results/soak.json"
 TIERS_VLLM = "benchmarks/peers/results/tiers_vllm.json"
 TIERS = "benchmarks/results/tiers.json"
+TIER_STALL = "benchmarks/results/tier_stall.json"
 GROUPS = {(w, t): f"benchmarks/results/kv_groups_{w}_window_{t}.json"
           for w in ("two", "one") for t in ("conversation_3000", "weka_600")}
 
@@ -493,6 +494,24 @@ def render_tiers(load: Loader) -> str:
             + source_line(load, TIERS) + "\n")
 
 
+def render_tier_stall(load: Loader) -> str:
+    """benchmarks/tier_stall.py: begin p99 of L1/L2-resident prefixes, healthy vs slow L3."""
+    out = load(TIER_STALL)
+    h, slow = out["healthy_l3"], out["l3_1s"]
+    rows = (("exact", "exact repeats (every page in L1/L2)"),
+            ("new_suffix", f"resident prefix + {out['config']['suffix_tokens']} new tokens (L3 asked about the suffix)"),
+            ("all", "all"))
+    lines = [f"| begins | healthy L3 | L3 answering in {out['config']['l3_delay_s']:g} s |", "|---|---|---|"]
+    lines += [f"| {name} | {h[k]['p99_us'] / 1000:.1f} ms | {slow[k]['p99_us'] / 1000:.1f} ms |" for k, name in rows]
+    return (
+        f"`begin` p99, {out['config']['requests']:,} timed begins per L3:\n\n" + "\n".join(lines) + "\n\n"
+        f"With the slow L3, {slow['l3_timeouts']} reads waited the {out['config']['budget_s']:g} s budget (slowest "
+        f"new-suffix begin {slow['new_suffix']['max_us'] / 1000:.0f} ms), then the read breaker opened "
+        f"({slow['l3_read_breaker_trips']} trips) and {slow['l3_reads_skipped']:,} reads were skipped (no waiting); "
+        f"the healthy L3 timed out {h['l3_timeouts']} reads.\n\n" + source_line(load, TIER_STALL) + "\n"
+    )
+
+
 # NAME -> (result files it reads, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "readme-sample": ((SAMPLE,), render_sample),
@@ -512,6 +531,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "tiers-vllm": ((TIERS_VLLM,), render_tiers_vllm),
     "kv-groups": (tuple(GROUPS.values()), render_kv_groups),
     "tiers": ((TIERS,), render_tiers),
+    "tier-stall": ((TIER_STALL,), render_tier_stall),
 }
 
 
