@@ -71,6 +71,8 @@ SOAK = "benchmarks/results/soak.json"
 TIERS_VLLM = "benchmarks/peers/results/tiers_vllm.json"
 TIERS = "benchmarks/results/tiers.json"
 TIER_STALL = "benchmarks/results/tier_stall.json"
+ROUTE = {name: f"benchmarks/results/route_sim_{name}.json"
+         for name in ("default", "fifo", "balance_0", "balance_0.25", "balance_4", "max_share_1", "weka")}
 GROUPS = {(w, t): f"benchmarks/results/kv_groups_{w}_window_{t}.json"
           for w in ("two", "one") for t in ("conversation_3000", "weka_600")}
 
@@ -512,6 +514,73 @@ def render_tier_stall(load: Loader) -> str:
     )
 
 
+_ROUTE_COLS = ("| hit rate | busy max/mean | TTFT p50 s | TTFT p90 s | TTFT p90 (>=32K) s | prefill busy s |",
+               "|---|---|---|---|---|---|")
+
+
+def _route_row(r: dict[str, Any], long: bool = True) -> str:
+    cells = [f"{r['hit_rate']:.4f}", f"{r['load_max_over_mean']:.3f}", f"{r['ttft_p50']:.3f}", f"{r['ttft_p90']:.3f}"]
+    if long:
+        cells.append(f"{r['ttft_p90_long']:.3f}")
+    return " | ".join(cells) + f" | {r['prefill_busy_s']:.0f} |"
+
+
+def render_route_sim(load: Loader) -> str:
+    """docs/routing.md: the three policies on the bundled sample, and affinity against round-robin."""
+    out = load(ROUTE["default"])
+    pol = out["policies"]
+    lines = ["| policy " + _ROUTE_COLS[0], "|---" + _ROUTE_COLS[1]]
+    lines += [f"| {name} | {_route_row(r)}" for name, r in pol.items()]
+    rr, ll, af = pol["round_robin"], pol["least_loaded"], pol["affinity"]
+
+    def change(a: float, b: float) -> str:
+        return f"{100 * (a / b - 1):+.0f}%"
+
+    return (
+        "\n".join(lines) + "\n\n"
+        f"Affinity vs round-robin: hit rate x{af['hit_rate'] / rr['hit_rate']:.2f}, TTFT p90 "
+        f"{change(af['ttft_p90'], rr['ttft_p90'])} ({change(af['ttft_p90'], ll['ttft_p90'])} vs least-loaded), "
+        f"TTFT p90 of >=32K-token prompts {change(af['ttft_p90_long'], rr['ttft_p90_long'])}, prefill GPU time "
+        f"{change(af['prefill_busy_s'], rr['prefill_busy_s'])}, load max/mean {af['load_max_over_mean']:.3f}.  Index "
+        f"predictions equalled the worker's real hit for {pct(af['prediction_exact_rate'], 1)} of requests (the "
+        f"rest: the tree changed between routing and prefill start).\n\n" + source_line(load, ROUTE["default"]) + "\n"
+    )
+
+
+def render_route_knobs(load: Loader) -> str:
+    runs = (("balance 0 (pure affinity)", "balance_0"), ("balance 0.25", "balance_0.25"),
+            ("balance 1 (default)", "default"), ("balance 4", "balance_4"),
+            ("max_share 1.0 (no guard)", "max_share_1"))
+    lines = ["| setting " + _ROUTE_COLS[0], "|---" + _ROUTE_COLS[1]]
+    lines += [f"| {label} | {_route_row(load(ROUTE[name])['policies']['affinity'])}" for label, name in runs]
+    srcs = [ROUTE[name] for _, name in runs]
+    return "\n".join(lines) + "\n\n" + source_line(load, *srcs) + "\n"
+
+
+def render_route_fifo(load: Loader) -> str:
+    fifo, unc = load(ROUTE["fifo"])["policies"], load(ROUTE["default"])["policies"]
+    names = ("round_robin", "least_loaded", "affinity")
+    cut = [100 * (1 - unc[n]["ttft_p50"] / fifo[n]["ttft_p50"]) for n in names]
+    return (
+        f"`--queue fifo` (same defaults): round-robin / least-loaded / affinity TTFT p90 "
+        + " / ".join(f"{fifo[n]['ttft_p90']:.3f}" for n in names) + " s, p50 "
+        + " / ".join(f"{fifo[n]['ttft_p50']:.3f}" for n in names)
+        + f" s: uncached-first queues cut p50 by {min(cut):.0f}-{max(cut):.0f}% for every policy.\n\n"
+        + source_line(load, ROUTE["fifo"], ROUTE["default"]) + "\n"
+    )
+
+
+def render_route_weka(load: Loader) -> str:
+    out = load(ROUTE["weka"])
+    pol = out["policies"]
+    any_r = next(iter(pol.values()))
+    lines = ["| policy | hit rate | busy max/mean | TTFT p50 s | TTFT p90 s | prefill busy s |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {name} | {_route_row(r, long=False)}" for name, r in pol.items()]
+    return (f"{any_r['requests']:,} requests, mean input {any_r['input_tokens'] / any_r['requests'] / 1000:.0f}K "
+            f"tokens:\n\n" + "\n".join(lines) + "\n\n" + source_line(load, ROUTE["weka"]) + "\n")
+
+
 # NAME -> (result files it reads, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "readme-sample": ((SAMPLE,), render_sample),
@@ -532,6 +601,11 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "kv-groups": (tuple(GROUPS.values()), render_kv_groups),
     "tiers": ((TIERS,), render_tiers),
     "tier-stall": ((TIER_STALL,), render_tier_stall),
+    "route-sim": ((ROUTE["default"],), render_route_sim),
+    "route-knobs": (tuple(ROUTE[n] for n in ("balance_0", "balance_0.25", "default", "balance_4", "max_share_1")),
+                    render_route_knobs),
+    "route-fifo": ((ROUTE["fifo"], ROUTE["default"]), render_route_fifo),
+    "route-weka": ((ROUTE["weka"],), render_route_weka),
 }
 
 
