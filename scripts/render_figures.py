@@ -71,6 +71,7 @@ SOAK = "benchmarks/results/soak.json"
 TIERS_VLLM = "benchmarks/peers/results/tiers_vllm.json"
 TIERS = "benchmarks/results/tiers.json"
 TIER_STALL = "benchmarks/results/tier_stall.json"
+TRANSFER = "benchmarks/results/transfer.json"
 ROUTE = {name: f"benchmarks/results/route_sim_{name}.json"
          for name in ("default", "fifo", "balance_0", "balance_0.25", "balance_4", "max_share_1", "weka")}
 GROUPS = {(w, t): f"benchmarks/results/kv_groups_{w}_window_{t}.json"
@@ -581,6 +582,25 @@ def render_route_weka(load: Loader) -> str:
             f"tokens:\n\n" + "\n".join(lines) + "\n\n" + source_line(load, ROUTE["weka"]) + "\n")
 
 
+def render_transfer(load: Loader) -> str:
+    """benchmarks/transfer.py: host page copies against memcpy, and the layerwise loader."""
+    out = load(TRANSFER)
+    rows = (("host page copy GB/s", f"{out['host_copy_gbps']:.2f}"),
+            ("memcpy bound GB/s (the faster of numpy and torch)", f"{out['memcpy_gbps']:.2f}"),
+            ("`host_copy_ratio_vs_memcpy` (target >= 0.8)", f"{out['host_copy_ratio_vs_memcpy']:.2f}"),
+            ("`host_pack_ratio_vs_memcpy`", f"{out['host_pack_ratio_vs_memcpy']:.2f}"),
+            ("`host_unpack_ratio_vs_memcpy`", f"{out['host_unpack_ratio_vs_memcpy']:.2f}"),
+            ("host kernel speed-up vs torch reference", times(out["host_copy_speedup_vs_torch_ref"], 1)),
+            ("`layerwise_overlap_ratio` (matmul; target <= 1.1)", f"{out['layerwise_overlap_ratio']:.2f}"),
+            ("`layerwise_serial_ratio` (no overlap, same run)", f"{out['layerwise_serial_ratio']:.2f}"),
+            ("`layerwise_overlap_ratio_sleep_compute`", f"{out['layerwise_overlap_ratio_sleep_compute']:.2f}"))
+    lines = ["| figure | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+    return (f"{out['cpu_count']} CPU cores, 1-minute load average {out['loadavg_1min_start']:.1f} at the start "
+            f"(other jobs running); medians of {out['repeats']} interleaved rounds, "
+            f"{out['bytes_per_copy'] / 1e6:.0f} MB per copy:\n\n" + "\n".join(lines) + "\n\n"
+            + source_line(load, TRANSFER) + "\n")
+
+
 # NAME -> (result files it reads, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "readme-sample": ((SAMPLE,), render_sample),
@@ -601,6 +621,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "kv-groups": (tuple(GROUPS.values()), render_kv_groups),
     "tiers": ((TIERS,), render_tiers),
     "tier-stall": ((TIER_STALL,), render_tier_stall),
+    "transfer": ((TRANSFER,), render_transfer),
     "route-sim": ((ROUTE["default"],), render_route_sim),
     "route-knobs": (tuple(ROUTE[n] for n in ("balance_0", "balance_0.25", "default", "balance_4", "max_share_1")),
                     render_route_knobs),
