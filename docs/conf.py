@@ -28,29 +28,9 @@ source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "README.md"]
 
-# Pages other engineers own are listed in the index's how-to toctree when
-# they exist (a toctree entry for a missing page fails the -W build).
-# Every other top-level page is a guide: known ones in this order, then the
-# rest alphabetically.  Build with -E (build.sh does) so a new page is listed.
-MY_PAGES = {"index", "quickstart", "concepts", "budgets", "benchmarks", "correctness", "api"}
-GUIDE_ORDER = ("sglang", "vllm", "tiers", "storage", "transfer", "routing", "policy")
-GUIDES_MARKER = "<!-- guides: conf.py lists the engineers' pages that exist here -->"
-
-
-def guide_pages() -> list[str]:
-    here = Path(__file__).resolve().parent
-    found = {p.stem for p in here.glob("*.md")} - MY_PAGES - {"README"}
-    return [g for g in GUIDE_ORDER if g in found] + sorted(found - set(GUIDE_ORDER))
-
-
-def _insert_guides(app: object, docname: str, source: list[str]) -> None:
-    if docname == "index":
-        source[0] = source[0].replace(GUIDES_MARKER, "\n".join(guide_pages()))
-
-
-def setup(app: object) -> None:
-    app.connect("source-read", _insert_guides)  # type: ignore[attr-defined]
-
+# docs/index.md lists every page twice: as markdown links (what GitHub shows) and
+# in hidden toctrees (what Sphinx builds from); tests/core/test_docs_index.py
+# checks that both lists hold every page.
 
 suppress_warnings = [
     # headings in engineers' pages may start at any level; anchors are not used

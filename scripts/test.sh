@@ -4,16 +4,19 @@
 # that is installed; it does not choose the CPU build, which comes from PyTorch's
 # CPU index), then runs every suite; exits non-zero if any fails.
 #
-# Each phase starts with a "== ..." header.  pip and apt-get write to a log file
-# that is printed only when an install fails; pytest prints why each test was
-# skipped (-rs).
+# Each phase starts with a "== ..." header.  pip and apt-get write to
+# .ci-out/install.log (in the checkout, ignored by git), printed only when an
+# install fails; the docs are built into .ci-out/docs.  pytest prints why each
+# test was skipped (-rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-CONSTRAINT=$(mktemp)
-LOG=$(mktemp -t hybridkv-install.XXXXXX.log)
-trap 'rm -f "$CONSTRAINT"' EXIT
+OUT="$ROOT/.ci-out"
+mkdir -p "$OUT"
+CONSTRAINT="$OUT/torch-constraint.txt"
+LOG="$OUT/install.log"
+: > "$LOG"
 echo "torch==2.13.0" > "$CONSTRAINT"
 
 # Run an install command with its output in $LOG; on failure show the log and stop.
@@ -27,7 +30,7 @@ quietly() {
     fi
 }
 
-echo "== install (torch==2.13.0 constraint; pip output in $LOG)"
+echo "== install (torch==2.13.0 constraint; pip output in .ci-out/install.log)"
 # system packages for the redis and mooncake backends (root only; skipped if present)
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     need=()
@@ -60,6 +63,7 @@ for suite in adapters/sglang/run-tests.sh adapters/vllm/run-tests.sh; do
 done
 if [ -f docs/build.sh ]; then
     echo "== docs (sphinx-build -W)"
-    HYBRIDKV_DOCS_NO_INSTALL=1 bash docs/build.sh "$(mktemp -d)"  # the docs extra is installed above
+    rm -rf "$OUT/docs"
+    HYBRIDKV_DOCS_NO_INSTALL=1 bash docs/build.sh "$OUT/docs"  # the docs extra is installed above
 fi
 echo "== all suites passed"

@@ -104,3 +104,18 @@ def test_no_script_or_guide_says_the_constraint_picks_the_cpu_build():
         text = " ".join((ROOT / rel).read_text().split()).lower()
         assert "pinned to the cpu build" not in text and "pin the cpu build" not in text, rel
         assert "cpu torch pinned" not in text, rel
+
+
+def test_test_sh_keeps_its_log_and_docs_build_in_the_checkout(tree):
+    """The install log and the docs build go to .ci-out/ (ignored by git), nothing to $TMPDIR."""
+    (tree / "adapters").rename(tree / "no-adapters")
+    (tree / "docs").mkdir()
+    (tree / "docs" / "build.sh").write_text('mkdir -p "$1" && echo built > "$1/index.html"\n')
+    tmp = tree / "tmpdir"
+    tmp.mkdir()
+    res, _ = _run(tree, "scripts/test.sh", TMPDIR=str(tmp))
+    assert res.returncode == 0, res.stderr
+    assert list(tmp.iterdir()) == []
+    assert (tree / ".ci-out" / "install.log").read_text().count("pip noise") >= 50
+    assert (tree / ".ci-out" / "docs" / "index.html").exists()
+    assert ".ci-out/" in (ROOT / ".gitignore").read_text().split()

@@ -1,0 +1,818 @@
+"""Render every measured figure of README.md and docs/*.md from the committed result files.
+
+    python scripts/render_figures.py            # rewrite the marked regions in place
+    python scripts/render_figures.py --check    # exit 1 and name each page that differs
+    python scripts/render_figures.py --rerun [FILE ...]   # rerun the quick result files at HEAD, then render
+
+A page marks a rendered region with two HTML comments (invisible on GitHub and
+in the built site)::
+
+    <!-- figures:NAME -->
+    ...whatever RENDERERS[NAME] returns; never edit by hand...
+    <!-- /figures:NAME -->
+
+Each renderer reads result files (JSON, under ``benchmarks/``) and returns the
+markdown between the markers: a table or a paragraph, ending with a line that
+names the result file, the commit it was measured at and its date.  To change a
+figure, rerun the command the result file records, commit the new file, run this
+script, commit the pages.  ``tests/core/test_figures.py`` fails when a page
+differs from its rendered form, and when a result file is older than the code it
+says it depends on (see :func:`stale`).
+
+Every result file carries a ``"provenance"`` object:
+
+``command``  the command that produced it (from the repository root);
+``commit``   the commit it was measured at (the tree the command ran on);
+``date``     when (UTC, ``YYYY-MM-DD``);
+``depends``  git pathspecs of the code its figures depend on; a commit after
+             ``commit`` that touches one of them makes the file stale;
+``note``     optional: anything a reader should know (e.g. rows merged from
+             several runs, provenance reconstructed from ``git log``);
+``not_rerun_after``  optional: commits after ``commit`` that touch ``depends``
+             but cannot change the figures, each ``{"commit", "why"}``; the
+             page shows them beside the source line;
+``rerun``    optional: ``true`` when ``--rerun`` may run ``command`` again by
+             itself (a few minutes at most, prints the file's JSON on stdout);
+``checks``   optional: later reruns that confirmed part of the file, each
+             ``{"command", "commit", "date", "covers": [pathspecs], "what",
+             "hit_tokens": {"SYSTEM@GB": n}}``: the pathspecs it covers count as
+             current at the check's commit, and the test compares its
+             ``hit_tokens`` with the file's rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = ("README.md", "docs/*.md")
+REGION = re.compile(r"(<!-- figures:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.S)
+OPEN = re.compile(r"<!-- /?figures:([\w.-]+) -->")
+
+PEERS_CONV = "benchmarks/peers/results/results.json"
+PEERS_WEKA = "benchmarks/peers/results/weka/results.json"
+PEERS_WEKA4 = "benchmarks/peers/results/weka/first4sessions.json"
+IN_ENGINE_CONV = "benchmarks/peers/results/in_engine_vllm_conversation.json"
+IN_ENGINE_WEKA = "benchmarks/peers/results/in_engine_vllm_weka.json"
+SAMPLE = "benchmarks/results/replay_sample.json"
+FULL_CONV = "benchmarks/results/replay_conversation_full.json"
+BUDGETS_K0 = "benchmarks/results/budgets_conversation_1000_k0.json"
+BUDGETS_K16K = "benchmarks/results/budgets_conversation_1000_k16384.json"
+ENGINE_STEP = "benchmarks/results/engine_step.json"
+SOAK = "benchmarks/results/soak.json"
+TIERS_VLLM = "benchmarks/peers/results/tiers_vllm.json"
+TIERS = "benchmarks/results/tiers.json"
+TIER_STALL = "benchmarks/results/tier_stall.json"
+TRANSFER = "benchmarks/results/transfer.json"
+ROUTE = {name: f"benchmarks/results/route_sim_{name}.json"
+         for name in ("default", "fifo", "balance_0", "balance_0.25", "balance_4", "max_share_1", "weka")}
+GROUPS = {(w, t): f"benchmarks/results/kv_groups_{w}_window_{t}.json"
+          for w in ("two", "one") for t in ("conversation_3000", "weka_600")}
+
+Loader = Callable[[str], dict[str, Any]]
+
+
+def load_file(rel: str) -> dict[str, Any]:
+    """A result file, by path relative to the repository root."""
+    return json.loads((ROOT / rel).read_text())
+
+
+def result_files() -> list[str]:
+    """Every result file a renderer reads (relative paths, sorted)."""
+    return sorted({src for fig in RENDERERS.values() for src in fig[0]})
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def pct(x: float, digits: int = 2) -> str:
+    return f"{100 * x:.{digits}f}%"
+
+
+def times(x: float | None, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}x"
+
+
+def source_line(load: Loader, *rels: str) -> str:
+    """``Source: `FILE` (commit abc1234, 2026-12-04)``, one entry per file."""
+    parts = []
+    for rel in rels:
+        p = load(rel)["provenance"]
+        later = ", ".join(d["commit"][:7] for d in p.get("not_rerun_after", []))
+        checked = [c for c in p.get("checks", [])]
+        extra = (f"; code it depends on changed after it in {later}, judged not to change these figures: "
+                 f"see the file's not_rerun_after" if later else "")
+        extra += "".join(f"; hybridkv's rows rerun at {c['commit'][:7]}, {c['date']}: the same hit tokens"
+                         for c in checked)
+        parts.append(f"`{rel}` (measured at commit {p['commit'][:7]}, {p['date']}{extra})")
+    return "<sub>Source: " + "; ".join(parts) + ". Rendered by `scripts/render_figures.py`.</sub>"
+
+
+# --------------------------------------------------------------------------- peers (replay harness)
+
+
+def _peers():
+    """benchmarks/peers/run.py and sweep.py: the tables the peer harness itself prints."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+    import run  # noqa: PLC0415  (the benchmark's own table code: one way to print a row)
+    import sweep  # noqa: PLC0415
+
+    return run, sweep
+
+
+def _comparison(out: dict[str, Any], gb: float, peer: str) -> dict[str, Any]:
+    return next(c for c in out["comparison"] if c["budget_gb"] == gb and c["peer"] == peer)
+
+
+def _row(out: dict[str, Any], system: str, gb: float, **marks: bool) -> dict[str, Any]:
+    return next(r for r in out["results"] if r["system"] == system and r["budget_gb"] == gb
+                and all(bool(r.get(k)) == v for k, v in marks.items()))
+
+
+def _best_peer(out: dict[str, Any], gb: float, which: str) -> dict[str, Any]:
+    """The comparison entry of the peer whose ``which`` ("best" or "default") row hits most at ``gb``."""
+    cands = [c for c in out["comparison"] if c["budget_gb"] == gb and c[f"{which}_hit_rate"] is not None]
+    return max(cands, key=lambda c: c[f"{which}_hit_rate"])
+
+
+def _knob(c: dict[str, Any], which: str) -> str:
+    run, _ = _peers()
+    name = "vLLM" if c["peer"].startswith("vllm") else "SGLang"
+    return f"{name} {run.settings_label(c[f'{which}_settings'])}"
+
+
+def render_readme_peers(load: Loader) -> str:
+    """README: the headline sentence and the summary table of the replay harness."""
+    out = load(PEERS_CONV)
+    m = out["meta"]
+    lo, hi = sorted({r["budget_gb"] for r in out["results"]})
+    b_lo, b_hi = _best_peer(out, lo, "best"), _best_peer(out, hi, "best")
+    d_lo, d_hi = _best_peer(out, lo, "default"), _best_peer(out, hi, "default")
+    sg_lo, sg_hi = _comparison(out, lo, "sglang-0.5.23"), _comparison(out, hi, "sglang-0.5.23")
+    vl_lo, vl_hi = _comparison(out, lo, "vllm-0.32"), _comparison(out, hi, "vllm-0.32")
+    dense = {gb: _row(out, "vllm-0.32", gb) for gb in (lo, hi)}
+    for gb in (lo, hi):
+        dense[gb] = next(r for r in out["results"] if r["system"] == "vllm-0.32" and r["budget_gb"] == gb
+                         and r["settings"].get("prefix_cache_retention_interval", 0) is None)
+    naive = {gb: _row(out, "naive", gb) for gb in (lo, hi)}
+    hkv = {gb: _row(out, "hybridkv", gb) for gb in (lo, hi)}
+    run, _ = _peers()
+
+    def sweep_of(c: dict[str, Any]) -> str:
+        return " / ".join(run.settings_label(s).split(" ", 1)[1] for s in c["settings_swept"])
+
+    def best_cell(c: dict[str, Any]) -> str:
+        return f"{pct(c['best_hit_rate'])} ({run.settings_label(c['best_settings']).split(' ', 1)[1]})"
+
+    lines = [
+        f"In the **replay harness** (`benchmarks/peers/`: each system's own cache code driven outside its "
+        f"engine, one request at a time, same bytes), against the peers at their best swept setting, the same "
+        f"memory serves **{times(b_lo['hybridkv_vs_best'])} the prefix hits of the best peer at a tight budget "
+        f"({lo:g} GB) and {times(b_hi['hybridkv_vs_best'])} at a roomy one ({hi:g} GB)**; against the peers at "
+        f"their defaults, {times(vl_lo['hybridkv_vs_default'])} / {times(vl_hi['hybridkv_vs_default'])} vLLM's "
+        f"hits and {times(sg_lo['hybridkv_vs_default'])} / {times(sg_hi['hybridkv_vs_default'])} SGLang's. "
+        f"Through vLLM's own scheduler the figures differ (`docs/vllm.md`, *in-engine harness*).",
+        "",
+        f"| Mooncake conversation trace, first {m['requests']:,} requests, {m['model']}, page {m['page_size']}, "
+        f"replay harness | {lo:g} GB | {hi:g} GB |",
+        "|---|---|---|",
+        f"| SGLang 0.5.23 `UnifiedRadixCache`, `swa_full_tokens_ratio` "
+        f"{run.settings_label(sg_lo['default_settings']).split(' ', 1)[1]} (default) "
+        f"| {pct(sg_lo['default_hit_rate'])} | {pct(sg_hi['default_hit_rate'])} |",
+        f"| SGLang 0.5.23, best of {sweep_of(sg_lo)} | {best_cell(sg_lo)} | {best_cell(sg_hi)} |",
+        f"| vLLM 0.32 `KVCacheManager`, `prefix_cache_retention_interval` "
+        f"{run.settings_label(vl_lo['default_settings']).split(' ', 1)[1]} (default) "
+        f"| {pct(vl_lo['default_hit_rate'])} | {pct(vl_hi['default_hit_rate'])} |",
+        f"| vLLM 0.32, best of {sweep_of(vl_lo)} | {best_cell(vl_lo)} | {best_cell(vl_hi)} |",
+        f"| vLLM 0.32, retention none (dense) | {pct(dense[lo]['token_hit_rate'])} "
+        f"| {pct(dense[hi]['token_hit_rate'])} |",
+        f"| naive single pool (every layer stores every token) | {pct(naive[lo]['token_hit_rate'])} "
+        f"| {pct(naive[hi]['token_hit_rate'])} |",
+        f"| **hybridkv** | **{pct(hkv[lo]['token_hit_rate'])}** | **{pct(hkv[hi]['token_hit_rate'])}** |",
+        f"| unlimited prefix cache (bound) | {pct(m['prefix_bound_hit_rate'])} "
+        f"| {pct(m['prefix_bound_hit_rate'])} |",
+        f"| **hybridkv / best-configured peer** | **{times(b_lo['hybridkv_vs_best'])}** ({_knob(b_lo, 'best')}) "
+        f"| **{times(b_hi['hybridkv_vs_best'])}** ({_knob(b_hi, 'best')}) |",
+        f"| hybridkv / default-configured peer (the better default) | {times(d_lo['hybridkv_vs_default'])} "
+        f"({_knob(d_lo, 'default')}) | {times(d_hi['hybridkv_vs_default'])} ({_knob(d_hi, 'default')}) |",
+        "",
+        source_line(load, PEERS_CONV),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_readme_weka(load: Loader) -> str:
+    """README: the kv-cache-tester sentence (replay harness)."""
+    out = load(PEERS_WEKA)
+    m = out["meta"]
+    lo, hi = sorted({r["budget_gb"] for r in out["results"]})
+    swept = " / ".join(f"{r:g}" for r in sorted(s["swa_full_tokens_ratio"] for s in
+                                               _comparison(out, lo, "sglang-0.5.23")["settings_swept"]))
+    b_lo, b_hi = _best_peer(out, lo, "best"), _best_peer(out, hi, "best")
+    sg_lo, sg_hi = _comparison(out, lo, "sglang-0.5.23"), _comparison(out, hi, "sglang-0.5.23")
+    vl_hi = _comparison(out, hi, "vllm-0.32")
+    text = (
+        f"On the kv-cache-tester sessions (first {m['requests']:,} requests of the interleaved sessions; "
+        f"SGLang swept over {swept} only), same harness: hybridkv hits {pct(b_lo['hybridkv_hit_rate'])} at "
+        f"{lo:g} GB against the best peer's {pct(b_lo['best_hit_rate'])} ({_knob(b_lo, 'best')}; SGLang "
+        f"{pct(sg_lo['best_hit_rate'])}), {times(b_lo['hybridkv_vs_best'], 1)}, and "
+        f"{pct(b_hi['hybridkv_hit_rate'])} at {hi:g} GB against {pct(b_hi['best_hit_rate'])} "
+        f"({_knob(b_hi, 'best')}; {times(b_hi['hybridkv_vs_best'])}; {times(vl_hi['hybridkv_vs_default'])} "
+        f"vLLM's default, {times(sg_hi['hybridkv_vs_best'])} SGLang's best, "
+        f"{times(sg_hi['hybridkv_vs_default'], 1)} SGLang's default)."
+    )
+    return text + "\n\n" + source_line(load, PEERS_WEKA) + "\n"
+
+
+def render_peers_tables(rel: str) -> Callable[[Loader], str]:
+    """docs/benchmarks.md: the harness's own comparison, every-row and ratio tables for one result file."""
+
+    def render(load: Loader) -> str:
+        run, sweep = _peers()
+        out = load(rel)
+        rows = run.table({**out, "comparison": []}).split("\n\n")[1]  # the every-row table alone
+        return "\n\n".join([
+            "Default and best setting of each peer, against hybridkv:",
+            run.comparison_table(out["comparison"]),
+            "Every row (latencies are per request, from one run on a shared machine: compare medians "
+            "within the table, not across runs):",
+            rows,
+            "hybridkv against each row (hit rate) and each row's op latency against hybridkv's:",
+            sweep.ratios(out),
+            source_line(load, rel),
+        ]) + "\n"
+
+    return render
+
+
+def render_peers_meta(rel: str) -> Callable[[Loader], str]:
+    """One line: what the replay harness replayed (requests, tokens, bound)."""
+
+    def render(load: Loader) -> str:
+        m = load(rel)["meta"]
+        return (f"{m['requests']:,} requests, {m['input_tokens']:,} input tokens, unlimited prefix bound "
+                f"{pct(m['prefix_bound_hit_rate'])}.\n")
+
+    return render
+
+
+def render_weka_first4(load: Loader) -> str:
+    out = load(PEERS_WEKA4)
+    m = out["meta"]
+    lo, hi = sorted({r["budget_gb"] for r in out["results"]})
+    h = {gb: _row(out, "hybridkv", gb) for gb in (lo, hi)}
+    v = {gb: _comparison(out, gb, "vllm-0.32") for gb in (lo, hi)}
+    run, _ = _peers()
+
+    def knob(c: dict[str, Any]) -> str:
+        return run.settings_label(c["best_settings"]).split(" ", 1)[1]
+
+    return (
+        f"The first {m['max_sessions']} sessions complete (`--max-sessions {m['max_sessions']}`, "
+        f"{m['requests']:,} requests, {m['input_tokens']:,} tokens, bound {pct(m['prefix_bound_hit_rate'])}) "
+        f"fit in either budget, so every system is near the bound there: hybridkv "
+        f"{pct(h[lo]['token_hit_rate'])} / {pct(h[hi]['token_hit_rate'])}, vLLM at its default "
+        f"{pct(v[lo]['default_hit_rate'])} / {pct(v[hi]['default_hit_rate'])} and at its best "
+        f"{pct(v[lo]['best_hit_rate'])} ({knob(v[lo])}) / {pct(v[hi]['best_hit_rate'])} ({knob(v[hi])}) at "
+        f"{lo:g} / {hi:g} GB ({times(v[lo]['hybridkv_vs_default'])} / {times(v[hi]['hybridkv_vs_default'])} "
+        f"the default, {times(v[lo]['hybridkv_vs_best'])} / {times(v[hi]['hybridkv_vs_best'])} the best; "
+        f"SGLang not run on that selection).\n\n" + source_line(load, PEERS_WEKA4) + "\n"
+    )
+
+
+# --------------------------------------------------------------------------- in-engine (vLLM's scheduler)
+
+
+def _in_engine(out: dict[str, Any], system: str, gb: float) -> dict[str, Any]:
+    return next(r for r in out["rows"] if r["system"] == system and r["budget_gb"] == gb)
+
+
+def render_in_engine_vllm(load: Loader) -> str:
+    lines = ["| trace | budget | vLLM default (retention 0) | vLLM best (setting) | hybridkv | hybridkv / best "
+             "| bound |", "|---|---|---|---|---|---|---|"]
+    names = {IN_ENGINE_CONV: "Mooncake conversation", IN_ENGINE_WEKA: "kv-cache-tester"}
+    for rel, name in names.items():
+        out = load(rel)
+        for gb in sorted({r["budget_gb"] for r in out["rows"]}):
+            d, b, h = (_in_engine(out, s, gb) for s in ("vllm_default", "vllm_best", "hybridkv"))
+            knob = b["setting"]["prefix_cache_retention_interval"]
+            lines.append(f"| {name}, {out['requests']:,} req | {gb:g} GB | {pct(d['hit_rate'])} "
+                         f"| {pct(b['hit_rate'])} ({'none' if knob is None else knob}) | {pct(h['hit_rate'])} "
+                         f"| {times(h['hit_tokens'] / b['hit_tokens'] if b['hit_tokens'] else None, 3)} "
+                         f"| {pct(out['bound']['hit_rate'])} |")
+    return "\n".join(lines) + "\n\n" + source_line(load, IN_ENGINE_CONV, IN_ENGINE_WEKA) + "\n"
+
+
+def render_harnesses(load: Loader) -> str:
+    """The same cell in both harnesses, side by side, so two figures never look like one."""
+    peers, eng = load(PEERS_CONV), load(IN_ENGINE_CONV)
+    lo = min(r["budget_gb"] for r in peers["results"])
+    c = _comparison(peers, lo, "vllm-0.32")
+    b = _in_engine(eng, "vllm_best", lo)
+    h = _in_engine(eng, "hybridkv", lo)
+    return (
+        f"Two harnesses measure the same {peers['meta']['requests']:,} conversation requests at {lo:g} GB, and "
+        f"their figures are not interchangeable. The **replay harness** (`benchmarks/peers/run.sh`, docs "
+        f"*Benchmarks*) drives each cache alone, one request at a time: hybridkv {pct(c['hybridkv_hit_rate'])}, "
+        f"vLLM's best {pct(c['best_hit_rate'])}, **{times(c['hybridkv_vs_best'])}**. The **in-engine harness** "
+        f"(`benchmarks/peers/in_engine_vllm.sh`, docs *vLLM*) runs vLLM's own scheduler with up to "
+        f"{eng['args']['max_inflight']} requests in flight: hybridkv {pct(h['hit_rate'])}, vLLM's best "
+        f"{pct(b['hit_rate'])}, **{times(h['hit_tokens'] / b['hit_tokens'])}**.\n\n"
+        + source_line(load, PEERS_CONV, IN_ENGINE_CONV) + "\n"
+    )
+
+
+# --------------------------------------------------------------------------- hybridkv replay
+
+
+def render_sample(load: Loader) -> str:
+    s = load(SAMPLE)
+    return (
+        f"`hybridkv replay` prints, for the bundled sample (the first {s['requests']:,} requests of the Mooncake "
+        f"conversation trace; its first line says so) at {s['hbm_gb']:g} GB, in about "
+        f"{5 * round(s['provenance']['wall_s'] / 5):.0f} s: hybridkv {pct(s['token_hit_rate'], 1)}, naive single "
+        f"pool {pct(s['baselines']['naive']['token_hit_rate'], 1)}, tombstone "
+        f"{pct(s['baselines']['tombstone']['token_hit_rate'], 1)} token hit rate, prefix bound "
+        f"{pct(s['prefix_bound_hit_rate'])}.\n\n" + source_line(load, SAMPLE) + "\n"
+    )
+
+
+def _runs(out: dict[str, Any]) -> dict[float, dict[str, Any]]:
+    """``hybridkv replay --json`` runs by budget (GB): ``runs`` with ``--budgets``, else the one run."""
+    return {r["hbm_gb"]: r for r in out["runs"]} if "runs" in out else {out["hbm_gb"]: out}
+
+
+def render_full_conversation(load: Loader) -> str:
+    """hybridkv's own baselines and references on the whole conversation trace."""
+    runs = _runs(load(FULL_CONV))
+    lines = ["| budget | hybridkv | naive single pool | tombstone | LRU over full KV (SWA free) "
+             "| offline optimal (SWA free) | unlimited prefix bound |", "|---|---|---|---|---|---|---|"]
+    for gb, r in sorted(runs.items()):
+        ref = r["references"]
+        lines.append(f"| {gb:g} GB | **{pct(r['token_hit_rate'])}** | {pct(r['baselines']['naive']['token_hit_rate'])} "
+                     f"| {pct(r['baselines']['tombstone']['token_hit_rate'])} | {pct(ref['lru_full']['token_hit_rate'])} "
+                     f"| {pct(ref['optimal_at_budget']['token_hit_rate'])} | {pct(r['prefix_bound_hit_rate'])} |")
+    any_run = next(iter(runs.values()))
+    head = (f"The whole Mooncake conversation trace ({any_run['requests']:,} requests, "
+            f"{any_run['input_tokens']:,} input tokens) through `hybridkv replay`, hybridkv against its own "
+            f"baselines and two references that charge nothing for SWA KV:")
+    return head + "\n\n" + "\n".join(lines) + "\n\n" + source_line(load, FULL_CONV) + "\n"
+
+
+def render_budgets(load: Loader) -> str:
+    k16, k0 = _runs(load(BUDGETS_K16K)), _runs(load(BUDGETS_K0))
+    any_run = next(iter(k0.values()))
+    lines = [
+        f"First {any_run['requests']:,} Mooncake conversation requests, {any_run['model']}, page "
+        f"{any_run['page_size']}, extension rule {any_run['extension_rule']} (the benchmarks page uses the "
+        f"first 3,000 through the peer harness; these are `hybridkv replay` runs):",
+        "",
+        "| budget GB | K = 16,384 | K = 0 (off) | naive single pool | unlimited prefix bound "
+        "| request ops p50 us (K = 16,384) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for gb in sorted(k0):
+        a, b = k16[gb], k0[gb]
+        lines.append(f"| {gb:g} | {pct(a['token_hit_rate'])} | {pct(b['token_hit_rate'])} "
+                     f"| {pct(b['baselines']['naive']['token_hit_rate'])} | {pct(b['prefix_bound_hit_rate'])} "
+                     f"| {a['request_ops_us_p50']:.0f} |")
+    return "\n".join(lines) + "\n\n" + source_line(load, BUDGETS_K16K, BUDGETS_K0) + "\n"
+
+
+def render_engine_step(load: Loader) -> str:
+    """benchmarks/engine_step.py: per request per decode step, and the request path."""
+    out = load(ENGINE_STEP)
+    batches = sorted(out["decode_us_per_req"]["hybridkv_batched"], key=int)
+    names = {"hybridkv_batched": "hybridkv `step` + `commit_step` (batched)",
+             "hybridkv_single": "hybridkv `append_tokens` + `allocate(1)` + `commit(1)`",
+             "vllm": "vLLM 0.32 `append_output_token_ids` + `KVCacheManager.allocate_slots`"}
+    lines = ["| context | API | " + " | ".join(f"B = {b}" for b in batches) + " |",
+             "|---|---|" + "---|" * len(batches)]
+    for ctx, key in (("4K", "decode_us_per_req"), ("32K", "decode_us_per_req_32k")):
+        for api, per_batch in out[key].items():
+            lines.append(f"| {ctx} | {names.get(api, api)} | "
+                         + " | ".join(f"{per_batch[b]:.2f}" for b in batches) + " |")
+    runs = out["request_ops_runs"]
+    p50 = " / ".join(f"{r['request_ops_us_p50']:.0f}" for r in runs)
+    p99 = " / ".join(f"{r['request_ops_us_p99'] / 1000:.2f}" for r in runs)
+    vllm = ("" if out.get("batched_vs_vllm") else
+            " vLLM's rows were not run (`--no-vllm`: they need the vLLM venv); the changelog has the last run "
+            "with them.")
+    return (
+        f"Per request per decode step, microseconds ({out['preset']}, page {out['page_size']}, {out['steps']} "
+        f"decode steps after a prefill of the context, median of {out['repeats']} runs, accounting only):\n\n"
+        + "\n".join(lines) + "\n\n"
+        f"Request path, {out['requests']:,} requests at 594 GB, {len(runs)} whole replays in the same run: "
+        f"`request_ops_us` p50 {p50} us, p99 {p99} ms; hit rate {pct(out['token_hit_rate'])}.{vllm} Measured on "
+        f"a shared 2-core machine with other jobs running: compare rows within the table, not with other runs."
+        "\n\n" + source_line(load, ENGINE_STEP) + "\n"
+    )
+
+
+def render_soak(load: Loader) -> str:
+    """python -m hybridkv.soak: heap and tree size per pass over the same cache."""
+    out = load(SOAK)
+    lines = ["| pass | seconds | Python heap MB | tree nodes |", "|---|---|---|---|"]
+    for r in out["passes"]:
+        lines.append(f"| {r['pass']} | {r['seconds']:.1f} | {r['heap_bytes'] / 1e6:.1f} | {r['tree_nodes']:,} |")
+    g = out["growth_after_pass_2"]
+    heaps = ", ".join(f"`{n}` at most {h['max']:,} of {h['limit']:,}" for n, h in out["lazy_heaps"].items())
+    worst = out["worst_growth"]
+    return (
+        f"{out['requests']:,} requests per pass, {len(out['passes'])} passes:\n\n" + "\n".join(lines) + "\n\n"
+        f"From pass 2 to {len(out['passes'])} the heap grew {100 * g['heap_bytes']:.1f}%; the largest growth of "
+        f"any index (lazy heaps aside) was `{worst['name']}`, {100 * worst['fraction']:+.1f}%.  Lazy heaps against "
+        f"their rebuild limit: {heaps}.\n\n" + source_line(load, SOAK) + "\n"
+    )
+
+
+def render_tiers_vllm(load: Loader) -> str:
+    """benchmarks/peers/tiers_vllm.py: hit tokens per tier, vLLM's offload vs hybridkv's tiers."""
+    out = load(TIERS_VLLM)
+    names = {"hybridkv-l1": "hybridkv L1 only", "hybridkv-l2": "hybridkv L1 + L2",
+             "hybridkv-l2-l3": "hybridkv L1 + L2 + L3", "vllm-l1": "vLLM device cache only (no connector)",
+             "vllm-cpu": "vLLM CPU offload", "vllm-cpu-fs": "vLLM CPU + fs tiering"}
+    traces = {"mooncake_conversation": "conversation", "kv_cache_tester_16_sessions": "kv-cache-tester"}
+    lines = ["| trace | system | vLLM retention | L1 (device) hit tokens | L2 / CPU hit tokens | L3 (file) hit tokens "
+             "| total hit rate |", "|---|---|---|---|---|---|---|"]
+    seen = set()
+    for r in out["rows"]:
+        first = r["trace"] not in seen
+        seen.add(r["trace"])
+        what = (f"{traces.get(r['trace'], r['trace'])} ({r['requests']:,} req., {r['input_tokens']:,} tok.)"
+                if first else "")
+        vllm = r["system"].startswith("vllm")
+        ret = r.get("retention_interval")
+        ret = ("None (dense)" if ret is None else f"{ret}{' (default)' if ret == 0 else ''}") if vllm else ""
+        l2 = f"{r['l2_hit_tokens']:,}" if r["system"] not in ("hybridkv-l1", "vllm-l1") else ""
+        l3 = f"{r['l3_hit_tokens']:,}" if r["system"] in ("hybridkv-l2-l3", "vllm-cpu-fs") else ""
+        lines.append(f"| {what} | {names[r['system']]} | {ret} | {r['l1_hit_tokens']:,} | {l2} | {l3} "
+                     f"| {pct(r['token_hit_rate'])} |")
+    return (f"Device {out['l1_gb']:g} GB, host {' / '.join(f'{h:g}' for h in out['host_gb'])} GB:\n\n"
+            + "\n".join(lines) + "\n\n" + source_line(load, TIERS_VLLM) + "\n")
+
+
+def render_kv_groups(load: Loader) -> str:
+    """docs/concepts.md: a two-window model against its one-window twin (hybridkv only)."""
+    names = {"conversation_3000": "Mooncake conversation", "weka_600": "kv-cache-tester"}
+    lines = ["| trace | budget | two windows | one window (what the cache kept before per-group pages) |",
+             "|---|---|---|---|"]
+    for trace, name in names.items():
+        two, one = _runs(load(GROUPS["two", trace])), _runs(load(GROUPS["one", trace]))
+        for gb in sorted(two):
+            a, b = two[gb], one[gb]
+            cell = pct(a["token_hit_rate"])
+            cell = f"**{cell}**" if a["token_hit_rate"] < b["token_hit_rate"] else cell
+            lines.append(f"| {name}, {a['requests']:,} requests | {gb:g} GB | {cell} | {pct(b['token_hit_rate'])} |")
+    return "\n".join(lines) + "\n\n" + source_line(load, *GROUPS.values()) + "\n"
+
+
+def render_tiers(load: Loader) -> str:
+    """benchmarks/tiers.py: hit rate with L1 only, L1+L2 and L1+L2+L3, and the L3 overhead."""
+    out = load(TIERS)
+    names = {"kv_cache_tester": "kv-cache-tester ({sessions} sessions, {requests:,} requests)",
+             "mooncake": "Mooncake conversation (first {requests:,} requests)"}
+    lines = ["| trace | L1 only | L1+L2 | L1+L2+L3 | prefix bound |", "|---|---|---|---|---|"]
+    for trace, r in out["hit_rates"].items():
+        lines.append(f"| {names[trace].format(**r)} | {pct(r['l1']['token_hit_rate'])} "
+                     f"| {pct(r['l1_l2']['token_hit_rate'])} | {pct(r['l1_l2_l3']['token_hit_rate'])} "
+                     f"| {pct(r['prefix_bound_hit_rate'])} |")
+    m = out["hit_rates"]["mooncake"]
+    tail = (f"Mooncake L1+L2+L3: {m['l1_l2_l3']['l2_hit_tokens'] / 1e6:.2f} M tokens hit from L2, "
+            f"{m['l1_l2_l3']['l3_hit_tokens'] / 1e6:.2f} M from L3; bytes the real model would move: "
+            f"{m['l1_l2_l3']['bytes_moved'] / 1e12:.2f} TB (L1+L2: {m['l1_l2']['bytes_moved'] / 1e12:.2f} TB, "
+            f"mostly write-through D2H).  `l3_overhead_ratio` (hybridkv put+get vs the raw client, same bytes, "
+            f"same run, in a fresh process): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in out["l3_overhead_ratio"].items()) + ".")
+    return (f"L1 {out['l1_gb']:g} GB, L2 {out['l2_gb']:g} GB, L3 a file backend without limit, extension rule "
+            f"{out['extension_rule']}:\n\n" + "\n".join(lines) + "\n\n" + tail + "\n\n"
+            + source_line(load, TIERS) + "\n")
+
+
+def render_tier_stall(load: Loader) -> str:
+    """benchmarks/tier_stall.py: begin p99 of L1/L2-resident prefixes, healthy vs slow L3."""
+    out = load(TIER_STALL)
+    h, slow = out["healthy_l3"], out["l3_1s"]
+    rows = (("exact", "exact repeats (every page in L1/L2)"),
+            ("new_suffix", f"resident prefix + {out['config']['suffix_tokens']} new tokens (L3 asked about the suffix)"),
+            ("all", "all"))
+    lines = [f"| begins | healthy L3 | L3 answering in {out['config']['l3_delay_s']:g} s |", "|---|---|---|"]
+    lines += [f"| {name} | {h[k]['p99_us'] / 1000:.1f} ms | {slow[k]['p99_us'] / 1000:.1f} ms |" for k, name in rows]
+    return (
+        f"`begin` p99, {out['config']['requests']:,} timed begins per L3:\n\n" + "\n".join(lines) + "\n\n"
+        f"With the slow L3, {slow['l3_timeouts']} reads waited the {out['config']['budget_s']:g} s budget (slowest "
+        f"new-suffix begin {slow['new_suffix']['max_us'] / 1000:.0f} ms), then the read breaker opened "
+        f"({slow['l3_read_breaker_trips']} trips) and {slow['l3_reads_skipped']:,} reads were skipped (no waiting); "
+        f"the healthy L3 timed out {h['l3_timeouts']} reads.\n\n" + source_line(load, TIER_STALL) + "\n"
+    )
+
+
+_ROUTE_COLS = ("| hit rate | busy max/mean | TTFT p50 s | TTFT p90 s | TTFT p90 (>=32K) s | prefill busy s |",
+               "|---|---|---|---|---|---|")
+
+
+def _route_row(r: dict[str, Any], long: bool = True) -> str:
+    cells = [f"{r['hit_rate']:.4f}", f"{r['load_max_over_mean']:.3f}", f"{r['ttft_p50']:.3f}", f"{r['ttft_p90']:.3f}"]
+    if long:
+        cells.append(f"{r['ttft_p90_long']:.3f}")
+    return " | ".join(cells) + f" | {r['prefill_busy_s']:.0f} |"
+
+
+def render_route_sim(load: Loader) -> str:
+    """docs/routing.md: the three policies on the bundled sample, and affinity against round-robin."""
+    out = load(ROUTE["default"])
+    pol = out["policies"]
+    lines = ["| policy " + _ROUTE_COLS[0], "|---" + _ROUTE_COLS[1]]
+    lines += [f"| {name} | {_route_row(r)}" for name, r in pol.items()]
+    rr, ll, af = pol["round_robin"], pol["least_loaded"], pol["affinity"]
+
+    def change(a: float, b: float) -> str:
+        return f"{100 * (a / b - 1):+.0f}%"
+
+    return (
+        "\n".join(lines) + "\n\n"
+        f"Affinity vs round-robin: hit rate x{af['hit_rate'] / rr['hit_rate']:.2f}, TTFT p90 "
+        f"{change(af['ttft_p90'], rr['ttft_p90'])} ({change(af['ttft_p90'], ll['ttft_p90'])} vs least-loaded), "
+        f"TTFT p90 of >=32K-token prompts {change(af['ttft_p90_long'], rr['ttft_p90_long'])}, prefill GPU time "
+        f"{change(af['prefill_busy_s'], rr['prefill_busy_s'])}, load max/mean {af['load_max_over_mean']:.3f}.  Index "
+        f"predictions equalled the worker's real hit for {pct(af['prediction_exact_rate'], 1)} of requests (the "
+        f"rest: the tree changed between routing and prefill start).\n\n" + source_line(load, ROUTE["default"]) + "\n"
+    )
+
+
+def render_route_knobs(load: Loader) -> str:
+    runs = (("balance 0 (pure affinity)", "balance_0"), ("balance 0.25", "balance_0.25"),
+            ("balance 1 (default)", "default"), ("balance 4", "balance_4"),
+            ("max_share 1.0 (no guard)", "max_share_1"))
+    lines = ["| setting " + _ROUTE_COLS[0], "|---" + _ROUTE_COLS[1]]
+    lines += [f"| {label} | {_route_row(load(ROUTE[name])['policies']['affinity'])}" for label, name in runs]
+    srcs = [ROUTE[name] for _, name in runs]
+    return "\n".join(lines) + "\n\n" + source_line(load, *srcs) + "\n"
+
+
+def render_route_fifo(load: Loader) -> str:
+    fifo, unc = load(ROUTE["fifo"])["policies"], load(ROUTE["default"])["policies"]
+    names = ("round_robin", "least_loaded", "affinity")
+    cut = [100 * (1 - unc[n]["ttft_p50"] / fifo[n]["ttft_p50"]) for n in names]
+    return (
+        f"`--queue fifo` (same defaults): round-robin / least-loaded / affinity TTFT p90 "
+        + " / ".join(f"{fifo[n]['ttft_p90']:.3f}" for n in names) + " s, p50 "
+        + " / ".join(f"{fifo[n]['ttft_p50']:.3f}" for n in names)
+        + f" s: uncached-first queues cut p50 by {min(cut):.0f}-{max(cut):.0f}% for every policy.\n\n"
+        + source_line(load, ROUTE["fifo"], ROUTE["default"]) + "\n"
+    )
+
+
+def render_route_weka(load: Loader) -> str:
+    out = load(ROUTE["weka"])
+    pol = out["policies"]
+    any_r = next(iter(pol.values()))
+    lines = ["| policy | hit rate | busy max/mean | TTFT p50 s | TTFT p90 s | prefill busy s |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {name} | {_route_row(r, long=False)}" for name, r in pol.items()]
+    return (f"{any_r['requests']:,} requests, mean input {any_r['input_tokens'] / any_r['requests'] / 1000:.0f}K "
+            f"tokens:\n\n" + "\n".join(lines) + "\n\n" + source_line(load, ROUTE["weka"]) + "\n")
+
+
+def render_transfer(load: Loader) -> str:
+    """benchmarks/transfer.py: host page copies against memcpy, and the layerwise loader."""
+    out = load(TRANSFER)
+    rows = (("host page copy GB/s", f"{out['host_copy_gbps']:.2f}"),
+            ("memcpy bound GB/s (the faster of numpy and torch)", f"{out['memcpy_gbps']:.2f}"),
+            ("`host_copy_ratio_vs_memcpy` (target >= 0.8)", f"{out['host_copy_ratio_vs_memcpy']:.2f}"),
+            ("`host_pack_ratio_vs_memcpy`", f"{out['host_pack_ratio_vs_memcpy']:.2f}"),
+            ("`host_unpack_ratio_vs_memcpy`", f"{out['host_unpack_ratio_vs_memcpy']:.2f}"),
+            ("host kernel speed-up vs torch reference", times(out["host_copy_speedup_vs_torch_ref"], 1)),
+            ("`layerwise_overlap_ratio` (matmul; target <= 1.1)", f"{out['layerwise_overlap_ratio']:.2f}"),
+            ("`layerwise_serial_ratio` (no overlap, same run)", f"{out['layerwise_serial_ratio']:.2f}"),
+            ("`layerwise_overlap_ratio_sleep_compute`", f"{out['layerwise_overlap_ratio_sleep_compute']:.2f}"))
+    lines = ["| figure | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+    return (f"{out['cpu_count']} CPU cores, 1-minute load average {out['loadavg_1min_start']:.1f} at the start "
+            f"(other jobs running); medians of {out['repeats']} interleaved rounds, "
+            f"{out['bytes_per_copy'] / 1e6:.0f} MB per copy:\n\n" + "\n".join(lines) + "\n\n"
+            + source_line(load, TRANSFER) + "\n")
+
+
+# NAME -> (result files it reads, renderer)
+RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
+    "readme-sample": ((SAMPLE,), render_sample),
+    "readme-peers": ((PEERS_CONV,), render_readme_peers),
+    "readme-weka": ((PEERS_WEKA,), render_readme_weka),
+    "harnesses": ((PEERS_CONV, IN_ENGINE_CONV), render_harnesses),
+    "full-conversation": ((FULL_CONV,), render_full_conversation),
+    "budgets-measured": ((BUDGETS_K0, BUDGETS_K16K), render_budgets),
+    "peers-conversation-meta": ((PEERS_CONV,), render_peers_meta(PEERS_CONV)),
+    "peers-conversation": ((PEERS_CONV,), render_peers_tables(PEERS_CONV)),
+    "peers-weka-meta": ((PEERS_WEKA,), render_peers_meta(PEERS_WEKA)),
+    "peers-weka": ((PEERS_WEKA,), render_peers_tables(PEERS_WEKA)),
+    "peers-weka-first4": ((PEERS_WEKA4,), render_weka_first4),
+    "in-engine-vllm": ((IN_ENGINE_CONV, IN_ENGINE_WEKA), render_in_engine_vllm),
+    "engine-step": ((ENGINE_STEP,), render_engine_step),
+    "soak": ((SOAK,), render_soak),
+    "tiers-vllm": ((TIERS_VLLM,), render_tiers_vllm),
+    "kv-groups": (tuple(GROUPS.values()), render_kv_groups),
+    "tiers": ((TIERS,), render_tiers),
+    "tier-stall": ((TIER_STALL,), render_tier_stall),
+    "transfer": ((TRANSFER,), render_transfer),
+    "route-sim": ((ROUTE["default"],), render_route_sim),
+    "route-knobs": (tuple(ROUTE[n] for n in ("balance_0", "balance_0.25", "default", "balance_4", "max_share_1")),
+                    render_route_knobs),
+    "route-fifo": ((ROUTE["fifo"], ROUTE["default"]), render_route_fifo),
+    "route-weka": ((ROUTE["weka"],), render_route_weka),
+}
+
+
+# --------------------------------------------------------------------------- pages
+
+
+def pages() -> list[Path]:
+    return sorted(p for pattern in PAGES for p in ROOT.glob(pattern))
+
+
+def render_text(text: str, load: Loader = load_file, where: str = "page") -> str:
+    """``text`` with every marked region replaced by its renderer's output.
+
+    Raises ValueError for an unknown region name or a marker without its pair."""
+    names = [m.group(1) for m in OPEN.finditer(text)]
+    paired = [m.group("name") for m in REGION.finditer(text)]
+    if len(names) != 2 * len(paired):
+        raise ValueError(f"{where}: unpaired figures marker (regions {paired}, markers {names})")
+    unknown = sorted(set(paired) - set(RENDERERS))
+    if unknown:
+        raise ValueError(f"{where}: unknown figures region(s) {unknown}; known: {sorted(RENDERERS)}")
+    cache: dict[str, dict[str, Any]] = {}
+
+    def cached(rel: str) -> dict[str, Any]:
+        if rel not in cache:
+            cache[rel] = load(rel)
+        return cache[rel]
+
+    return REGION.sub(lambda m: m.group(1) + RENDERERS[m.group("name")][1](cached) + m.group(4), text)
+
+
+def regions(text: str) -> list[str]:
+    return [m.group("name") for m in REGION.finditer(text)]
+
+
+# --------------------------------------------------------------------------- provenance
+
+
+REQUIRED = ("command", "commit", "date", "depends")
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False)
+
+
+def provenance_problems(rel: str, out: dict[str, Any]) -> list[str]:
+    """What is missing or malformed in a result file's ``provenance`` (no git needed)."""
+    p = out.get("provenance")
+    if not isinstance(p, dict):
+        return [f"{rel}: no provenance object"]
+    bad = [f"{rel}: provenance.{k} missing or empty" for k in REQUIRED if not p.get(k)]
+    if p.get("commit") and not re.fullmatch(r"[0-9a-f]{40}", p["commit"]):
+        bad.append(f"{rel}: provenance.commit must be a full 40-hex commit id")
+    if p.get("date") and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", p["date"]):
+        bad.append(f"{rel}: provenance.date must be YYYY-MM-DD")
+    for c in p.get("checks", []):
+        for k in ("command", "commit", "date", "covers", "what"):
+            if not c.get(k):
+                bad.append(f"{rel}: a check lacks {k}")
+    for d in p.get("not_rerun_after", []):
+        if not (d.get("commit") and d.get("why")):
+            bad.append(f"{rel}: a not_rerun_after entry needs commit and why")
+    return bad
+
+
+def check_hit_tokens(rel: str, out: dict[str, Any]) -> list[str]:
+    """Each check's ``hit_tokens`` must equal the file's rows for those systems and budgets."""
+    bad = []
+    rows = out.get("results") or out.get("rows") or []
+    for c in out["provenance"].get("checks", []):
+        for key, n in c.get("hit_tokens", {}).items():
+            trace, _, key = key.rpartition(":")  # "SYSTEM@GB" or "TRACE:SYSTEM@GB"
+            system, gb = key.rsplit("@", 1)
+            found = [r["hit_tokens"] for r in rows if r["system"] == system and (not trace or r["trace"] == trace)
+                     and r.get("budget_gb", r.get("l1_gb")) == float(gb)]
+            if found != [n]:
+                bad.append(f"{rel}: check at {c['commit'][:7]} found {key} = {n}, the file has {found}")
+    return bad
+
+
+def stale(rel: str, out: dict[str, Any]) -> list[str]:
+    """Why ``out`` is older than the code it depends on (empty when current).
+
+    The file's commit (and each check's) must be an ancestor of HEAD or HEAD;
+    no commit after it may touch a ``depends`` pathspec (a check moves the
+    pathspecs it ``covers`` to its own commit)."""
+    p = out["provenance"]
+    bad = []
+    since: dict[str, str] = {spec: p["commit"] for spec in p["depends"]}
+    for c in p.get("checks", []):
+        for spec in c["covers"]:
+            if spec not in since:
+                bad.append(f"{rel}: a check covers {spec!r}, which is not in depends")
+            since[spec] = c["commit"]
+    for commit in {p["commit"], *(c["commit"] for c in p.get("checks", []))}:
+        if _git("merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
+            bad.append(f"{rel}: commit {commit[:7]} is not an ancestor of HEAD (or unknown)")
+    if bad:
+        return bad
+    excludes = [s for s in p["depends"] if s.startswith(":(exclude)")]
+    declared = {d["commit"] for d in p.get("not_rerun_after", [])}
+    for spec, commit in since.items():
+        if spec.startswith(":(exclude)"):
+            continue
+        log = _git("log", "--format=%H %s", f"{commit}..HEAD", "--", spec, *excludes)
+        if log.returncode != 0:
+            bad.append(f"{rel}: git log failed for {spec}: {log.stderr.strip()}")
+            continue
+        changes = [ln for ln in log.stdout.splitlines() if ln.split(" ", 1)[0] not in declared]
+        if changes:
+            first = changes[-1][:7] + changes[-1][40:120]
+            how = (f"python scripts/render_figures.py --rerun {rel}" if p.get("rerun")
+                   else f"{p['command']}, then record its provenance")
+            bad.append(f"{rel}: measured at {commit[:7]}, but {spec} changed after it ({first}); "
+                       f"rerun: {p['command']} (quick way: {how})")
+    return bad
+
+
+# --------------------------------------------------------------------------- rerun
+
+
+def rerun(rel: str) -> None:
+    """Run a result file's recorded command again at HEAD and rewrite the file.
+
+    Only for files marked ``"rerun": true``; refuses when the code it depends on
+    has uncommitted changes (the commit recorded would not be what ran)."""
+    import datetime  # noqa: PLC0415
+    import shlex  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    old = load_file(rel)
+    p = old["provenance"]
+    if not p.get("rerun"):
+        raise SystemExit(f"{rel}: not marked for --rerun; run by hand: {p['command']}")
+    dirty = _git("status", "--porcelain", "--", *p["depends"]).stdout.strip()
+    if dirty:
+        raise SystemExit(f"{rel}: commit these first (the file records HEAD):\n{dirty}")
+    argv = shlex.split(p["command"])
+    if argv[0] == "hybridkv":
+        argv = [sys.executable, "-m", "hybridkv", *argv[1:]]
+    elif argv[0] == "python":
+        argv = [sys.executable, *argv[1:]]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    t0 = time.perf_counter()
+    res = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise SystemExit(f"{rel}: {p['command']} exited {res.returncode}:\n{res.stderr[-2000:]}")
+    text = res.stdout.replace(str(ROOT.parent) + "/", "../").replace(str(ROOT) + "/", "")
+    out = json.loads(text.replace("../" + ROOT.name + "/", ""))
+    commit = _git("rev-parse", "HEAD").stdout.strip()
+    prov = {k: v for k, v in p.items() if k not in ("checks", "not_rerun_after")}
+    prov.update(commit=commit, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
+    if "wall_s" in p:
+        prov["wall_s"] = round(time.perf_counter() - t0, 1)
+    out["provenance"] = prov
+    (ROOT / rel).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"{rel}: rerun at {commit[:7]}")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page differs")
+    ap.add_argument("--rerun", nargs="*", metavar="FILE", default=None,
+                    help="rerun these result files (default: every one marked \"rerun\": true), then render")
+    args = ap.parse_args(argv)
+    if args.rerun is not None:
+        for rel in args.rerun or [r for r in result_files() if load_file(r)["provenance"].get("rerun")]:
+            rerun(rel)
+    differ = []
+    for page in pages():
+        text = page.read_text()
+        name = os.path.relpath(page, ROOT)
+        new = render_text(text, where=name)
+        if new != text:
+            differ.append(name)
+            if not args.check:
+                page.write_text(new)
+    if args.check and differ:
+        print("pages that differ from their result files: " + ", ".join(differ), file=sys.stderr)
+        return 1
+    print(("rewrote " + ", ".join(differ)) if differ else "every page matches its result files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
