@@ -52,6 +52,14 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {_argparse_message(message)}; see '{self.prog} --help'\n")
 
+    def _print_message(self, message: str, file: Any = None) -> None:
+        # A reader gone before the help is printed is no error: argparse itself
+        # ignores it from Python 3.11 on, 3.10 raised (the same on every Python).
+        try:
+            super()._print_message(message, file)
+        except OSError:
+            pass
+
 
 class _CommandParser(_Parser):
     """A subcommand's parser: an argument it does not know is its own error (``hybridkv
