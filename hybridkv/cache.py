@@ -286,9 +286,10 @@ class HybridKVCache:
                 start = None  # cannot happen while locked; the root walk is always right
             if self.pool.groups:
                 self.pages.release_groups(req, aligned)
-            res = self.tree.insert_tokens(req.token_buffer[:aligned * P], req.full_pages[:aligned], req.swa_pages[:aligned],
-                                    req.namespace, start=start, owned=True,  # the request ends here
-                                    mark=req.prompt_len // P)
+            res = self.tree.insert_tokens(req.token_buffer[:aligned * P], req.full_pages[:aligned],
+                                          req.swa_pages[:aligned], req.namespace, start=start,
+                                          owned=True,  # the request ends here
+                                          mark=req.prompt_len // P)
             new_pages = res.new_pages
         rest_full = req.full_pages[aligned:req.n_pages]
         rest_swa = req.swa_pages[aligned:req.n_pages]

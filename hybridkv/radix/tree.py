@@ -92,7 +92,8 @@ class WindowSafeTree:
         self.swa_pages_cached = 0
         # with several sliding groups a page counts (in events, in bytes freed) where
         # every group still holds it: the pool knows
-        self.events = TreeEvents(self.page_size, pool.held_by_all if self.groups else None)  # type: ignore[attr-defined]
+        held_by_all = pool.held_by_all if self.groups else None  # type: ignore[attr-defined]
+        self.events = TreeEvents(self.page_size, held_by_all)
         self.anchors = WindowAnchors(self.policy, self.page_size, self.groups)
         self.learning = MatchLearning(self.policy, self.divergence, ranking, self.page_size, swa_page_bytes,
                                       now=self._now, node_count=lambda: self.num_nodes)

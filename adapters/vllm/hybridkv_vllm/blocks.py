@@ -9,6 +9,7 @@ policy as configured from vLLM.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from hybridkv.cache_config import CacheConfig
 from hybridkv.defaults import SWA_CHECKPOINT
+from hybridkv.modes import StrMode
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     MLAAttentionSpec,
@@ -23,7 +25,15 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-__all__ = ["OPTION_NAMES", "BlockPagePool", "Layout", "PrefixOptions", "classify_groups"]
+__all__ = ["OPTION_NAMES", "BlockPagePool", "Layout", "PrefixOptions", "SwaHold", "classify_groups"]
+
+
+class SwaHold(StrMode):
+    """Which out-of-window SWA blocks the prefix manager holds before vLLM frees
+    them (``PrefixOptions.swa_release``, formerly ``retention``)."""
+
+    ADAPTIVE = "adaptive"  #: all while more than ``spare_fraction`` of the blocks are free, else the policy's windows
+    SPARSE = "sparse"      #: only the retention policy's windows
 
 #: group specs the tree pages (exact types: subclasses such as sink or RSWA
 #: attention change what a block holds)
@@ -37,10 +47,13 @@ class PrefixOptions:
 
     Attributes:
         swa_checkpoint: K tokens between retention checkpoints (0: off).
-        retention: ``"adaptive"`` (hold every out-of-window SWA block while more
-            than ``spare_fraction`` of the blocks are free, else only the
-            policy's windows) or ``"sparse"`` (only the policy's windows).
-        spare_fraction: see ``retention``.
+        swa_release: a :class:`SwaHold` (or its string): ``"adaptive"`` (hold
+            every out-of-window SWA block while more than ``spare_fraction`` of
+            the blocks are free, else only the policy's windows) or
+            ``"sparse"`` (only the policy's windows).  The old name
+            ``retention`` is still accepted (keyword, ``--additional-config``
+            key, ``hybridkv_retention`` extra key) and read.
+        spare_fraction: see ``swa_release``.
         ranking: the tree's leaf ranking (:class:`hybridkv.radix.TreeConfig`).
             ``"adaptive"`` here, where the core's default is ``"value"``: inside
             vLLM's scheduler (requests prefilled in chunks side by side, their
@@ -50,32 +63,61 @@ class PrefixOptions:
     """
 
     swa_checkpoint: int = SWA_CHECKPOINT
-    retention: str = "adaptive"
+    swa_release: SwaHold = SwaHold.ADAPTIVE
     spare_fraction: float = CacheConfig.spare_fraction
     ranking: str = "adaptive"
 
     def __post_init__(self) -> None:
         if isinstance(self.swa_checkpoint, bool) or not isinstance(self.swa_checkpoint, int) or self.swa_checkpoint < 0:
             raise ValueError(f"swa_checkpoint must be an int >= 0, got {self.swa_checkpoint!r}")
-        if self.retention not in ("adaptive", "sparse"):
-            raise ValueError(f"retention must be 'adaptive' or 'sparse', got {self.retention!r}")
+        object.__setattr__(self, "swa_release", SwaHold.parse(self.swa_release, "swa_release"))
         if not 0.0 <= float(self.spare_fraction) < 1.0:
             raise ValueError(f"spare_fraction must be in [0, 1), got {self.spare_fraction!r}")
+
+    @property
+    def retention(self) -> SwaHold:
+        """The old name of :attr:`swa_release` (read only)."""
+        return self.swa_release
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None,
                    overrides: dict[str, Any] | None = None) -> PrefixOptions:
         """Options from ``kv_connector_extra_config`` keys ``hybridkv_<name>``
-        (``hybridkv_swa_checkpoint``, ``hybridkv_retention``, ...), then
-        ``overrides`` (option names, e.g. ``--additional-config``'s), which win."""
+        (``hybridkv_swa_checkpoint``, ``hybridkv_swa_release``, ...), then
+        ``overrides`` (option names, e.g. ``--additional-config``'s), which win.
+        The old name ``retention`` counts as ``swa_release`` in either."""
         extra = extra or {}
-        kw = {name: extra[f"hybridkv_{name}"] for name in OPTION_NAMES if f"hybridkv_{name}" in extra}
-        kw.update(overrides or {})
+        kw = _new_names({name: extra[f"hybridkv_{name}"] for name in OPTION_NAMES if f"hybridkv_{name}" in extra})
+        kw.update(_new_names(dict(overrides or {})))
         return cls(**kw)
 
 
-#: the options' names (the fields of :class:`PrefixOptions`)
-OPTION_NAMES = tuple(f.name for f in fields(PrefixOptions))
+def _new_names(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the old key ``retention`` under its new name ``swa_release``."""
+    if "retention" in options:
+        if "swa_release" in options:
+            raise ValueError("give swa_release or its old name retention, not both")
+        options["swa_release"] = SwaHold.parse(options.pop("retention"), "retention")
+    return options
+
+
+def _accept_old_names(init: Any) -> Any:
+    """``PrefixOptions(retention=...)``, the old keyword of ``swa_release``, keeps working."""
+
+    @functools.wraps(init)
+    def __init__(self: PrefixOptions, *args: Any, retention: object = None, **kwargs: Any) -> None:
+        if retention is not None:
+            kwargs["retention"] = retention
+            kwargs = _new_names(kwargs)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+PrefixOptions.__init__ = _accept_old_names(PrefixOptions.__init__)  # type: ignore[method-assign]
+
+#: the options' names (the fields of :class:`PrefixOptions`, and ``retention``, the old name of ``swa_release``)
+OPTION_NAMES = (*(f.name for f in fields(PrefixOptions)), "retention")
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ import numpy as np
 
 from hybridkv.radix import LockHandle, TreeConfig, WindowSafeTree
 from hybridkv.spec import window_pages
-from hybridkv_vllm.blocks import BlockPagePool, Layout, PrefixOptions, classify_groups
+from hybridkv_vllm.blocks import BlockPagePool, Layout, PrefixOptions, SwaHold, classify_groups
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.request import RequestStatus
 
@@ -251,7 +251,7 @@ class HybridKVCacheManager(KVCacheManager):
         keep = _complement(lo, upto, policy.releasable_runs(
             lo, upto, live.raw_pages * P, live.hit_pages * P,
             request.num_prompt_tokens // P if policy.pretail_pages >= 0 else 0))
-        plenty = (self.options.retention == "adaptive" and self.block_pool.get_num_free_blocks()
+        plenty = (self.options.swa_release is SwaHold.ADAPTIVE and self.block_pool.get_num_free_blocks()
                   > self.options.spare_fraction * self.block_pool.num_gpu_blocks)
         rows = self._rows(request, self.swa_layout)
         kept = {i for a, b in keep for i in range(a, b)}

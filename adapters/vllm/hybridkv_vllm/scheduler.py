@@ -14,7 +14,8 @@ naming the setting (:func:`check_supported`).
 
 Options (``--additional-config '{"hybridkv": {...}}'``, or
 ``hybridkv_<name>`` keys of ``kv_connector_extra_config``):
-``swa_checkpoint``, ``retention`` (``adaptive`` | ``sparse``),
+``swa_checkpoint``, ``swa_release`` (``adaptive`` | ``sparse``; its old name
+``retention`` is still accepted),
 ``spare_fraction``, ``ranking`` (see :class:`~hybridkv_vllm.prefix.PrefixOptions`).
 """
 

@@ -153,8 +153,15 @@ def test_unsupported_groups_and_settings_are_refused():
         classify_groups(KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups))
     with pytest.raises(ValueError, match="no sliding-window group"):
         classify_groups(KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups[:1]))
-    with pytest.raises(ValueError, match="retention"):
+    with pytest.raises(ValueError, match="^retention must be one of"):
         PrefixOptions(retention="dense")
+    with pytest.raises(ValueError, match="^swa_release must be one of"):
+        PrefixOptions(swa_release="dense")
+    # the old name of swa_release, as a keyword, an extra key and an --additional-config key
+    assert PrefixOptions(retention="sparse").swa_release == "sparse" == PrefixOptions(retention="sparse").retention
+    assert PrefixOptions.from_extra({"hybridkv_retention": "sparse"}).swa_release == "sparse"
+    assert PrefixOptions.from_extra({"hybridkv_retention": "sparse"}, {"swa_release": "adaptive"}).swa_release \
+        == "adaptive"
     with pytest.raises(ValueError, match="swa_checkpoint"):
         PrefixOptions(swa_checkpoint=True)
     with pytest.raises(TypeError, match="manager"):
