@@ -6,11 +6,11 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Sequence
 
 from . import __version__
+from .cli_parsing import CommandParser, Parser
 from .defaults import CHUNK, SWA_CHECKPOINT
 from .spec import ModelSpec, preset_names
 from .traces import FORMATS
@@ -26,62 +26,6 @@ _DESCRIPTION = ("hybridkv: KV-cache management for hybrid sliding-window-attenti
                 "Commands: replay a trace through the cache and baselines, verify the cache against a "
                 "dense forward of a reference model, info on bytes per token and what fits, route-sim to "
                 "compare routing policies.  'hybridkv COMMAND --help' describes each.")
-
-
-class _HelpFormat(argparse.HelpFormatter):
-    """Help that names every option's default: an option taking a value whose help does
-    not already say its default gets ``(default X)`` appended."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if (not action.option_strings or action.nargs == 0 or "default" in text
-                or action.default in (None, argparse.SUPPRESS)):
-            return text
-        return f"{text} (default %(default)s)"
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line (``hybridkv replay: error: --hbm-gb must be
-    > 0 (got -1); see 'hybridkv replay --help'``) instead of the usage block and then the error,
-    and whose help names every default (:class:`_HelpFormat`)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", _HelpFormat)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {_argparse_message(message)}; see '{self.prog} --help'\n")
-
-    def _print_message(self, message: str, file: Any = None) -> None:
-        # A reader gone before the help is printed is no error: argparse itself
-        # ignores it from Python 3.11 on, 3.10 raised (the same on every Python).
-        try:
-            super()._print_message(message, file)
-        except OSError:
-            pass
-
-
-class _CommandParser(_Parser):
-    """A subcommand's parser: an argument it does not know is its own error (``hybridkv
-    replay: error: unrecognized arguments: --bogus; see 'hybridkv replay --help'``).
-    argparse would hand the leftovers up, and the top-level parser would point at its
-    own help, which does not list the subcommand's options."""
-
-    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
-                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
-        parsed, extras = super().parse_known_args(args, namespace)
-        if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
-        return parsed, extras
-
-
-def _argparse_message(message: str) -> str:
-    """``argument --hbm-gb: must be > 0 (got -1)`` -> ``--hbm-gb must be > 0 (got -1)``."""
-    m = re.match(r"argument ([^:]+): (.*)", " ".join(message.split()))
-    if not m:
-        return message
-    name, rest = m.groups()
-    return f"{name} {rest}" if rest.startswith("must") else f"{name}: {rest}"
 
 
 def _spec(args: argparse.Namespace) -> ModelSpec:
@@ -141,7 +85,7 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hybridkv", description=_DESCRIPTION, epilog="GB everywhere means 10^9 bytes.  Logs go to stderr.")
+    p = Parser(prog="hybridkv", description=_DESCRIPTION, epilog="GB everywhere means 10^9 bytes.  Logs go to stderr.")
     p.add_argument("--version", action="version", version=f"hybridkv {__version__}",
                    help="print the version and exit")
     p.add_argument("-v", "--verbose", action="count", default=0,
@@ -149,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="log errors only")
     p.add_argument("--log-level", choices=_LEVELS, default=None, type=str.lower,
                    help="log level of the hybridkv loggers (overrides -v/-q; default warning)")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--model", default="mimo-v2.5-pro", choices=preset_names(),

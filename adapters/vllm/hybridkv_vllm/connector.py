@@ -36,14 +36,11 @@ manager, one block table per KV-cache group):
   finish saves copy out on that thread too, under vLLM's delayed-free
   protocol (the request is listed in ``finished_sending`` once its blocks
   are copied out).
-* Counters reach vLLM's KV-connector stats (:mod:`.metrics`: the periodic
-  ``KV Transfer metrics`` log line and ``vllm:hybridkv_*_total`` on
-  ``/metrics``); the engine keeps stepping until the workers' saves are
-  stored and counted (:mod:`.progress`), so ``/metrics`` of an idle server
-  equals the stats file; log lines go through vLLM's logger (``vllm.hybridkv_vllm``);
-  the optional stats file gets one JSON line per event and, at shutdown (after
-  the save thread drained), one ``shutdown`` line with the totals, written in
-  one ``O_APPEND`` write and fsync'ed.
+* Counters reach vLLM's KV-connector stats (:mod:`.metrics`: the ``KV Transfer
+  metrics`` log line, ``vllm:hybridkv_*_total`` on ``/metrics``); the engine
+  steps until the workers' saves are counted (:mod:`.progress`), so an idle
+  server's ``/metrics`` equals the stats file (one JSON line per event, and a
+  ``shutdown`` line with the totals after the save thread drained).
 * L2: each worker keeps a host page cache (:class:`.l2.HostPageCache`, hybridkv's
   ``HostTier`` index, ``l2_gb``).  Saves go to L2 and through to L3; loads read
   L2 first and L3 for the rest (L3 reads fill L2).  The scheduler decides hits
@@ -64,7 +61,6 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -83,6 +79,7 @@ from hybridkv.tiers.storage import open_backend
 
 from .config import ConnectorConfig
 from .groups import fingerprints, groups_from_config
+from .jobs import HybridKVMetadata, PageJob, ReqState
 from .kvio import GroupBuffers, as_np_tokens, load_pages
 from .l2 import HostPageCache, HostPageIndex
 from .logs import logger, route_core_logs
@@ -111,39 +108,6 @@ def _shutdown_at_exit(ref: weakref.ref) -> None:
     conn = ref()
     if conn is not None:
         conn.shutdown()
-
-
-@dataclass
-class PageJob:
-    """Pages of one request to move: per group index, parallel block ids and keys."""
-
-    req_id: str
-    groups: dict[int, tuple[list[int], list[bytes]]] = field(default_factory=dict)
-    finish: bool = False  # a finish save: report the request in finished_sending
-
-    def num_pages(self) -> int:
-        return sum(len(b) for b, _ in self.groups.values())
-
-
-@dataclass
-class HybridKVMetadata(KVConnectorMetadata):
-    """What the workers do this step (built by the scheduler side)."""
-
-    loads: list[PageJob] = field(default_factory=list)
-    saves: list[PageJob] = field(default_factory=list)
-    idle: bool = False  # an empty step (no tokens, loads or saves): see progress.py
-
-
-@dataclass
-class _ReqState:
-    request: Request
-    namespace: str
-    keys: dict[int, list[bytes]] = field(default_factory=dict)  # per group, its block size
-    hit_tokens: int = 0
-    hit_sources: dict[CacheHitSource, int] = field(default_factory=dict)  # of the last load job
-    saved_tokens: int = 0     # full-group KV up to here already handed to a save job
-    saved_swa: dict[int, set[int]] = field(default_factory=dict)  # per SWA group: pages saved
-    reported: bool = False
 
 
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -178,7 +142,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._stats_fd = os.open(self.cfg.stats_file,
                                      os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         # scheduler side
-        self._reqs: dict[str, _ReqState] = {}
+        self._reqs: dict[str, ReqState] = {}
         self._pending_loads: dict[str, PageJob] = {}
         self._pending_saves: list[PageJob] = []
         # Keys of save jobs already sent to the workers (bounded, oldest out):
@@ -273,17 +237,17 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return HybridKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ============================================================ scheduler
-    def _state(self, request: Request) -> _ReqState:
+    def _state(self, request: Request) -> ReqState:
         st = self._reqs.get(request.request_id)
         if st is None:
             ns = self.cfg.namespace
             salt = getattr(request, "cache_salt", None)
             if salt:
                 ns = f"{ns}/{salt}"
-            st = self._reqs[request.request_id] = _ReqState(request, ns)
+            st = self._reqs[request.request_id] = ReqState(request, ns)
         return st
 
-    def _keys(self, st: _ReqState, tokens: int) -> dict[int, list[bytes]]:
+    def _keys(self, st: ReqState, tokens: int) -> dict[int, list[bytes]]:
         """Chained keys of each group's pages inside ``[0, tokens)``, extended incrementally.
 
         Group ``g`` gets ``tokens // g.block_size`` keys at its own block size.
@@ -392,7 +356,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         return split
 
-    def _save_job(self, st: _ReqState, block_ids: tuple[list[int], ...], end_tokens: int,
+    def _save_job(self, st: ReqState, block_ids: tuple[list[int], ...], end_tokens: int,
                   final: bool, null_id: int) -> PageJob | None:
         """Pages of every group completed in ``(saved_tokens, end_tokens]`` worth storing.
 

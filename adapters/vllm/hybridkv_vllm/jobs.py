@@ -1,0 +1,50 @@
+"""The connector's work items: what the scheduler side hands the workers each
+step (``HybridKVMetadata`` of ``PageJob`` s) and what it keeps per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+__all__ = ["HybridKVMetadata", "PageJob", "ReqState"]
+
+
+@dataclass
+class PageJob:
+    """Pages of one request to move: per group index, parallel block ids and keys."""
+
+    req_id: str
+    groups: dict[int, tuple[list[int], list[bytes]]] = field(default_factory=dict)
+    finish: bool = False  # a finish save: report the request in finished_sending
+
+    def num_pages(self) -> int:
+        return sum(len(b) for b, _ in self.groups.values())
+
+
+@dataclass
+class HybridKVMetadata(KVConnectorMetadata):
+    """What the workers do this step (built by the scheduler side)."""
+
+    loads: list[PageJob] = field(default_factory=list)
+    saves: list[PageJob] = field(default_factory=list)
+    idle: bool = False  # an empty step (no tokens, loads or saves): see progress.py
+
+
+@dataclass
+class ReqState:
+    """What the scheduler side knows of one request: its page keys, hit and saves."""
+
+    request: Request
+    namespace: str
+    keys: dict[int, list[bytes]] = field(default_factory=dict)  # per group, its block size
+    hit_tokens: int = 0
+    hit_sources: dict[CacheHitSource, int] = field(default_factory=dict)  # of the last load job
+    saved_tokens: int = 0     # full-group KV up to here already handed to a save job
+    saved_swa: dict[int, set[int]] = field(default_factory=dict)  # per SWA group: pages saved
+    reported: bool = False
