@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cache_config import CacheConfig
+from .lifecycle import Lifecycle
 from .modes import SwaRelease
 from .pools import DualPool
 from .radix import WindowSafeTree
@@ -32,7 +33,9 @@ class RequestPages:
 
     Args:
         pool: the pages (both kinds, and the sliding groups beside the lead one).
-        tree: evicts for room; its retention policy decides what a release keeps.
+        tree: evicts for room.
+        lifecycle: the request lifecycle every host shares: its release rule
+            (the retention policy) decides what a release keeps.
         config: the :class:`CacheConfig` (``swa_release``, ``spare_fraction``).
         counters: the cache's counters (``rejected``, ``released_swa_pages``,
             ``released_group_pages``), updated in place.
@@ -40,10 +43,11 @@ class RequestPages:
             requests is released when memory runs short).
     """
 
-    def __init__(self, pool: DualPool, tree: WindowSafeTree, config: CacheConfig, counters: dict[str, int],
-                 live: dict[int, Request]) -> None:
+    def __init__(self, pool: DualPool, tree: WindowSafeTree, lifecycle: Lifecycle, config: CacheConfig,
+                 counters: dict[str, int], live: dict[int, Request]) -> None:
         self.pool = pool
         self.tree = tree
+        self.lifecycle = lifecycle
         self.config = config
         self.counters = counters
         self.live = live
@@ -120,15 +124,13 @@ class RequestPages:
         """``(lo, cut)``: the pages ``[lo, cut)`` a release scans.  The tree's
         RetentionPolicy gives the cut; only pages added since the last release are
         scanned (``release_mark``): O(new pages) per release."""
-        cut = self.tree.policy.release_cut(req.computed)
+        cut = self.lifecycle.release_cut(req.computed)
         return (req.release_mark if req.release_mark > req.tree_pages else req.tree_pages), cut
 
     def _releasable_runs(self, req: Request, lo: int, cut: int) -> list[tuple[int, int]]:
         """The runs of ``req``'s pages ``[lo, cut)`` its release frees (the policy keeps
         checkpoint, divergence and predicted windows).  O(1 + runs)."""
-        rp = self.tree.policy
-        return rp.releasable_runs(lo, cut, req.raw_match_len, req.prefix_len,
-                                  req.prompt_len // self.page_size if rp.pretail_pages >= 0 else 0)
+        return self.lifecycle.release_runs(lo, cut, req.raw_match_len, req.prefix_len, req.prompt_len)
 
     def release(self, req: Request, *, force: bool) -> int:
         """Free ``req``'s out-of-window SWA runs the policy releases (``force``: even

@@ -24,8 +24,10 @@ request's SWA view holds a page id only where the request may read it: the
 pinned window of its cached prefix and its own unreleased pages.
 
 Validation happens once, at the public methods; internal calls (``_append``,
-:class:`~hybridkv.allocation.RequestPages`, the tree's ``match_parts`` /
-``insert_tokens``) trust their callers.  The cache composes its parts: page
+:class:`~hybridkv.allocation.RequestPages`, the :class:`~hybridkv.lifecycle.Lifecycle`)
+trust their callers.  The cache composes its parts: what a request does to the
+tree (begin, the release rule, the finish's insert, end) is the
+:class:`~hybridkv.lifecycle.Lifecycle` every host shares (``lifecycle``); page
 growth and SWA release are :class:`~hybridkv.allocation.RequestPages`
 (``pages``), the request record :mod:`hybridkv.request`, the step's record
 and row arguments :mod:`hybridkv.step`, the policy :mod:`hybridkv.cache_config`.
@@ -42,6 +44,7 @@ import numpy as np
 from ._validate import as_token_array, check_int
 from .allocation import CacheFullError, RequestPages
 from .cache_config import CacheConfig, check_count
+from .lifecycle import Lifecycle, TierHooks
 from .pools import DualPool
 from .radix import MatchResult, TreeConfig, WindowSafeTree
 from .radix.node import NO_PAGE
@@ -111,20 +114,23 @@ class HybridKVCache:
                          "rejected": 0, "released_swa_pages": 0}
         if self.pool.groups:  # pages of the smaller windows' groups given back early
             self.counters["released_group_pages"] = 0
+        # the request lifecycle on the tree (begin, insert at finish, end), shared with
+        # the vLLM and SGLang hosts
+        self.lifecycle = Lifecycle(self.tree)
         # page growth and SWA release of the live requests: a collaborator working on the
         # same pool, tree, counters and live requests (the dict objects are shared)
-        self.pages = RequestPages(self.pool, self.tree, config, self.counters, self._live)
+        self.pages = RequestPages(self.pool, self.tree, self.lifecycle, config, self.counters, self._live)
         # L2/L3 beside the tree (a hybridkv.tiers TierCoordinator, set by TieredCache):
         # called in begin (before_match, after_begin), finish (before_finish), stats
         # and check_invariants; None: L1 only
-        self.lower_tiers: Any = None
+        self.lower_tiers: TierHooks | None = None
 
     # ================================================================ match
     def match(self, tokens: object, namespace: str = "default") -> MatchResult:
         """Peek: window-safe hit for ``tokens`` without locking or touching LRU."""
         tokens = as_token_array(tokens)
         self._check_namespace(namespace)
-        return self.tree.match_tokens(tokens, namespace, max(0, len(tokens) - 1), split=False, touch=False)
+        return self.lifecycle.peek(tokens, namespace, max(0, len(tokens) - 1))
 
     def begin(self, tokens: object, namespace: str = "default", rid: Any = None) -> Request:
         """Start a request: match its prompt, lock the hit.
@@ -146,17 +152,16 @@ class HybridKVCache:
 
     def _begin(self, buf: np.ndarray, n_tokens: int, namespace: str, rid: Any) -> Request:
         """``buf``: the request's own token buffer (:func:`_own_tokens`), ``n_tokens`` used."""
-        tree = self.tree
         tokens = buf[:n_tokens]
         t0 = time.perf_counter()
-        # the hit's page ids are copied once, straight from the nodes into the request
-        safe, raw_pages, parts, node = tree.match_parts(tokens, namespace, len(tokens) - 1, split=True, touch=True)
+        hit = self.lifecycle.begin(tokens, namespace, len(tokens) - 1)
         self.last_match_us = (time.perf_counter() - t0) * 1e6
-        handle = tree.lock(node)
+        handle, safe, raw_pages = hit.handle, hit.pages, hit.raw_pages
         # room for every page of the prompt (+ some decode) so prefill never regrows
         full = np.empty(max(16, -(-len(tokens) // self.page_size) + 16), dtype=np.int32)
         n = 0
-        for nd, take in parts:
+        # the hit's page ids are copied once, straight from the nodes into the request
+        for nd, take in hit.parts:
             full[n:n + take] = nd.full[:take]
             n += take
         swa = np.empty(full.size, dtype=np.int32)
@@ -281,15 +286,12 @@ class HybridKVCache:
         aligned = max(req.computed // P, req.tree_pages) if cache else req.tree_pages
         new_pages = 0
         if cache and aligned > req.tree_pages:
-            start = req.handle.node
-            if start is not None and (not start.alive or start.start + len(start.key) != req.tree_pages * P):
-                start = None  # cannot happen while locked; the root walk is always right
             if self.pool.groups:
                 self.pages.release_groups(req, aligned)
-            res = self.tree.insert_tokens(req.token_buffer[:aligned * P], req.full_pages[:aligned],
-                                          req.swa_pages[:aligned], req.namespace, start=start,
-                                          owned=True,  # the request ends here
-                                          mark=req.prompt_len // P)
+            res = self.lifecycle.insert(req.handle, req.tree_pages, req.token_buffer[:aligned * P],
+                                        req.full_pages[:aligned], req.swa_pages[:aligned], req.namespace,
+                                        mark=req.prompt_len // P)
+            assert res is not None, "a request's lock ends where its tree pages do while it is live"
             new_pages = res.new_pages
         rest_full = req.full_pages[aligned:req.n_pages]
         rest_swa = req.swa_pages[aligned:req.n_pages]
@@ -299,7 +301,7 @@ class HybridKVCache:
             rest_swa = rest_swa[rest_swa >= 0]
         if rest_swa.size:
             self.pool.free_swa_trusted(rest_swa)
-        self.tree.unlock(req.handle)
+        self.lifecycle.end(req.handle)
         req.finished = True
         del self._live[id(req)]
         return new_pages

@@ -268,6 +268,18 @@ class DualPool:
             held &= g.holds(pages)
         return held
 
+    def check_taken(self, kind: str, pages: np.ndarray, name: str) -> None:
+        """Raise ValueError naming ``name`` unless every id of ``pages`` is
+        allocated in the ``kind`` (``"full"`` / ``"swa"``) pool and listed once
+        (what the tree checks before it takes pages from a public insert).  O(n)."""
+        alloc = self.full if kind == "full" else self.swa
+        if pages.size == 0:
+            return
+        if not alloc.is_allocated(pages).all():
+            raise ValueError(f"{name} holds ids that are not allocated in the {kind} pool")
+        if pages.size > 1 and alloc.has_repeats(pages):
+            raise ValueError(f"{name} holds repeated ids")
+
     def tensor_bytes(self) -> int:
         """Bytes of every KV tensor this pool allocated (0 on ``meta``)."""
         return self._arena.nbytes if self._arena is not None else 0

@@ -46,8 +46,8 @@ from .node import NO_PAGE, TreeNode, node_array
 from .pins import PathLocks, SwaPins
 from .policy import RetentionPolicy
 from .rankings import Ranking, make_ranking
-from .types import (EMPTY, RANKINGS, SWA_EVICTIONS, InsertResult, LockHandle, MatchResult, PagePool, TreeConfig,
-                    TreeEvent)
+from .types import (EMPTY, RANKINGS, SWA_EVICTIONS, InsertResult, LockHandle, MatchResult, PagePool, SideGroup,
+                    TreeConfig, TreeEvent, pool_lacks)
 
 __all__ = ["TreeConfig", "TreeEvent", "WindowSafeTree", "MatchResult", "LockHandle", "InsertResult",
            "PagePool", "RANKINGS", "SWA_EVICTIONS", "as_token_array"]
@@ -70,11 +70,14 @@ class WindowSafeTree:
                  swa_page_bytes: int = 1) -> None:
         if not isinstance(config, TreeConfig):
             raise TypeError(f"config must be a TreeConfig, got {type(config).__name__}")
+        lacks = pool_lacks(pool)
+        if lacks:
+            raise TypeError(f"pool must implement hybridkv.radix.PagePool; {type(pool).__name__} lacks {lacks}")
         self.config = config
         self.pool = pool
         # sliding groups beside the lead one (a pool of a several-window model): a
         # hit needs each of their windows too (see WindowAnchors.safe_pages)
-        self.groups: tuple = tuple(getattr(pool, "groups", ()))
+        self.groups: tuple[SideGroup, ...] = tuple(pool.groups)
         self.page_size = config.page_size
         self.full_page_bytes = full_page_bytes
         self.swa_page_bytes = swa_page_bytes
@@ -92,7 +95,7 @@ class WindowSafeTree:
         self.swa_pages_cached = 0
         # with several sliding groups a page counts (in events, in bytes freed) where
         # every group still holds it: the pool knows
-        held_by_all = pool.held_by_all if self.groups else None  # type: ignore[attr-defined]
+        held_by_all = pool.held_by_all if self.groups else None
         self.events = TreeEvents(self.page_size, held_by_all)
         self.anchors = WindowAnchors(self.policy, self.page_size, self.groups)
         self.learning = MatchLearning(self.policy, self.divergence, ranking, self.page_size, swa_page_bytes,
@@ -100,14 +103,14 @@ class WindowSafeTree:
         self.eviction = Eviction(self, self.anchors, ranking, self.pins, self.divergence, self.events, self.policy,
                                  mode=config.swa_eviction, page_size=self.page_size, full_page_bytes=full_page_bytes,
                                  swa_page_bytes=swa_page_bytes,
-                                 group_bytes=pool.group_bytes if self.groups else None)  # type: ignore[attr-defined]
+                                 group_bytes=pool.group_bytes if self.groups else None)
         self.locks = PathLocks(self.pins, self.anchors, self.eviction, self.policy)
         # Called with (kind, int32 page ids) just before the tree gives pages back to
         # ``pool`` (an eviction, a duplicate of an insert): the pages still hold their
         # KV, so a tier below can copy them first.  A hook must not call into the tree.
         self.free_listeners: list[Callable[[AttnKind, np.ndarray], None]] = []
-        self._pool_free_full = getattr(pool, "free_full_trusted", None) or pool.free_full
-        self._pool_free_swa = getattr(pool, "free_swa_trusted", None) or pool.free_swa
+        self._pool_free_full = pool.free_full_trusted
+        self._pool_free_swa = pool.free_swa_trusted
 
     def return_full_pages(self, pages: np.ndarray) -> None:
         """Give int32 full ``pages`` the tree dropped back to the pool, after the
@@ -385,21 +388,11 @@ class WindowSafeTree:
         if prompt_len is not None:
             mark = check_int(prompt_len, "prompt_len", 0) // size
         if n:
-            self._check_owned(full, "full_pages", "full")
-            self._check_owned(swa[swa >= 0], "swa_pages", "swa")
+            # the tree frees what it takes without checks, so a page it is handed must be
+            # allocated in its pool and listed once (else a later free corrupts the pool)
+            self.pool.check_taken("full", full, "full_pages")
+            self.pool.check_taken("swa", swa[swa >= 0], "swa_pages")
         return self.insert_tokens(key, full, swa, namespace, mark=mark)
-
-    def _check_owned(self, pages: np.ndarray, name: str, kind: str) -> None:
-        """The tree frees what it takes without checks, so a page it is handed must be
-        allocated in its pool and listed once (else a later free would corrupt the
-        pool).  Checked where the pool can tell (a :class:`DualPool`); O(n)."""
-        alloc = getattr(self.pool, kind, None)
-        if alloc is None or not hasattr(alloc, "is_allocated") or pages.size == 0:
-            return
-        if not alloc.is_allocated(pages).all():
-            raise ValueError(f"{name} holds ids that are not allocated in the {kind} pool")
-        if pages.size > 1 and alloc.has_repeats(pages):
-            raise ValueError(f"{name} holds repeated ids")
 
     @deliver_after
     def insert_tokens(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray, namespace: str, *,

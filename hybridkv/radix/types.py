@@ -18,7 +18,7 @@ from ..modes import EvictionRanking, SwaEviction
 from ..spec import window_pages
 from .node import TreeNode
 
-__all__ = ["TreeConfig", "TreeEvent", "MatchResult", "LockHandle", "InsertResult", "PagePool",
+__all__ = ["TreeConfig", "TreeEvent", "MatchResult", "LockHandle", "InsertResult", "PagePool", "SideGroup", "OneWindowPool", "pool_lacks",
            "RANKINGS", "SWA_EVICTIONS", "EMPTY", "EvictionRanking", "SwaEviction"]
 
 EMPTY = np.zeros(0, dtype=np.int32)
@@ -28,12 +28,86 @@ RANKINGS = tuple(m.value for m in EvictionRanking)  # TreeConfig.ranking, as str
 SWA_EVICTIONS = tuple(m.value for m in SwaEviction)  # TreeConfig.swa_eviction, as strings
 
 
+class SideGroup(Protocol):
+    """A sliding-window group beside the lead one (a several-window model): it
+    keys its pages by the lead SWA page id and holds a subset of them."""
+
+    @property
+    def window_pages(self) -> int:
+        """Its window, in pages."""
+        ...
+
+    def holds(self, pages: np.ndarray) -> np.ndarray:
+        """Bool per lead SWA page id: this group still holds its page there."""
+        ...
+
+
 class PagePool(Protocol):
-    """What the tree needs from a pool: give pages back."""
+    """A host's pages, as the core sees them: every call the tree and
+    :mod:`hybridkv.lifecycle` make on a pool.  Implemented by
+    :class:`~hybridkv.pools.DualPool` (hybridkv's own pages), vLLM's block pool
+    adapter and SGLang's allocator adapter; a host with one sliding window has
+    no ``groups`` and answers the group calls trivially."""
 
-    def free_full(self, pages: np.ndarray) -> None: ...
+    @property
+    def groups(self) -> tuple[SideGroup, ...]:
+        """The sliding groups beside the lead one (``()``: one window)."""
+        ...
 
-    def free_swa(self, pages: np.ndarray) -> None: ...
+    def free_full_trusted(self, pages: np.ndarray) -> None:
+        """Take back int32 full ``pages`` the core held (each once; no checks needed)."""
+        ...
+
+    def free_swa_trusted(self, pages: np.ndarray) -> None:
+        """Take back int32 lead SWA ``pages`` the core held (each once), with
+        whatever the side groups hold under those ids."""
+        ...
+
+    def held_by_all(self, pages: np.ndarray) -> np.ndarray:
+        """Bool per SWA page id (``NO_PAGE`` allowed): every group holds it."""
+        ...
+
+    def group_bytes(self, pages: np.ndarray) -> int:
+        """Bytes the side groups free with these SWA page ids."""
+        ...
+
+    def check_taken(self, kind: str, pages: np.ndarray, name: str) -> None:
+        """Raise ValueError naming ``name`` unless every one of ``pages`` (of
+        ``kind``, ``"full"`` or ``"swa"``) is allocated and listed once; the
+        tree calls it before it takes pages from a public ``insert``."""
+        ...
+
+
+class OneWindowPool:
+    """The group calls of :class:`PagePool` for a host with one sliding window
+    (no side groups), and no ownership check: a host pool that keeps its own
+    references (vLLM's block pool, SGLang's allocator) subclasses it and
+    implements ``free_full_trusted`` / ``free_swa_trusted``."""
+
+    groups: tuple[SideGroup, ...] = ()
+
+    def free_full_trusted(self, pages: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def free_swa_trusted(self, pages: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def held_by_all(self, pages: np.ndarray) -> np.ndarray:
+        """One window: a page is held where it has an id."""
+        return np.asarray(pages) >= 0
+
+    def group_bytes(self, pages: np.ndarray) -> int:
+        """No side groups: nothing beyond the lead page."""
+        return 0
+
+    def check_taken(self, kind: str, pages: np.ndarray, name: str) -> None:
+        """The host's allocator owns the check (its references); nothing here."""
+
+
+def pool_lacks(pool: object) -> list[str]:
+    """The :class:`PagePool` members ``pool`` does not have (``[]``: complete)."""
+    names = ("groups", "free_full_trusted", "free_swa_trusted", "held_by_all", "group_bytes", "check_taken")
+    return [n for n in names if not hasattr(pool, n)]
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .._validate import as_token_array
+from ..lifecycle import TierPlan
 from ..radix.node import NO_PAGE, TreeNode
 from ..spec import AttnKind, ModelSpec
 from ..transfer import prepare_copy
@@ -161,10 +162,11 @@ class TierCoordinator:
             logger.warning("L3 prefetch failed (%s: %s)", type(exc).__name__, exc)
             return PrefetchHandle()
 
-    def before_match(self, tokens: np.ndarray, namespace: str) -> tuple[list[bytes], np.ndarray]:
+    def before_match(self, tokens: np.ndarray, namespace: str) -> TierPlan:
         """Make the lower-tier hit of ``tokens`` (validated) resident in L1, before the
         cache's L1 match.  Waits for L3 at most ``l3_timeout_s``, without the mutex.
-        Returns ``(page keys, origin per page of the hit)`` for :meth:`after_begin`.
+        Returns the page keys and the origin per page of the hit (a
+        :class:`~hybridkv.lifecycle.TierPlan`) for :meth:`after_begin`.
         Never raises for tier faults (logged, counted, an L1-only answer).
         Runtime: key hashing O(L), one L2 lookup per page, the wait, the copies."""
         n = (len(tokens) - 1) // self.page_size
@@ -178,14 +180,13 @@ class TierCoordinator:
         except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
             self.counters["tier_errors"] += 1
             logger.warning("tiered load failed (%s: %s); serving from L1 only", type(exc).__name__, exc)
-        return keys, origin
+        return TierPlan(keys, origin)
 
-    def after_begin(self, req: Request, plan: tuple[list[bytes], np.ndarray]) -> None:
+    def after_begin(self, req: Request, plan: TierPlan) -> None:
         """``req`` holds its L1 hit: record its keys and per-tier hit figures, touch
         the served keys, anchor the hit's window.  O(hit pages)."""
-        keys, origin = plan
-        req.extra["page_keys"] = keys
-        self._account(req, keys, origin)
+        req.extra["page_keys"] = plan.keys
+        self._account(req, plan.keys, plan.origin)
 
     def _account(self, req: Request, keys: list[bytes], origin: np.ndarray) -> None:
         """Per-tier hit tokens of ``req`` (added to the totals when it finishes with

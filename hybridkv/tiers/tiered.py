@@ -68,8 +68,9 @@ class TieredCache(HybridKVCache):
     lower tiers into L1 first.  Per-request tier figures land in
     ``req.extra["tiers"]``, totals in :meth:`stats`.  Call :meth:`close` at the end.
 
-    Attributes: ``tiers`` (the :class:`TierConfig`), ``lower_tiers`` (the
-    :class:`~hybridkv.tiers.coordinator.TierCoordinator`) and, from it, ``host``
+    Attributes: ``tiers`` (the :class:`TierConfig`), ``coordinator`` (the
+    :class:`~hybridkv.tiers.coordinator.TierCoordinator`, also the cache's
+    ``lower_tiers``, its :class:`~hybridkv.lifecycle.TierHooks`) and, from it, ``host``
     (L2), ``l3`` (the :class:`.TierManager` or None), ``codec`` and
     ``tier_counters``.
     """
@@ -81,7 +82,8 @@ class TieredCache(HybridKVCache):
         super().__init__(spec, config)
         self.tiers = tiers
         coordinator = TierCoordinator(self.spec, self.tree, self.pool, tiers)
-        self.lower_tiers = coordinator
+        self.lower_tiers = coordinator  # the lifecycle's TierHooks
+        self.coordinator = coordinator  # the same, with its whole interface
         self.host = coordinator.host
         self.l3 = coordinator.l3
         self.codec = coordinator.codec
@@ -92,7 +94,7 @@ class TieredCache(HybridKVCache):
     def _page_keys(self, tokens: np.ndarray, namespace: str, n_pages: int,
                    have: list[bytes] | None = None) -> list[bytes]:
         """L2/L3 keys of the first ``n_pages`` pages of ``tokens``.  O(new pages)."""
-        return self.lower_tiers.page_keys(tokens, namespace, n_pages, have)
+        return self.coordinator.page_keys(tokens, namespace, n_pages, have)
 
     def prefetch(self, tokens: object, namespace: str = "default") -> PrefetchHandle:
         """Start loading into L2 the L3 pages a later :meth:`begin` of ``tokens`` would use.
@@ -104,27 +106,27 @@ class TieredCache(HybridKVCache):
         breaker is open).  Raises only for bad arguments.  Runtime on the
         caller: key hashing O(L) and one L1/L2 lookup per page.
         """
-        return self.lower_tiers.prefetch(tokens, namespace)
+        return self.coordinator.prefetch(tokens, namespace)
 
     def clear_l2(self) -> int:
         """Drop every L2 page (as a host restart would), under the tiers' lock;
         listeners hear the removals.  Returns pages dropped.  O(pages)."""
-        return self.lower_tiers.clear_l2()
+        return self.coordinator.clear_l2()
 
     @property
     def key_fingerprint(self) -> str:
         """Fingerprint in this cache's L2/L3 page keys (a KV-event publisher of its
         tier events must hash L1 pages with the same one)."""
-        return self.lower_tiers.fingerprint
+        return self.coordinator.fingerprint
 
     def l3_last_error(self) -> str | None:
         """The L3 backend's last fault in one line (why reads/writes failed), or None."""
-        return self.lower_tiers.l3_last_error()
+        return self.coordinator.l3_last_error()
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait for queued L3 writes/touches; False on timeout (or True without L3)."""
-        return self.lower_tiers.flush(timeout_s)
+        return self.coordinator.flush(timeout_s)
 
     def close(self) -> None:
         """Stop the L3 worker (after draining) and close a backend opened from a URL."""
-        self.lower_tiers.close()
+        self.coordinator.close()

@@ -1,7 +1,8 @@
 """SGLang's SWA allocator seen as a hybridkv page pool.
 
 hybridkv's :class:`~hybridkv.radix.WindowSafeTree` gives pages back through
-``free_full(pages)`` / ``free_swa(pages)``.  SGLang 0.5.23 keeps one token slot
+``free_full_trusted(pages)`` / ``free_swa_trusted(pages)`` (its ``PagePool``
+protocol).  SGLang 0.5.23 keeps one token slot
 per position in the full pool and reaches a position's SWA slot through the
 allocator's ``full_to_swa_index_mapping`` (0 = no SWA peer).  This module keeps
 the two views consistent:
@@ -25,12 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridkv.radix import OneWindowPool
+
 __all__ = ["SGLangPagePool"]
 
 logger = logging.getLogger(__name__)
 
 
-class SGLangPagePool:
+class SGLangPagePool(OneWindowPool):
     """Adapter from ``SWATokenToKVPoolAllocator`` to hybridkv's ``PagePool``.
 
     Args:
@@ -38,7 +41,7 @@ class SGLangPagePool:
             ``full_to_swa_index_mapping``, ``full_attn_allocator``,
             ``swa_attn_allocator``, ``page_size``, ``size_swa``).
 
-    Only the tree calls :meth:`free_full` / :meth:`free_swa`, and only for pages
+    Only the tree calls :meth:`free_full_trusted` / :meth:`free_swa_trusted`, and only for pages
     it owns, so no page is ever freed twice through this object.
     """
 
@@ -97,9 +100,9 @@ class SGLangPagePool:
         self.mapping[toks] = vals
 
     # ------------------------------------------------------------ PagePool
-    def free_full(self, pages: np.ndarray) -> None:
+    def free_full_trusted(self, pages: np.ndarray) -> None:
         """Return full pages to SGLang.  Their mapping is cleared first: any SWA the
-        tree held for them is freed by :meth:`free_swa` in the same tree call or
+        tree held for them is freed by :meth:`free_swa_trusted` in the same tree call or
         was adopted onto another full page.  O(n)."""
         if pages.size == 0:
             return
@@ -108,7 +111,7 @@ class SGLangPagePool:
         self.allocator.full_attn_allocator.free(toks)
         self.freed_full_pages += int(pages.size)
 
-    def free_swa(self, pages: np.ndarray) -> None:
+    def free_swa_trusted(self, pages: np.ndarray) -> None:
         """Return SWA pages to SGLang and clear the mapping of their owners.  O(n)."""
         if pages.size == 0:
             return
@@ -118,7 +121,7 @@ class SGLangPagePool:
         known = owners >= 0
         if known.any():
             # Clear only where the owner still points at this very page: a full page
-            # freed earlier in the same call (free_full) already reads 0.
+            # freed earlier in the same call (free_full_trusted) already reads 0.
             own = owners[known]
             firsts = torch.as_tensor(own * self.page_size)
             still = (self.mapping[firsts] // self.page_size).cpu().numpy() == pages64[known]

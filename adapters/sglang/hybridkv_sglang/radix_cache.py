@@ -11,12 +11,12 @@ How the SGLang contract maps onto the tree (SGLang 0.5.23 names):
 =============================  ==============================================
 SGLang call                    here
 =============================  ==============================================
-``match_prefix``               ``tree.match(split=True)``: the largest
+``match_prefix``               ``Lifecycle.match`` (split): the largest
                                page-aligned *window-safe* prefix; the node ends
                                exactly there so the scheduler can lock it
-``lock`` / ``inc_lock_ref``    ``tree.lock``: path lock on full KV + pin of the
+``lock`` / ``inc_lock_ref``    ``Lifecycle.lock``: path lock on full KV + pin of the
                                W-token SWA window ending at the node
-``checkpoint(req, up_to)``     ``tree.insert`` of ``[0, up_to)`` with the SWA
+``checkpoint(req, up_to)``     ``Lifecycle.insert`` of ``[0, up_to)`` with the SWA
                                pages SGLang still maps (released SWA is -1),
                                row rewritten onto the tree's pages, lock moved
                                (0.5.23's replacement for ``cache_unfinished_req``
@@ -45,6 +45,8 @@ import numpy as np
 import torch
 
 from hybridkv.defaults import SWA_CHECKPOINT
+from hybridkv._validate import as_token_array
+from hybridkv.lifecycle import Lifecycle
 from hybridkv.radix import LockHandle, TreeConfig, TreeNode, WindowSafeTree
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
@@ -133,6 +135,9 @@ class HybridKVRadixCache(BasePrefixCache):
     def reset(self) -> None:
         """Forget everything (SGLang clears its allocator alongside).  O(1)."""
         self.tree = WindowSafeTree(self.tree_config, self.pool)
+        # the request lifecycle every host shares: SGLang matches, then locks
+        # (inc_lock_ref), and checkpoints (insert, lock moved)
+        self.lifecycle = Lifecycle(self.tree)
         self.pool.reset()
         self._locks: dict[int, list[LockHandle]] = {}
         self.root_node = self.tree.root(namespace_of(None, None))
@@ -168,13 +173,14 @@ class HybridKVRadixCache(BasePrefixCache):
         if self.disable or len(tokens) < self.page_size:
             root = self.tree.root(ns)
             return MatchResult(0, root, root, root)
-        m = self.tree.match(tokens, ns, split=True)
-        node = m.node if m.node is not None else self.tree.root(ns)
+        safe, raw, node = self.lifecycle.match(as_token_array(tokens, "key"), ns)
+        node = node if node is not None else self.tree.root(ns)
+        ps = self.page_size
         self.counters["match_calls"] += 1
-        self.counters["hit_tokens"] += m.length
-        self.counters["raw_match_tokens"] += m.raw_length
-        return MatchResult(device_prefix_len=m.length, last_device_node=node, last_host_node=node,
-                           best_match_node=node, full_kv_hit_length=m.raw_length)
+        self.counters["hit_tokens"] += safe * ps
+        self.counters["raw_match_tokens"] += raw * ps
+        return MatchResult(device_prefix_len=safe * ps, last_device_node=node, last_host_node=node,
+                           best_match_node=node, full_kv_hit_length=raw * ps)
 
     def touch_prefix(self, key: Any) -> None:
         tokens, ns = self._key_tokens(key)
@@ -203,7 +209,7 @@ class HybridKVRadixCache(BasePrefixCache):
         if self.disable or self.is_root(node):
             return IncLockRefResult(delta=0)
         before = self.tree.protected_full_pages
-        handle = self.tree.lock(node)
+        handle = self.lifecycle.lock(node)
         self._locks.setdefault(node.nid, []).append(handle)
         return IncLockRefResult(delta=-(self.tree.protected_full_pages - before) * self.page_size)
 
@@ -215,7 +221,7 @@ class HybridKVRadixCache(BasePrefixCache):
         if not handles:
             raise ValueError(f"node {node.nid} holds no lock taken through this cache")
         before = self.tree.protected_full_pages
-        self.tree.unlock(handles.pop())
+        self.lifecycle.end(handles.pop())
         if not handles:
             del self._locks[node.nid]
         return DecLockRefResult(delta=(before - self.tree.protected_full_pages) * self.page_size)
@@ -252,7 +258,10 @@ class HybridKVRadixCache(BasePrefixCache):
         # the prompt's length: past it the tokens are decoded output (the learned
         # divergence model measures from the prompt's end)
         prompt = getattr(req, "origin_input_ids", None)
-        result = self.tree.insert(tokens, full, swa, ns, prompt_len=None if prompt is None else len(prompt))
+        # from the root (SGLang's row holds the locked path's pages, compared as equal)
+        result = self.lifecycle.insert(LockHandle(None), 0, as_token_array(tokens, "tokens"), full, swa, ns,
+                                       mark=-1 if prompt is None else len(prompt) // self.page_size)
+        assert result is not None
         path_full, path_swa = self._path_pages(result.node)
         assert path_full.size == n_pages, (path_full.size, n_pages)
         # Duplicates and adopted SWA: make the mapping and the row follow the tree.

@@ -18,6 +18,7 @@ import numpy as np
 from hybridkv.cache_config import CacheConfig
 from hybridkv.defaults import SWA_CHECKPOINT
 from hybridkv.modes import StrMode
+from hybridkv.radix import OneWindowPool
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     MLAAttentionSpec,
@@ -194,9 +195,11 @@ def classify_groups(kv_cache_config: Any) -> tuple[Layout, Layout, int, int]:
     return layout(full), layout(swa), page, window
 
 
-class BlockPagePool:
+class BlockPagePool(OneWindowPool):
     """hybridkv's ``PagePool`` over vLLM's ``BlockPool``: the tree owns one
-    reference on every block it caches and gives it back here."""
+    reference on every block it caches and gives it back here.  A page's
+    blocks are every group's (see :meth:`take`), so the tree sees one sliding
+    window (the groups' largest) and no side groups."""
 
     def __init__(self, block_pool: Any) -> None:
         self.block_pool = block_pool
@@ -243,8 +246,10 @@ class BlockPagePool:
         if gone:
             bp.evict_blocks(gone)
 
-    def free_full(self, pages: np.ndarray) -> None:
+    def free_full_trusted(self, pages: np.ndarray) -> None:
+        """Give back the tree's reference on every block of full ``pages``."""
         self._free(pages)
 
-    def free_swa(self, pages: np.ndarray) -> None:
+    def free_swa_trusted(self, pages: np.ndarray) -> None:
+        """Give back the tree's reference on every block of SWA ``pages``."""
         self._free(pages)

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridkv.lifecycle import Lifecycle
 from hybridkv.radix import LockHandle, TreeConfig, WindowSafeTree
 from hybridkv.spec import window_pages
 from hybridkv_vllm.blocks import BlockPagePool, Layout, PrefixOptions, SwaHold, classify_groups
@@ -139,6 +140,8 @@ class HybridKVCacheManager(KVCacheManager):
     def _new_tree(self) -> None:
         self.tree = WindowSafeTree(self.tree_config, self.pool, full_page_bytes=self.full_layout.blocks_per_page,
                                    swa_page_bytes=self.swa_layout.blocks_per_page)
+        # begin, the release rule, the insert and the lock moves every host shares
+        self.lifecycle = Lifecycle(self.tree)
 
     # ------------------------------------------------------------ helpers
     @staticmethod
@@ -154,7 +157,7 @@ class HybridKVCacheManager(KVCacheManager):
     def _unlock(self, req_id: str) -> _Live | None:
         live = self._live.pop(req_id, None)
         if live is not None:
-            self.tree.unlock(live.handle)
+            self.lifecycle.end(live.handle)
         return live
 
     def _release_spare(self, live: _Live) -> int:
@@ -187,15 +190,13 @@ class HybridKVCacheManager(KVCacheManager):
         # first lookup is a use the ranking learns from (recency, returns)
         live = self._live.get(request.request_id)
         first = live is None or not live.looked
-        m = self.tree.match_tokens(tokens, self.namespace(request), None, split=True, touch=first)
-        self.counters["raw_match_tokens"] += m.raw_length
-        if m.length == 0:
-            self._track(request, LockHandle(None), 0, m.raw_length // P)
+        hit = self.lifecycle.begin(tokens, self.namespace(request), None, touch=first)
+        self.counters["raw_match_tokens"] += hit.raw_pages * P
+        self._track(request, hit.handle, hit.pages, hit.raw_pages)
+        if hit.pages == 0:
             return self.empty_kv_cache_blocks, 0, 0
-        handle = self.tree.lock(m.node)
-        self._track(request, handle, m.length // P, m.raw_length // P)
-        self.counters["hit_tokens"] += m.length
-        return self.create_kv_cache_blocks(self._blocks_of(m.full_pages, m.swa_pages)), m.length, 0
+        self.counters["hit_tokens"] += hit.pages * P
+        return self.create_kv_cache_blocks(self._blocks_of(hit.full_pages(), hit.swa_pages())), hit.pages * P, 0
 
     def _track(self, request: Any, handle: LockHandle, hit_pages: int, raw_pages: int) -> None:
         live = self._live.get(request.request_id)
@@ -247,10 +248,7 @@ class HybridKVCacheManager(KVCacheManager):
         if upto <= lo:
             return
         live.scan_mark = upto
-        policy = self.tree.policy
-        keep = _complement(lo, upto, policy.releasable_runs(
-            lo, upto, live.raw_pages * P, live.hit_pages * P,
-            request.num_prompt_tokens // P if policy.pretail_pages >= 0 else 0))
+        keep = self.lifecycle.kept_runs(lo, upto, live.raw_pages * P, live.hit_pages * P, request.num_prompt_tokens)
         plenty = (self.options.swa_release is SwaHold.ADAPTIVE and self.block_pool.get_num_free_blocks()
                   > self.options.spare_fraction * self.block_pool.num_gpu_blocks)
         rows = self._rows(request, self.swa_layout)
@@ -323,7 +321,7 @@ class HybridKVCacheManager(KVCacheManager):
         up again when tried next); a running one keeps everything."""
         live = self._live.get(request.request_id)
         if live is not None and request.num_computed_tokens == 0 and live.handle.node is not None:
-            self.tree.unlock(live.handle)
+            self.lifecycle.end(live.handle)
             live.handle = LockHandle(None)
             live.hit_pages = live.scan_mark = 0
 
@@ -352,11 +350,10 @@ class HybridKVCacheManager(KVCacheManager):
         on each block it keeps, its duplicates go back.  Returns the node ending
         at ``n`` (None: nothing inserted).  O(depth + new pages)."""
         P = self.page_size
-        start = live.handle.node
-        lo = live.hit_pages if start is not None else 0
+        lo = live.hit_pages if live.handle.node is not None else 0
         if n <= lo:
             return None
-        if start is not None and (not start.alive or start.start + len(start.key) != lo * P):
+        if not self.lifecycle.lock_ends_at(live.handle, lo):
             self.counters["insert_skipped"] += 1  # cannot happen while locked: never free what we did not take
             return None
         rows_f = self._rows(request, self.full_layout)
@@ -378,8 +375,9 @@ class HybridKVCacheManager(KVCacheManager):
         tokens = np.asarray(request.all_token_ids[:n * P], dtype=np.int32)
         # start is this request's own (its counted hit, or its last chunk's insert):
         # chunks of one prompt are not reuses of each other (continued)
-        res = self.tree.insert_tokens(tokens, full, swa, self.namespace(request), start=start,
-                                      owned=True, mark=request.num_prompt_tokens // P, continued=True)
+        res = self.lifecycle.insert(live.handle, lo, tokens, full, swa, self.namespace(request),
+                                    mark=request.num_prompt_tokens // P, continued=True)
+        assert res is not None  # lock_ends_at held above, and nothing ran in between
         self.counters["inserted_pages"] += res.new_pages
         return res.node
 
@@ -396,11 +394,10 @@ class HybridKVCacheManager(KVCacheManager):
         if node is None:
             return
         try:
-            handle = self.tree.lock(node)
+            handle = self.lifecycle.move_lock(live.handle, node)
         except ValueError:  # the window before n is not held (a sliding group freed it): keep the old lock
             self.counters["checkpoint_unlocked"] += 1
             return
-        self.tree.unlock(live.handle)
         live.handle, live.hit_pages = handle, n
         live.scan_mark = max(live.scan_mark, n)
 
@@ -412,7 +409,7 @@ class HybridKVCacheManager(KVCacheManager):
         # external tokens as computed: nothing past its local hit holds KV yet
         if self._cacheable(request) and request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             self._insert(request, live, self._computed_pages(request))
-        self.tree.unlock(live.handle)
+        self.lifecycle.end(live.handle)
         self._release_held(live)
 
     def free(self, request: Any) -> None:
@@ -478,15 +475,3 @@ class HybridKVCacheManager(KVCacheManager):
 for _name in _VLLM_STATE:
     setattr(HybridKVCacheManager, _name, _delegate(_name))
 del _name
-
-
-def _complement(lo: int, hi: int, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``[lo, hi)`` minus the sorted, disjoint ``runs``."""
-    out, pos = [], lo
-    for a, b in runs:
-        if a > pos:
-            out.append((pos, a))
-        pos = max(pos, b)
-    if pos < hi:
-        out.append((pos, hi))
-    return out
