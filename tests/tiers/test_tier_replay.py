@@ -10,14 +10,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hybridkv.cli import main
-from hybridkv.replay import replay
+from hybridkv.eval.cli import main
+from hybridkv.eval.replay import replay
+from hybridkv.eval.traces import bundled_sample, load_trace
 from hybridkv.spec import AttnKind, ModelSpec
 from hybridkv.tiers.host import HostTier
 from hybridkv.tiers.manager import TierManager
 from hybridkv.tiers.storage import open_backend
 from hybridkv.tiers.tiered import TierConfig
-from hybridkv.traces import bundled_sample, load_trace
 
 GB = 10**9
 SPEC = ModelSpec.preset("mimo-v2.5-pro")
@@ -60,7 +60,7 @@ def test_replay_survives_redis_kill_and_restart(own_redis):
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_verify_through_l2_and_l3_has_no_mismatch(tmp_path, policy):
-    from hybridkv.tiers.verify import run_tier_verify
+    from hybridkv.eval.tier_verify import run_tier_verify
     out = run_tier_verify(requests=10, l3=f"file://{tmp_path / 'l3'}", write_policy=policy,
                           l1_flush_every=2, l2_flush_every=4)
     assert out["mismatched_requests"] == 0 and out["tier_errors"] == 0
