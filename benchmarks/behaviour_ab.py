@@ -73,7 +73,7 @@ def _run(root: str, name: str, argv: list[str]) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         argv = [a.replace("{l3}", f"file://{tmp}/l3") for a in argv]
         env = dict(os.environ, PYTHONPATH=root)
-        res = subprocess.run([sys.executable, "-m", "hybridkv.cli", *argv], capture_output=True, text=True,
+        res = subprocess.run([sys.executable, "-m", "hybridkv", *argv], capture_output=True, text=True,
                              env=env, cwd=tmp)
     if res.returncode not in (0, 1) or not res.stdout.strip():
         raise RuntimeError(f"{name} in {root} failed (rc {res.returncode}): {res.stderr[-2000:]}")

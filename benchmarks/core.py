@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from hybridkv import ModelSpec
-from hybridkv.replay import replay
-from hybridkv.traces import default_shared_traces, load_trace
+from hybridkv.eval.replay import replay
+from hybridkv.eval.traces import default_shared_traces, load_trace
 
 
 def main() -> int:

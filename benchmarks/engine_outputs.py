@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridkv import CacheConfig, HybridKVCache, ModelSpec  # noqa: E402
 from hybridkv.cache import CacheFullError  # noqa: E402
-from hybridkv.replay import TokenMaterializer  # noqa: E402
-from hybridkv.traces import load_trace  # noqa: E402
+from hybridkv.eval.replay import TokenMaterializer  # noqa: E402
+from hybridkv.eval.traces import load_trace  # noqa: E402
 
 _OUT_BASE = 1 << 30  # output token ids: above every materialised prompt token
 

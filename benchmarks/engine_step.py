@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from hybridkv import CacheConfig, HybridKVCache, ModelSpec
-from hybridkv.replay import replay
-from hybridkv.traces import default_shared_traces, load_trace
+from hybridkv.eval.replay import replay
+from hybridkv.eval.traces import default_shared_traces, load_trace
 
 HERE = Path(__file__).resolve().parent
 GB = 10**9

@@ -19,8 +19,8 @@ import json
 import torch
 
 from hybridkv import CacheConfig, HybridKVCache, ModelSpec
-from hybridkv.model import ReferenceModel, tiny_spec
-from hybridkv.model.verify import scaled_prompts, verify_requests
+from hybridkv.eval.model import ReferenceModel, tiny_spec
+from hybridkv.eval.model.verify import scaled_prompts, verify_requests
 from hybridkv.pools import ArenaLayout, arena_page_bytes
 
 

@@ -41,8 +41,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridkv import ModelSpec  # noqa: E402
+from hybridkv.eval.traces import default_shared_traces, load_trace  # noqa: E402
 from hybridkv.radix.reuse import ReuseModel, next_gap, reuse_class  # noqa: E402
-from hybridkv.traces import default_shared_traces, load_trace  # noqa: E402
 
 
 def chains(reqs):

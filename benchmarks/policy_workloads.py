@@ -35,8 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridkv import ModelSpec  # noqa: E402
-from hybridkv.replay import replay  # noqa: E402
-from hybridkv.traces import TraceRequest  # noqa: E402
+from hybridkv.eval.replay import replay  # noqa: E402
+from hybridkv.eval.traces import TraceRequest  # noqa: E402
 
 BLOCK = 512
 

@@ -43,7 +43,7 @@ import hybridkv
 assert hybridkv.__file__.startswith(root), hybridkv.__file__
 from hybridkv import ModelSpec
 from hybridkv.cache import CacheFullError
-from hybridkv.replay import _make_cache
+from hybridkv.eval.replay import _make_cache
 with open(prompts_path, "rb") as f:
     prompts = pickle.load(f)
 spec = ModelSpec.preset(preset, page_size=int(page))
@@ -139,8 +139,8 @@ def main() -> None:
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from hybridkv.replay import TokenMaterializer
-    from hybridkv.traces import load_trace
+    from hybridkv.eval.replay import TokenMaterializer
+    from hybridkv.eval.traces import load_trace
 
     reqs = load_trace(args.trace, limit=args.limit)
     mat = TokenMaterializer(extension_rule=True)

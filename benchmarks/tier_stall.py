@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hybridkv import CacheConfig  # noqa: E402
-from hybridkv.model.reference import tiny_spec  # noqa: E402
+from hybridkv.eval.model.reference import tiny_spec  # noqa: E402
 from hybridkv.tiers.storage import open_backend  # noqa: E402
 from hybridkv.tiers.tiered import TierConfig, TieredCache  # noqa: E402
 

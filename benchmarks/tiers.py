@@ -1,6 +1,6 @@
 """Tier benchmark: hit rate with L1 only vs L1+L2 vs L1+L2+L3, and L3 overhead.
 
-Hit rates: the ``hybridkv`` system of :func:`hybridkv.replay.replay` (one
+Hit rates: the ``hybridkv`` system of :func:`hybridkv.eval.replay.replay` (one
 request at a time, chunked prefill, prompts cached, partial-block extension
 rule ON) at fixed budgets for mimo-v2.5-pro (defaults: L1 59 GB, L2 594 GB,
 L3 a file backend without a size limit), on
@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def _replay_configs(reqs: list, spec: Any, l1_gb: float, l2_gb: float, tmp: Path, tag: str) -> dict[str, Any]:
-    from hybridkv.replay import replay
+    from hybridkv.eval.replay import replay
     from hybridkv.tiers.tiered import TierConfig
     out: dict[str, Any] = {}
     configs = {
@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pages", type=int, default=8, help="pages per L3 overhead batch (default 8)")
     ap.add_argument("--repeats", type=int, default=41, help="L3 overhead repeats (default 41)")
     args = ap.parse_args(argv)
+    from hybridkv.eval.traces import default_shared_traces, load_trace
     from hybridkv.spec import ModelSpec
-    from hybridkv.traces import default_shared_traces, load_trace
     traces = Path(args.traces) if args.traces else default_shared_traces()
     if traces is None or not traces.is_dir():
         ap.error("trace folder not found: pass --traces or set HYBRIDKV_TRACES")

@@ -418,7 +418,7 @@ def render_engine_step(load: Loader) -> str:
 
 
 def render_soak(load: Loader) -> str:
-    """python -m hybridkv.soak: heap and tree size per pass over the same cache."""
+    """python -m hybridkv.eval.soak: heap and tree size per pass over the same cache."""
     out = load(SOAK)
     lines = ["| pass | seconds | Python heap MB | tree nodes |", "|---|---|---|---|"]
     for r in out["passes"]:

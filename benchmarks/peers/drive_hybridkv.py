@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import GB, Run, Sequences, driver_args, emit, load_sequences
 
 from hybridkv.cache import CacheFullError, HybridKVCache
-from hybridkv.replay import system_config
+from hybridkv.eval.replay import system_config
 from hybridkv.spec import ModelSpec
 
 SYSTEMS = {"hybridkv": ("hybridkv", None), "hybridkv-no-ckpt": ("hybridkv", 0), "naive": ("naive", None)}

@@ -23,7 +23,7 @@ blocks.  Scheduler: chunked prefill, ``max_num_batched_tokens`` 8,192,
 ``max_num_seqs`` 16, prefix caching on, FCFS, synchronous scheduling.
 
 Workload.  Prompts are the trace's token sequences from
-``hybridkv.traces.TokenMaterializer`` with the partial-block extension rule
+``hybridkv.eval.traces.TokenMaterializer`` with the partial-block extension rule
 on (as ``run.py`` builds them).  Requests are admitted in trace order while
 fewer than ``--max-inflight`` (default 16) are waiting or running; requests
 of one kv-cache-tester session (its namespace, also the ``cache_salt``) are
@@ -115,7 +115,7 @@ class Item:
 
 def load_workload(trace: Path, limit: int, max_decode: int) -> tuple[list[Item], dict[str, Any]]:
     """The first ``limit`` requests of ``trace`` as prompts (extension rule on)."""
-    from hybridkv.traces import TokenMaterializer, load_trace
+    from hybridkv.eval.traces import TokenMaterializer, load_trace
 
     reqs = load_trace(trace, limit=limit)
     mat = TokenMaterializer(extension_rule=True)
@@ -136,9 +136,9 @@ def prefix_bound(items: list[Item], page: int) -> dict[str, Any]:
     """The most any prefix cache can hit on ``items``: each request's longest
     page-aligned prefix (at most ``(len - 1) // page`` pages, one token left to
     compute) that an earlier request of its namespace also had, with unlimited
-    memory and nothing ever evicted (:class:`hybridkv.traces.PrefixBound`, the
+    memory and nothing ever evicted (:class:`hybridkv.eval.traces.PrefixBound`, the
     bound ``hybridkv replay`` reports).  O(pages)."""
-    from hybridkv.traces import PrefixBound
+    from hybridkv.eval.traces import PrefixBound
 
     bound = PrefixBound(page)
     hit = sum(bound.hits(it.tokens, it.namespace, len(it.tokens) - 1) for it in items)
@@ -558,7 +558,7 @@ def mark_best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from hybridkv.traces import default_shared_traces
+    from hybridkv.eval.traces import default_shared_traces
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     shared = default_shared_traces() or Path("traces")

@@ -77,7 +77,7 @@ def materialize(trace: str | None, limit: int | None, model: str, page: int, ext
     ``out`` (files written there); ``max_sessions`` keeps the first N session
     files of a kv-cache-tester folder."""
     from hybridkv.spec import ModelSpec
-    from hybridkv.traces import (
+    from hybridkv.eval.traces import (
         PrefixBound,
         TokenMaterializer,
         bundled_sample,

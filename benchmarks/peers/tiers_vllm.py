@@ -30,7 +30,7 @@ Hit tokens per tier come from vLLM's own statistics (``log_stats=True``, the
 ``connector_prefix_cache_stats.hits_by_source`` (``host``; any other source,
 e.g. ``disk`` from the fs tier, is the L3 column).
 
-hybridkv side: :func:`hybridkv.replay.replay` (system ``hybridkv``, the same
+hybridkv side: :func:`hybridkv.eval.replay.replay` (system ``hybridkv``, the same
 requests and the same token materialisation, one request at a time, chunked
 prefill 8192) with L1 = the device bytes and a ``TierConfig`` with L2 = the
 host bytes (and L3 a file backend without limit); per-tier hit tokens from
@@ -356,7 +356,7 @@ def _row(system: str, totals: dict[str, int], device_bytes: int, host_bytes: int
 def run_hybridkv(reqs: Sequence[Any], spec: Any, device_bytes: int, host_bytes: int, tiers: str,
                  tmp: Path) -> dict[str, Any]:
     """hybridkv's replay of ``reqs`` with ``tiers`` in {"l1", "l2", "l2-l3"}."""
-    from hybridkv.replay import replay
+    from hybridkv.eval.replay import replay
     from hybridkv.tiers.tiered import TierConfig
 
     if tiers not in ("l1", "l2", "l2-l3"):
@@ -388,9 +388,9 @@ def run_hybridkv(reqs: Sequence[Any], spec: Any, device_bytes: int, host_bytes: 
 # ------------------------------------------------------------------ traces
 def materialize(reqs: Sequence[Any]) -> list[tuple[Any, str]]:
     """Token ids (int32 arrays) and namespaces of ``reqs`` exactly as
-    :func:`hybridkv.replay.replay` makes them (``TokenMaterializer``,
+    :func:`hybridkv.eval.replay.replay` makes them (``TokenMaterializer``,
     extension rule on, empty prompts dropped)."""
-    from hybridkv.traces import TokenMaterializer
+    from hybridkv.eval.traces import TokenMaterializer
 
     mat = TokenMaterializer(extension_rule=True)
     out = []
@@ -405,7 +405,7 @@ def load_traces(traces: Path, mooncake_limit: int, sessions: int, tmp: Path) -> 
     """(name, requests) of the conversation trace's first ``mooncake_limit``
     requests and the first ``sessions`` kv-cache-tester sessions (sorted by
     file name, interleaved by timestamp as benchmarks/tiers.py does)."""
-    from hybridkv.traces import load_trace
+    from hybridkv.eval.traces import load_trace
 
     moon = traces / "mooncake_conversation_trace.jsonl"
     if mooncake_limit > 0 and moon.exists():
@@ -518,7 +518,7 @@ def table(out: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("vllm").setLevel(logging.WARNING)
-    from hybridkv.traces import default_shared_traces
+    from hybridkv.eval.traces import default_shared_traces
 
     traces = Path(args.traces) if args.traces else default_shared_traces()
     if traces is None or not traces.is_dir():

@@ -1,4 +1,7 @@
-"""Cache-affinity routing across workers (KV events, global index, router, queue, simulator).
+"""Cache-affinity routing across workers (KV events, global index, router, queue).
+
+The route simulator that drives them over a trace is part of the evaluation
+harness: :mod:`hybridkv.eval.route_sim`.
 
 Data flow::
 

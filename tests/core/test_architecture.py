@@ -1,5 +1,6 @@
 """The package's shape, enforced: small files, small functions, no reach-ins, no
-cycles, objects composed rather than mixed in, no copied ``__dict__``.
+cycles, objects composed rather than mixed in, no copied ``__dict__``, and the
+library apart from its evaluation harness.
 
 A redesign that leaves a 1,400-line class behind, a module reading another
 object's ``_private`` state, a class cut into mixins to meet the line caps, a
@@ -7,8 +8,12 @@ cycle hidden behind ``TYPE_CHECKING`` or an object built by copying another's
 ``__dict__`` fails here instead of in review.  Measured over ``hybridkv/`` and
 the adapters' packages (tests, benchmarks and scripts are free to poke at
 internals); mixins only over ``hybridkv/`` (an adapter may mix into the host
-engine's own classes, e.g. vLLM's two schedulers).  Each check is shown to
-catch a planted fault.  Run as a script it prints the figures:
+engine's own classes, e.g. vLLM's two schedulers).  The harness
+(``hybridkv/eval/``: replay, traces, references, the reference model, soak,
+verify, simulators, the CLI) imports the library, never the other way round:
+no module of the library or of the adapters imports it, at module level,
+lazily or under ``TYPE_CHECKING``; ``python -m hybridkv`` (``__main__``) is the
+one declared way in.  Each check is shown to catch a planted fault.  Run as a script it prints the figures:
 
     python tests/core/test_architecture.py [ROOT]
 """
@@ -23,6 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = [ROOT / "hybridkv", ROOT / "adapters" / "sglang" / "hybridkv_sglang",
             ROOT / "adapters" / "vllm" / "hybridkv_vllm"]
 LIBRARY = PACKAGES[0]  # where no mixin may split a class
+HARNESS = "hybridkv.eval"  # the evaluation harness: imports the library, is imported by none of it
+# Library-side modules allowed to import the harness: ``python -m hybridkv`` runs its CLI.
+HARNESS_ENTRY_POINTS = {"hybridkv.__main__": "python -m hybridkv runs the harness's CLI"}
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
@@ -153,6 +161,26 @@ def import_cycles() -> list[list[str]]:
     return cycles
 
 
+def _in_harness(mod: str) -> bool:
+    return mod == HARNESS or mod.startswith(HARNESS + ".")
+
+
+def harness_imports() -> list[str]:
+    """Library (or adapter) modules that import the harness: at module level,
+    inside a function or under ``TYPE_CHECKING`` (any of them ties the library to
+    it).  Only the modules of ``HARNESS_ENTRY_POINTS`` may."""
+    trees = _trees()
+    known = {_module_name(p) for p in trees}
+    out = []
+    for path, tree in sorted(trees.items()):
+        mod = _module_name(path)
+        if _in_harness(mod) or mod in HARNESS_ENTRY_POINTS:
+            continue
+        for dep in sorted(d for d in _imports(path, tree, known) if _in_harness(d)):
+            out.append(f"{_rel(path)} imports {dep}")
+    return out
+
+
 def _library_classes() -> dict[str, tuple[Path, ast.ClassDef]]:
     """Classes defined in the library, by name (a name defined twice keeps one)."""
     out = {}
@@ -230,6 +258,10 @@ def test_no_mixins_in_the_library():
     assert mixins() == [], "a class split into mixins: compose named collaborators instead"
 
 
+def test_the_library_does_not_import_the_harness():
+    assert harness_imports() == [], f"the library imports its evaluation harness ({HARNESS})"
+
+
 def test_no_dict_copies():
     assert dict_copies() == [], "an object built by copying another's __dict__: compose or delegate"
 
@@ -275,6 +307,30 @@ def test_the_dict_copy_check_catches_copies(tmp_path, monkeypatch):
     assert [f.split(":")[0] for f in found] == ["fakepkg/a.py", "fakepkg/b.py", "fakepkg/c.py"], found
 
 
+def test_the_harness_check_catches_library_imports(tmp_path, monkeypatch):
+    """Planted: library modules importing the harness at module level (relative and
+    absolute), lazily inside a function and under TYPE_CHECKING; the harness
+    importing the library and the declared entry point importing the harness are fine."""
+    pkg = _plant(tmp_path, monkeypatch, {
+        "cache.py": "from .evalpkg import traces\n",
+        "tiers.py": "def load():\n    from .evalpkg.replay import replay\n    return replay\n",
+        "routing.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .evalpkg.sim import Sim\n",
+        "pools.py": "import fakepkg.evalpkg.cli\n",
+        "spec.py": "X = 1\n",
+        "__main__.py": "from .evalpkg.cli import main\n"})
+    harness = pkg / "evalpkg"
+    harness.mkdir()
+    for name, text in {"__init__.py": "", "traces.py": "from ..spec import X\n", "replay.py": "from . import traces\n",
+                       "sim.py": "from .. import cache\n", "cli.py": "from .replay import *\n"}.items():
+        (harness / name).write_text(text)
+    monkeypatch.setattr(sys.modules[__name__], "HARNESS", "fakepkg.evalpkg")
+    monkeypatch.setattr(sys.modules[__name__], "HARNESS_ENTRY_POINTS", {"fakepkg.__main__": "runs the cli"})
+    found = harness_imports()
+    files = sorted({f.split(" ")[0] for f in found})
+    assert files == ["fakepkg/cache.py", "fakepkg/pools.py", "fakepkg/routing.py", "fakepkg/tiers.py"], found
+    assert "fakepkg/tiers.py imports fakepkg.evalpkg.replay" in found, found
+
+
 def test_the_checks_catch_what_they_claim(tmp_path, monkeypatch):
     """The analyzers are not vacuous: a planted reach-in, cycle and long function
     are found."""
@@ -309,7 +365,8 @@ if __name__ == "__main__":  # [ROOT]: figures of another checkout
     print(f"import cycles (TYPE_CHECKING imports included): {len(cyc)}")
     for c in cyc:
         print("  " + " -> ".join(c))
-    for title, rows in (("mixins in the library", mixins()), ("__dict__ copies", dict_copies())):
+    for title, rows in (("mixins in the library", mixins()), ("__dict__ copies", dict_copies()),
+                        (f"library -> harness ({HARNESS}) imports", harness_imports())):
         print(f"{title}: {len(rows)}")
         for r in rows:
             print(f"  {r}")

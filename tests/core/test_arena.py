@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridkv import CacheConfig, DualPool, HybridKVCache, ModelSpec
-from hybridkv.model import ReferenceModel, tiny_spec
+from hybridkv.eval.model import ReferenceModel, tiny_spec
 from hybridkv.pools import ArenaLayout, arena_page_bytes
 from hybridkv.tiers.tiered import TierConfig, TieredCache
 

@@ -6,8 +6,8 @@ import hybridkv.cache as cache_mod
 from hybridkv import ModelSpec
 from hybridkv.allocation import CacheFullError, RequestPages
 from hybridkv.cache_config import CacheConfig
+from hybridkv.eval.replay import _make_cache
 from hybridkv.request import Request
-from hybridkv.replay import _make_cache
 from hybridkv.step import StepBatch
 
 

@@ -669,7 +669,7 @@ class TierContentMachine(_ContentRules):
     @rule()
     def drop_l2(self):
         """Host restart: queued L3 writes land first, then L2 forgets everything."""
-        from hybridkv.tiers.verify import flush_l2
+        from hybridkv.eval.tier_verify import flush_l2
 
         assert self.cache.flush(30.0)
         flush_l2(self.cache)

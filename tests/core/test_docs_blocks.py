@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.cli import _parser
+from hybridkv.eval.cli import _parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]

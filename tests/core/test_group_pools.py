@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv import CacheConfig, HybridKVCache
-from hybridkv.model.reference import tiny_spec, tiny_two_window_spec
+from hybridkv.eval.model.reference import tiny_spec, tiny_two_window_spec
 from hybridkv.pools import DualPool
 from hybridkv.window import group_keeps
 

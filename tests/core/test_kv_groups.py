@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.model.reference import ReferenceModel, tiny_spec, tiny_two_window_spec
-from hybridkv.model.verify import run_verify
+from hybridkv.eval.model.reference import ReferenceModel, tiny_spec, tiny_two_window_spec
+from hybridkv.eval.model.verify import run_verify
 from hybridkv.spec import AttnKind, KVShape, ModelSpec, preset_names
 
 _SIX = ["full_attention", "sliding_attention", "sliding_attention"] * 2
@@ -118,7 +118,7 @@ def _two_window_config(tmp_path) -> str:  # noqa: ANN001
 
 
 def test_scaled_spec_keeps_layer_kinds_and_window_ratios() -> None:
-    from hybridkv.model.reference import scaled_spec
+    from hybridkv.eval.model.reference import scaled_spec
 
     spec = ModelSpec.from_hf_config(_hf(layer_types=_SIX, sliding_window=[None, 512, 1024, None, 512, 1024]))
     tiny = scaled_spec(spec)
@@ -130,7 +130,7 @@ def test_scaled_spec_keeps_layer_kinds_and_window_ratios() -> None:
 
 
 def test_cli_verify_runs_the_users_config(tmp_path, capsys) -> None:  # noqa: ANN001
-    from hybridkv.cli import main
+    from hybridkv.eval.cli import main
 
     rc = main(["verify", "--quick", "--no-progress", "--hf-config", _two_window_config(tmp_path)])
     out = capsys.readouterr().out
@@ -139,7 +139,7 @@ def test_cli_verify_runs_the_users_config(tmp_path, capsys) -> None:  # noqa: AN
 
 
 def test_cli_hf_config_errors_are_one_line_naming_the_option(tmp_path, capsys) -> None:  # noqa: ANN001
-    from hybridkv.cli import main
+    from hybridkv.eval.cli import main
 
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

@@ -131,7 +131,7 @@ def test_run_passes_the_sweep_to_the_driver_and_reports_default_and_best(tmp_pat
     fake = tmp_path / "python-vllm"
     fake.write_text(FAKE_VLLM.format(python=sys.executable))
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
-    from hybridkv.traces import bundled_sample
+    from hybridkv.eval.traces import bundled_sample
 
     argv = ["--trace", str(bundled_sample()), "--limit", "40", "--budgets", "5", "--json",
             "--systems", "hybridkv,vllm-0.32", "--python-vllm", str(fake), "--vllm-retention", "4096,none"]

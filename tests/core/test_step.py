@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridkv import CacheConfig, CacheFullError, HybridKVCache, KVShape, ModelSpec, StepBatch
-from hybridkv.model import ReferenceModel, tiny_spec
+from hybridkv.eval.model import ReferenceModel, tiny_spec
 
 
 def spec(page: int = 4, window: int = 8) -> ModelSpec:

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from routing_helpers import fingerprint, serve, truth, wire
 
 from hybridkv import HybridKVCache, ModelSpec
-from hybridkv.replay import system_config
+from hybridkv.eval.replay import system_config
+from hybridkv.eval.traces import TokenMaterializer, bundled_sample, load_trace
 from hybridkv.routing import EventBatch, GlobalPrefixIndex, KVEvent, MemoryBus
 from hybridkv.routing.bus import decode_batch, encode_batch
-from hybridkv.traces import TokenMaterializer, bundled_sample, load_trace
 
 seqs = st.lists(st.integers(1, 2), min_size=5, max_size=48).map(lambda x: np.array(x, dtype=np.int32))
 

@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 from routing_helpers import serve
 
-from hybridkv.pools import arena_page_bytes
 from hybridkv import CacheConfig, ModelSpec
+from hybridkv.eval.tier_verify import flush_l2
+from hybridkv.pools import arena_page_bytes
 from hybridkv.radix import window_safe_pages
 from hybridkv.radix.node import NO_PAGE
 from hybridkv.routing import GlobalPrefixIndex, KVEventPublisher
 from hybridkv.routing.bus import MemoryBus
 from hybridkv.tiers.payload import swa_key
 from hybridkv.tiers.tiered import TierConfig, TieredCache
-from hybridkv.tiers.verify import flush_l2
 
 SPEC = ModelSpec.preset("mimo-v2.5", page_size=16)
 FPB, SPB = arena_page_bytes(SPEC, "full"), arena_page_bytes(SPEC, "swa")

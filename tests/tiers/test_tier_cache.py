@@ -258,7 +258,7 @@ def test_window_that_ends_a_hit_reaches_l3(tmp_path, policy):
     hit ends there, its SWA window is anchored and written to L3, so after L1
     and L2 are emptied L3 alone serves the prefix (write-through used to keep
     that window in L2 only: 0 L3 hit tokens in ``hybridkv verify``)."""
-    from hybridkv.tiers.verify import flush_l2
+    from hybridkv.eval.tier_verify import flush_l2
     cache = TieredCache(SPEC, CacheConfig(budget_bytes=60 * (FPB + SPB), device="cpu", retention="dense"),
                         tiers=TierConfig(l2_bytes=200 * (FPB + SPB), l3=f"file://{tmp_path / 'l3'}",
                                          write_policy=policy))

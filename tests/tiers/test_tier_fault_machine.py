@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from hybridkv import CacheConfig
-from hybridkv.model.reference import ReferenceModel, tiny_spec
-from hybridkv.model.verify import verify_requests
+from hybridkv.eval.model.reference import ReferenceModel, tiny_spec
+from hybridkv.eval.model.verify import verify_requests
+from hybridkv.eval.tier_verify import flush_l2
 from hybridkv.tiers.storage import open_backend
 from hybridkv.tiers.tiered import TierConfig, TieredCache
-from hybridkv.tiers.verify import flush_l2
 
 from .faulty import FaultyBackend
 

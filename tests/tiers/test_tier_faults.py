@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.pools import arena_page_bytes
 from hybridkv import CacheConfig, HybridKVCache
-from hybridkv.model.reference import ReferenceModel, tiny_spec
-from hybridkv.model.verify import verify_requests
+from hybridkv.eval.model.reference import ReferenceModel, tiny_spec
+from hybridkv.eval.model.verify import verify_requests
+from hybridkv.eval.tier_verify import flush_l2
+from hybridkv.pools import arena_page_bytes
 from hybridkv.tiers.storage import open_backend
 from hybridkv.tiers.tiered import TierConfig, TieredCache
-from hybridkv.tiers.verify import flush_l2
 
 torch.set_num_threads(1)  # tiny tensors: threads only contend on a shared CI machine
 SPEC = tiny_spec()

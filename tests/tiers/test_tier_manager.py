@@ -21,8 +21,8 @@ import torch
 
 from .faulty import FaultyBackend
 from hybridkv import CacheConfig
-from hybridkv.model.reference import ReferenceModel, tiny_spec
-from hybridkv.model.verify import verify_requests
+from hybridkv.eval.model.reference import ReferenceModel, tiny_spec
+from hybridkv.eval.model.verify import verify_requests
 from hybridkv.tiers.manager import TierManager
 from hybridkv.tiers.storage import open_backend
 from hybridkv.tiers.tiered import TierConfig, TieredCache

@@ -75,7 +75,7 @@ class Row:
 def mooncake_prompts(trace: Path, limit: int, max_len: int | None = None) -> list[np.ndarray]:
     """The first ``limit`` requests of a trace as token arrays (extension rule on);
     with ``max_len``, only those of them with at most ``max_len`` tokens."""
-    from hybridkv.traces import TokenMaterializer, load_trace
+    from hybridkv.eval.traces import TokenMaterializer, load_trace
 
     mat = TokenMaterializer()
     prompts = [mat.tokens(r).astype(np.int64) for r in load_trace(trace, limit=limit)]

@@ -24,7 +24,7 @@ def _mooncake(n: int, max_len: int) -> list[np.ndarray]:
     traces = conftest.shared_traces()
     if traces is None:
         pytest.skip("../shared/traces (relative to the repository root) is absent")
-    from hybridkv.traces import TokenMaterializer, load_trace
+    from hybridkv.eval.traces import TokenMaterializer, load_trace
 
     reqs = [r for r in load_trace(traces / "mooncake_conversation_trace.jsonl", limit=4 * n + 400)
             if r.input_length <= max_len][:n]
@@ -36,7 +36,7 @@ def _weka(sessions: int, per_session: int, max_len: int) -> list[tuple[np.ndarra
     traces = conftest.shared_traces()
     if traces is None or not (traces / "weka").is_dir():
         pytest.skip("../shared/traces/weka (relative to the repository root) is absent")
-    from hybridkv.traces import TokenMaterializer, load_trace
+    from hybridkv.eval.traces import TokenMaterializer, load_trace
 
     files = sorted((traces / "weka").glob("trace_*.json.gz"))[:sessions]
     out = []

@@ -30,7 +30,7 @@ def _trace_prompts(n: int, max_len: int) -> list[np.ndarray]:
     traces = conftest.shared_traces()
     if traces is None:
         pytest.skip("../shared/traces (relative to the repository root) is absent")
-    from hybridkv.traces import TokenMaterializer, load_trace
+    from hybridkv.eval.traces import TokenMaterializer, load_trace
 
     reqs = [r for r in load_trace(traces / "mooncake_conversation_trace.jsonl", limit=4 * n + 200)
             if r.input_length <= max_len][:n]

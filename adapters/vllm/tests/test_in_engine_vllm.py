@@ -29,7 +29,7 @@ N = 60
 
 
 def _trace() -> str:
-    from hybridkv.traces import bundled_sample
+    from hybridkv.eval.traces import bundled_sample
 
     return str(bundled_sample())
 

@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
 
 import tiers_vllm  # noqa: E402
+from hybridkv.eval.traces import TraceRequest  # noqa: E402
 from hybridkv.spec import AttnKind, KVShape, ModelSpec  # noqa: E402
-from hybridkv.traces import TraceRequest  # noqa: E402
 
 PAGE = 64
 BLOCKS = 17  # hash blocks of 64 tokens per prompt: 1,088 tokens

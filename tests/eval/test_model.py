@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from hybridkv import CacheConfig, HybridKVCache
-from hybridkv.model import ReferenceModel, tiny_spec
-from hybridkv.model.verify import TOLERANCE, scaled_prompts, small_cache, verify_requests
+from hybridkv.eval.model import ReferenceModel, tiny_spec
+from hybridkv.eval.model.verify import TOLERANCE, scaled_prompts, small_cache, verify_requests
 
 
 @pytest.fixture(scope="module")

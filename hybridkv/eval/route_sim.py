@@ -36,15 +36,15 @@ import numpy as np
 
 from ..cache import CacheFullError, HybridKVCache, Request
 from ..defaults import CHUNK, SWA_CHECKPOINT
-from ..replay import system_config
+from ..routing.bus import EventBus, MemoryBus
+from ..routing.events import KVEventPublisher
+from ..routing.index import GlobalPrefixIndex
+from ..routing.queue import UncachedFirstQueue
+from ..routing.router import POLICIES, RouteDecision, Router
 from ..spec import ModelSpec
 from ..tiers.keys import model_fingerprint
-from ..traces import TokenMaterializer, TraceRequest
-from .bus import EventBus, MemoryBus
-from .events import KVEventPublisher
-from .index import GlobalPrefixIndex
-from .queue import UncachedFirstQueue
-from .router import POLICIES, RouteDecision, Router
+from .replay import system_config
+from .traces import TokenMaterializer, TraceRequest
 
 __all__ = ["SimConfig", "run_policy", "simulate"]
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridkv.traces import TraceRequest, load_trace
+from hybridkv.eval.traces import TraceRequest, load_trace
 
 GOOD = {"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1, 2]}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.cli import main
+from hybridkv.eval.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 LINE = '{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]}\n'
@@ -187,7 +187,7 @@ def test_replay_help_shows_the_checkpoint_and_chunk_defaults(capsys):
 
 
 def test_trace_help_names_every_format_the_loader_reads(capsys):
-    from hybridkv.traces import FORMATS
+    from hybridkv.eval.traces import FORMATS
 
     for name in ("Mooncake", "Qwen-Bailian", "kv-cache-tester", ".jsonl", ".json.gz", "folder"):
         assert name in FORMATS

@@ -7,10 +7,10 @@ import json
 import sys
 from typing import Any
 
+from ..routing.router import POLICIES
 from ..spec import ModelSpec, preset_names
-from ..traces import FORMATS
-from .router import POLICIES
-from .sim import SimConfig, simulate
+from .route_sim import SimConfig, simulate
+from .traces import FORMATS
 
 __all__ = ["add_route_sim_parser", "load_requests", "run_route_sim"]
 
@@ -63,7 +63,7 @@ def add_route_sim_parser(sub: Any) -> argparse.ArgumentParser:
 
 def load_requests(trace: str | None, limit: int | None, sessions: int | None) -> tuple[list, str]:
     """Requests of ``trace`` (default the bundled sample), optionally the first N sessions."""
-    from ..traces import bundled_sample, load_trace
+    from .traces import bundled_sample, load_trace
 
     path = trace or str(bundled_sample())
     reqs = load_trace(path)
@@ -95,7 +95,7 @@ def run_route_sim(args: argparse.Namespace) -> int:
     if args.redis:
         import uuid
 
-        from .bus import RedisStreamBus
+        from ..routing.bus import RedisStreamBus
 
         def bus_factory(_: str) -> RedisStreamBus:
             return RedisStreamBus(args.redis, stream=f"hkv:route-sim:{uuid.uuid4().hex[:8]}")
@@ -148,7 +148,7 @@ def _plot(out: dict[str, Any], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m hybridkv.routing.cli``), same as ``hybridkv route-sim``."""
+    """Standalone entry (``python -m hybridkv.eval.route_cli``), same as ``hybridkv route-sim``."""
     p = argparse.ArgumentParser(prog="hybridkv")
     sub = p.add_subparsers(dest="command", required=True)
     add_route_sim_parser(sub)

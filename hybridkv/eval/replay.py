@@ -32,10 +32,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from .cache import CacheConfig, CacheFullError, HybridKVCache
-from .defaults import CHUNK, SWA_CHECKPOINT
+from ..cache import CacheConfig, CacheFullError, HybridKVCache
+from ..defaults import CHUNK, SWA_CHECKPOINT
+from ..spec import ModelSpec
 from .references import PageLog, prefill_flops, simulate_reference
-from .spec import ModelSpec
 from .traces import PrefixBound, TokenMaterializer, TraceRequest
 
 __all__ = ["system_config", "replay", "run_request", "ReplayStats", "SYSTEMS", "stderr_progress"]
@@ -134,7 +134,7 @@ def replay(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int,
 
     ``references`` adds ``references.lru_full`` and ``references.optimal_at_budget``
     (page-level replays of full KV at the same budget, SWA free: upper
-    references, see :mod:`hybridkv.references`).  Every system and reference
+    references, see :mod:`hybridkv.eval.references`).  Every system and reference
     reports ``prefill_flops_saved_fraction`` beside its token hit rate.
 
     ``check_every > 0`` runs every cache's ``check_invariants()`` that often.
@@ -233,7 +233,7 @@ def _make_cache(system: str, spec: ModelSpec, budget_bytes: int, swa_checkpoint:
                            eviction_ranking=eviction_ranking)
     if tiers is None or system != "hybridkv":
         return HybridKVCache(spec, config)
-    from .tiers.tiered import TieredCache
+    from ..tiers.tiered import TieredCache
     return TieredCache(spec, config, tiers=tiers)
 
 

@@ -1,6 +1,6 @@
 """``hybridkv verify --l2-gb X --l3 URL``: the reference model through a TieredCache.
 
-Same workload and oracle as :mod:`hybridkv.model.verify` (every logit of the
+Same workload and oracle as :mod:`hybridkv.eval.model.verify` (every logit of the
 cached path equals a cache-free forward), but the cache is a
 :class:`~hybridkv.tiers.tiered.TieredCache` with real CPU buffers in L1 and
 L2 and real page bytes in L3, and evict -> reload cycles are forced:
@@ -19,13 +19,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..pools import arena_page_bytes
 from ..cache import CacheConfig
-from ..model.reference import ReferenceModel, tiny_spec
-from ..model.verify import scaled_prompts, verify_requests
-from ..traces import bundled_sample
+from ..pools import arena_page_bytes
 from ..spec import ModelSpec
-from .tiered import TierConfig, TieredCache
+from ..tiers.tiered import TierConfig, TieredCache
+from .model.reference import ReferenceModel, tiny_spec
+from .model.verify import scaled_prompts, verify_requests
+from .traces import bundled_sample
 
 __all__ = ["run_tier_verify", "flush_l2"]
 
@@ -42,7 +42,7 @@ def run_tier_verify(trace: str | None = None, *, requests: int = 60, seed: int =
                     l2_flush_every: int = 7, progress: Any = None, spec: ModelSpec | None = None) -> dict[str, Any]:
     """Run the verify workload through L1/L2/L3 with forced reloads; returns its JSON dict
     (``progress(done, total)`` is called after each request; ``spec``: the float64
-    model, default :func:`~hybridkv.model.reference.tiny_spec`)."""
+    model, default :func:`~hybridkv.eval.model.reference.tiny_spec`)."""
     if l2_gb <= 0:
         raise ValueError(f"l2_gb must be > 0, got {l2_gb}")
     if spec is not None and not isinstance(spec, ModelSpec):

@@ -16,9 +16,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..pools import arena_page_bytes
-from ..cache import CacheConfig, HybridKVCache
-from ..spec import ModelSpec
+from ...cache import CacheConfig, HybridKVCache
+from ...pools import arena_page_bytes
+from ...spec import ModelSpec
 from ..traces import TokenMaterializer, bundled_sample, load_trace
 from .reference import ReferenceModel, tiny_spec, torch_threads
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import RedisServer
+from _servers import RedisServer
 
 from hybridkv import ModelSpec
-from hybridkv.cli import main
+from hybridkv.eval.cli import main
+from hybridkv.eval.route_sim import SimConfig, run_policy, simulate
+from hybridkv.eval.traces import bundled_sample, load_trace
 from hybridkv.routing import RedisStreamBus
-from hybridkv.routing.sim import SimConfig, run_policy, simulate
-from hybridkv.traces import bundled_sample, load_trace
 
 SPEC = ModelSpec.preset("mimo-v2.5-pro", page_size=64)
 CFG = SimConfig(workers=3, budget_bytes=60 * 10**9, prefill_tps=12_000.0)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from hybridkv import ModelSpec
-from hybridkv.cli import main
-from hybridkv.references import PageLog, prefill_flops, simulate_reference
+from hybridkv.eval.cli import main
+from hybridkv.eval.references import PageLog, prefill_flops, simulate_reference
 
 
 def _log(prompts, page=2):

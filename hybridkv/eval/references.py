@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .spec import ModelSpec
+from ..spec import ModelSpec
 
 __all__ = ["PREFILL_MODEL", "PrefillModel", "PageLog", "prefill_flops", "simulate_reference"]
 

@@ -23,8 +23,8 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ..cache import HybridKVCache, Request, StepBatch
-from ..spec import AttnKind, KVShape, ModelSpec
+from ...cache import HybridKVCache, Request, StepBatch
+from ...spec import AttnKind, KVShape, ModelSpec
 
 __all__ = ["ReferenceModel", "scaled_spec", "tiny_spec", "tiny_two_window_spec", "torch_threads"]
 

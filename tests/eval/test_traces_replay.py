@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from hybridkv import ModelSpec
-from hybridkv.cli import main
-from hybridkv.replay import replay
-from hybridkv.traces import PrefixBound, TokenMaterializer, TraceRequest, bundled_sample, load_trace
+from hybridkv.eval.cli import main
+from hybridkv.eval.replay import replay
+from hybridkv.eval.traces import PrefixBound, TokenMaterializer, TraceRequest, bundled_sample, load_trace
 
 
 def test_bundled_sample_loads_with_attribution():

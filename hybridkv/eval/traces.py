@@ -30,7 +30,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ._validate import check_int
+from .._validate import check_int
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def default_shared_traces() -> Path | None:
     """``shared/traces`` beside the checkout (or ``$HYBRIDKV_TRACES``), if present."""
     env = os.environ.get("HYBRIDKV_TRACES")
     candidates = [Path(env)] if env else []
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the hybridkv package folder
     candidates += [p / "shared" / "traces" for p in (here.parent.parent, here.parent.parent.parent)]
     candidates.append(Path.cwd().parent / "shared" / "traces")
     for c in candidates:

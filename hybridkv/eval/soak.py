@@ -9,7 +9,7 @@ by walking attributes, so a new index cannot hide from the check).  After the
 first passes they must stop growing: a cache serving requests for days may not
 keep evicted nodes alive through stale heap entries.
 
-    python -m hybridkv.soak --passes 5 --json         # the shared conversation trace
+    python -m hybridkv.eval.soak --passes 5 --json         # the shared conversation trace
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .cache import CacheConfig, HybridKVCache
-from .defaults import CHUNK, SWA_CHECKPOINT
+from ..cache import CacheConfig, HybridKVCache
+from ..defaults import CHUNK, SWA_CHECKPOINT
+from ..spec import ModelSpec
 from .replay import ReplayStats, run_request
-from .spec import ModelSpec
 from .traces import TokenMaterializer, TraceRequest, default_shared_traces, load_trace
 
 __all__ = ["index_sizes", "soak", "growth", "lazy_heaps"]
@@ -121,7 +121,7 @@ def lazy_heaps(records: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hybridkv.soak", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m hybridkv.eval.soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", nargs="?", default=None,
                     help="trace (default: the shared Mooncake conversation trace)")

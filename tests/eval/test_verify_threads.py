@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.model.reference import ReferenceModel, tiny_spec, torch_threads
-from hybridkv.model.verify import run_verify, scaled_prompts, small_cache, verify_requests
+from hybridkv.eval.model.reference import ReferenceModel, tiny_spec, torch_threads
+from hybridkv.eval.model.verify import run_verify, scaled_prompts, small_cache, verify_requests
 
 
 @pytest.fixture
@@ -90,7 +90,7 @@ def test_the_verify_jobs_run_single_threaded_and_restore(job, four_threads, monk
     if job == "verify":
         out = run_verify(requests=3)
     else:
-        from hybridkv.tiers.verify import run_tier_verify
+        from hybridkv.eval.tier_verify import run_tier_verify
         out = run_tier_verify(requests=3, l2_gb=1.0)
     assert out["mismatched_requests"] == 0
     assert seen == {1} and torch.get_num_threads() == 4

@@ -9,10 +9,10 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from . import __version__
+from .. import __version__
+from ..defaults import CHUNK, SWA_CHECKPOINT
+from ..spec import ModelSpec, preset_names
 from .cli_parsing import CommandParser, Parser
-from .defaults import CHUNK, SWA_CHECKPOINT
-from .spec import ModelSpec, preset_names
 from .traces import FORMATS
 
 __all__ = ["main"]
@@ -140,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="bytes per token and what fits, single vs dual pool")
     common(i)
     i.add_argument("--hbm-gb", type=_positive_float, default=80.0, help="KV budget in GB (10^9 bytes; default 80)")
-    from .routing.cli import add_route_sim_parser
+    from .route_cli import add_route_sim_parser
     add_route_sim_parser(sub)
     return p
 
@@ -264,7 +264,7 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.command == "replay":
             return _replay(args)
         if args.command == "route-sim":
-            from .routing.cli import run_route_sim
+            from .route_cli import run_route_sim
             return run_route_sim(args)
         if args.command == "verify":
             return _verify(args)
@@ -325,7 +325,7 @@ def _tier_config(args: argparse.Namespace) -> Any:
         if getattr(args, "l3", None):
             raise ValueError("--l3 needs --l2-gb (L3 loads go through the L2 host tier)")
         return None
-    from .tiers.tiered import TierConfig
+    from ..tiers.tiered import TierConfig
     # A replay is not real time: L3 is assumed to keep up with the writes (an engine's
     # bounded queue drops them instead, counted), so the figures do not depend on timing.
     return TierConfig(l2_bytes=int(args.l2_gb * _GB), l3=args.l3, write_policy=args.write_policy,
@@ -469,7 +469,7 @@ def _verify(args: argparse.Namespace) -> int:
         from .model.reference import scaled_spec
         spec = scaled_spec(_hf_spec(args.hf_config, 64))
     if getattr(args, "l2_gb", None) is not None or getattr(args, "l3", None):
-        from .tiers.verify import run_tier_verify  # forced evict -> reload through L2/L3
+        from .tier_verify import run_tier_verify  # forced evict -> reload through L2/L3
         if args.l2_gb is None:
             raise ValueError("--l3 needs --l2-gb (L3 loads go through the L2 host tier)")
         out = run_tier_verify(args.trace, requests=args.requests, seed=args.seed, l2_gb=args.l2_gb,
@@ -520,7 +520,7 @@ def _info(args: argparse.Namespace) -> int:
         dual = budget // (ctx * f + sum(min(ctx, g.window + spec.page_size) * g.bytes_per_token(db)
                                         for g in spec.sliding_groups))
         out["concurrent_sequences"][str(ctx)] = {"single_pool": single, "dual_pool": dual}
-    from .transfer import describe_paths
+    from ..transfer import describe_paths
     out["copy_paths"] = describe_paths()
     if args.json:
         print(json.dumps(out, indent=1))

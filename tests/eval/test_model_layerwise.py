@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from hybridkv import CacheConfig, HybridKVCache
-from hybridkv.model import ReferenceModel, tiny_spec
+from hybridkv.eval.model import ReferenceModel, tiny_spec
 from hybridkv.transfer import copy_pages
 from hybridkv.transfer.layerwise import LayerwiseLoader, arena_layer_jobs
 

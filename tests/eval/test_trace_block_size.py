@@ -13,8 +13,8 @@ import logging
 import numpy as np
 import pytest
 
-from hybridkv.cli import main
-from hybridkv.traces import TokenMaterializer, bundled_sample, jsonl_block_size, load_trace
+from hybridkv.eval.cli import main
+from hybridkv.eval.traces import TokenMaterializer, bundled_sample, jsonl_block_size, load_trace
 
 
 def _qwen_rows(n_chats: int = 40, seed: int = 0) -> list[dict]:
@@ -95,7 +95,7 @@ def test_given_block_size_is_checked(tmp_path):
 def test_records_no_size_fits_fall_back_to_512_with_a_warning(tmp_path, caplog):
     p = _write(tmp_path / "odd.jsonl", [{"timestamp": 0, "input_length": 20, "hash_ids": [1, 2]},
                                         {"timestamp": 1, "input_length": 20, "hash_ids": [3]}])
-    with caplog.at_level(logging.WARNING, logger="hybridkv.traces"):
+    with caplog.at_level(logging.WARNING, logger="hybridkv.eval.traces"):
         reqs = load_trace(p)
     assert {r.block_size for r in reqs} == {512}
     assert "odd.jsonl:1: input_length 20 with 2 hash_ids" in caplog.text

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hybridkv
-from hybridkv.cli import _parser, main
+from hybridkv.eval.cli import _parser, main
 
 torch.set_num_threads(1)
 SAMPLE_LINE = '{"timestamp": 0, "input_length": 300, "output_length": 5, "hash_ids": [0, 1]}\n'
@@ -83,7 +83,7 @@ def test_version_and_log_level(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0 and hybridkv.__version__ in capsys.readouterr().out
-    import hybridkv.cli as cli
+    import hybridkv.eval.cli as cli
     seen = []
     info = cli._info
     monkeypatch.setattr(cli, "_info", lambda args: seen.append(

@@ -7,8 +7,8 @@ to 4 here)."""
 from __future__ import annotations
 
 from hybridkv import ModelSpec
-from hybridkv.soak import growth, index_sizes, lazy_heaps, soak
-from hybridkv.traces import bundled_sample, load_trace
+from hybridkv.eval.soak import growth, index_sizes, lazy_heaps, soak
+from hybridkv.eval.traces import bundled_sample, load_trace
 
 
 def test_soak_heap_and_indexes_stop_growing():
@@ -53,8 +53,8 @@ def test_index_sizes_sees_the_tree_heaps():
 
 def test_lazy_heaps_stay_within_their_rebuild_limit():
     from hybridkv import CacheConfig, HybridKVCache
-    from hybridkv.replay import ReplayStats, run_request
-    from hybridkv.traces import TokenMaterializer
+    from hybridkv.eval.replay import ReplayStats, run_request
+    from hybridkv.eval.traces import TokenMaterializer
     spec = ModelSpec.preset("mimo-v2.5-pro", page_size=64)
     cache = HybridKVCache(spec, CacheConfig(budget_bytes=20 * 10**9))
     tree, mat, stats = cache.tree, TokenMaterializer(), ReplayStats("hybridkv", cache=cache)
