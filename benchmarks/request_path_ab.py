@@ -19,7 +19,8 @@ with a C-token context, ``--step B,C,STEPS``), alternated the same way: the
 median of each run's median step, per request.
 
 A checkout's ``replay._make_cache(system, spec, budget, swa_checkpoint, tiers)``
-builds the cache (present since the first replay).
+builds the cache (present since the first replay; ``hybridkv.eval.replay`` since
+the harness moved, ``hybridkv.replay`` before).
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ import hybridkv
 assert hybridkv.__file__.startswith(root), hybridkv.__file__
 from hybridkv import ModelSpec
 from hybridkv.cache import CacheFullError
-from hybridkv.eval.replay import _make_cache
+try:  # the harness lives in hybridkv.eval; older checkouts kept it at the top
+    from hybridkv.eval.replay import _make_cache
+except ImportError:
+    from hybridkv.replay import _make_cache
 with open(prompts_path, "rb") as f:
     prompts = pickle.load(f)
 spec = ModelSpec.preset(preset, page_size=int(page))
