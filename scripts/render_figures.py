@@ -46,6 +46,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -72,6 +73,12 @@ TIERS_VLLM = "benchmarks/peers/results/tiers_vllm.json"
 TIERS = "benchmarks/results/tiers.json"
 TIER_STALL = "benchmarks/results/tier_stall.json"
 TRANSFER = "benchmarks/results/transfer.json"
+TIERS_L3 = "benchmarks/results/tiers_l3.json"
+SGLANG_QUOTED = "benchmarks/peers/results/in_engine_sglang.json"
+SGLANG_UNQUOTED = "benchmarks/peers/results/in_engine_sglang_unquoted.json"
+VLLM_PREFIX_SERVER = "adapters/vllm/results/bench_prefix_server.json"
+VLLM_SERVER = "adapters/vllm/results/bench_server.json"
+VLLM_OFFLINE = "adapters/vllm/results/offline_llm.json"
 ROUTE = {name: f"benchmarks/results/route_sim_{name}.json"
          for name in ("default", "fifo", "balance_0", "balance_0.25", "balance_4", "max_share_1", "weka")}
 GROUPS = {(w, t): f"benchmarks/results/kv_groups_{w}_window_{t}.json"
@@ -601,6 +608,80 @@ def render_transfer(load: Loader) -> str:
             + source_line(load, TRANSFER) + "\n")
 
 
+# --------------------------------------------------------------------------- L3 storage backends
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _l3_span(runs: list[dict[str, Any]], get: Callable[[dict[str, Any]], float], digits: int = 2) -> str:
+    """``median (min-max)`` of one figure over the runs."""
+    xs = [get(r) for r in runs]
+    return f"{_med(xs):.{digits}f} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
+
+
+def render_storage_checksums(load: Loader) -> str:
+    """docs/storage.md: the checksum rates over one batch (benchmarks/tiers_l3.py)."""
+    runs = load(TIERS_L3)["runs"]
+    r0 = runs[0]
+
+    def rate(k: str) -> float:
+        return _med([r["checksum_rates"][k] for r in runs])
+
+    one, all_ = rate("nh64_1_thread_gbps"), rate("nh64_all_threads_gbps")
+    both = (f"on all {r0['cpu_count']} threads {all_:.1f} GB/s"
+            + (" (slower than one thread here: the other core was busy with other jobs)" if all_ < one else ""))
+    return (f"Measured here (`benchmarks/tiers_l3.py`: one batch of {r0['pages_per_batch']} pages, "
+            f"{r0['pages_per_batch'] * r0['payload_bytes'] / 1e6:.0f} MB, in cache; medians of {len(runs)} runs "
+            f"on a shared {r0['cpu_count']}-core machine with other jobs running): NH64 {one:.1f} GB/s on one "
+            f"thread, {both}; xxh3_64 {rate('xxh3_64_gbps'):.1f} GB/s (one core, GIL held); crc32 "
+            f"{rate('crc32_gbps'):.1f} GB/s.\n\n" + source_line(load, TIERS_L3) + "\n")
+
+
+def render_storage_l3(load: Loader) -> str:
+    """docs/storage.md: raw client vs hybridkv per backend (benchmarks/tiers_l3.py), over several runs."""
+    out = load(TIERS_L3)
+    runs = out["runs"]
+    r0 = runs[0]
+    rows = (("file", "file", lambda b: b),
+            ("redis", "redis", lambda b: b),
+            ("mooncake, pool in a storage-node process (tcp)", "mooncake", lambda b: b),
+            ("nixl (POSIX)", "nixl", lambda b: b),
+            ("mooncake, pool in the benchmark's own process", "mooncake", lambda b: b["local_segment"]))
+    lines = ["| backend | raw put GB/s | raw get GB/s | hybridkv put GB/s | hybridkv get GB/s "
+             "| `l3_overhead_ratio` median (range) |", "|---|---|---|---|---|---|"]
+    for label, name, part in rows:
+        if any(name not in r["backends"] or "skipped" in r["backends"][name] for r in runs):
+            lines.append(f"| {label} | not run: client not installed | | | | |")
+            continue
+
+        def cell(k: str, digits: int = 2) -> str:
+            return f"{_med([part(r['backends'][name])[k] for r in runs]):.{digits}f}"
+
+        lines.append(f"| {label} | {cell('raw_put_gbps')} | {cell('raw_get_gbps')} | {cell('hkv_put_gbps')} "
+                     f"| {cell('hkv_get_gbps')} "
+                     f"| {_l3_span(runs, lambda r: part(r['backends'][name])['l3_overhead_ratio'])} |")
+    meets = [n for n in ("file", "redis", "mooncake", "nixl")
+             if _med([r["backends"][n]["l3_overhead_ratio"] for r in runs]) <= r0["target_ratio"]]
+    misses = [n for n in ("file", "redis", "mooncake", "nixl") if n not in meets]
+    verdict = (f"Against the target (<= {r0['target_ratio']:g}), medians over the runs: "
+               + (f"within it {', '.join(meets)}" if meets else "none within it")
+               + (f"; above it {', '.join(misses)}" if misses else "") + ".")
+    loads = " / ".join(f"{r['loadavg_1min_start']:.1f}" for r in runs)
+    walls = " / ".join(f"{r['wall_s']:.0f}" for r in runs)
+    nbytes = r0["pages_per_batch"] * r0["payload_bytes"]
+    nh = _med([r["checksum_rates"]["nh64_all_threads_gbps"] for r in runs])
+    return (f"{len(runs)} runs of `python benchmarks/tiers_l3.py --json` (checksum {r0['checksum']}, batches of "
+            f"{r0['pages_per_batch']} pages, medians of {r0['repeats']} repeats per run) on a shared "
+            f"{r0['cpu_count']}-core machine with other jobs running (1-minute load average {loads} at the start "
+            f"of each run; each took {walls} s). GB/s are the medians of the runs' medians; the ratio column "
+            f"gives the median and the range over the runs:\n\n" + "\n".join(lines) + "\n\n"
+            + verdict + f" One NH64 pass over a batch ({nbytes / 1e6:.0f} MB) at the measured rate on all "
+            f"threads ({nh:.1f} GB/s) takes {nbytes / nh / 1e6:.1f} ms, paid once per put and once per get.\n\n"
+            + source_line(load, TIERS_L3) + "\n")
+
+
 # NAME -> (result files it reads, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "readme-sample": ((SAMPLE,), render_sample),
@@ -622,6 +703,8 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "tiers": ((TIERS,), render_tiers),
     "tier-stall": ((TIER_STALL,), render_tier_stall),
     "transfer": ((TRANSFER,), render_transfer),
+    "storage-checksums": ((TIERS_L3,), render_storage_checksums),
+    "storage-l3": ((TIERS_L3,), render_storage_l3),
     "route-sim": ((ROUTE["default"],), render_route_sim),
     "route-knobs": (tuple(ROUTE[n] for n in ("balance_0", "balance_0.25", "default", "balance_4", "max_share_1")),
                     render_route_knobs),
