@@ -27,7 +27,9 @@ default: on a small shared machine fewer repeats leave the medians noisy):
   rename, verification.
 
 ``l3_overhead_ratio`` = (hybridkv put + get median seconds) / (raw put + get
-median seconds); target <= 1.25.  Servers (redis-server, mooncake_master) are
+median seconds); target <= 1.25.  ``checksum_rates``: the checksums over one
+batch in cache (NH64 on one thread and on all, xxh3_64, crc32; GB/s medians),
+with the machine's ``cpu_count`` and 1-minute load average at the start.  Servers (redis-server, mooncake_master) are
 started on 127.0.0.1 free ports and stopped at the end.
 
 Usage: ``python benchmarks/tiers_l3.py --json [--pages 8] [--repeats 41]
@@ -336,6 +338,34 @@ def bench_nixl(tmp: Path, keys: list[bytes], values: list[bytes], repeats: int) 
     return pair.summary(len(keys) * PAGE_BYTES)
 
 
+def bench_checksums(values: list[bytes], repeats: int) -> dict[str, Any]:
+    """Checksum rates over one batch (GB/s, medians): what every put and get pays once.
+
+    ``nh64_1_thread`` / ``nh64_all_threads`` through the C host kernel (GIL
+    released), ``xxh3_64`` (one core, GIL held) when ``xxhash`` is installed,
+    ``crc32``.  The batch is hashed once untimed first, so the figures are for
+    pages in cache, as after a copy; a read from DRAM is slower.
+    """
+    from hybridkv.tiers.storage import framing
+    views = [memoryview(v) for v in values]
+    nbytes = sum(len(v) for v in values)
+    fns: dict[str, Callable[[], Any]] = {}
+    kernel = framing.nh64_kernel()
+    if kernel is not None:
+        fns["nh64_1_thread"] = lambda: kernel.nh64(views, num_threads=1)
+        fns["nh64_all_threads"] = lambda: kernel.nh64(views, num_threads=os.cpu_count() or 1)
+    if framing.DEFAULT_ALGO == framing.ALGO_XXH3:
+        fns["xxh3_64"] = lambda: framing.checksums(views, framing.ALGO_XXH3)
+    fns["crc32"] = lambda: framing.checksums(views, framing.ALGO_CRC32)
+    t: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t[k].append(_timed(fn))
+    return {f"{k}_gbps": round(nbytes / statistics.median(v) / 1e9, 2) for k, v in t.items()}
+
+
 BENCHES = {"file": bench_file, "redis": bench_redis, "mooncake": bench_mooncake, "nixl": bench_nixl}
 
 
@@ -362,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         "checksum": framing.ALGO_NAMES[framing.preferred_algo()],
         "target_ratio": 1.25, "backends": {}}
     t0 = time.perf_counter()
+    result["checksum_rates"] = bench_checksums(values, args.repeats)
+    result["cpu_count"] = os.cpu_count()
+    result["loadavg_1min_start"] = round(os.getloadavg()[0], 2)
     # Client libraries (NIXL) log to stdout: keep stdout for the one JSON object.
     with tempfile.TemporaryDirectory(prefix="hkv-l3-bench-") as tmp, \
             contextlib.redirect_stdout(sys.stderr):

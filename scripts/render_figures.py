@@ -46,6 +46,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -72,6 +73,12 @@ TIERS_VLLM = "benchmarks/peers/results/tiers_vllm.json"
 TIERS = "benchmarks/results/tiers.json"
 TIER_STALL = "benchmarks/results/tier_stall.json"
 TRANSFER = "benchmarks/results/transfer.json"
+TIERS_L3 = "benchmarks/results/tiers_l3.json"
+SGLANG_QUOTED = "benchmarks/peers/results/in_engine_sglang.json"
+SGLANG_UNQUOTED = "benchmarks/peers/results/in_engine_sglang_unquoted.json"
+VLLM_PREFIX_SERVER = "benchmarks/results/vllm_prefix_server.json"
+VLLM_SERVER = "benchmarks/results/vllm_server.json"
+VLLM_OFFLINE = "benchmarks/results/vllm_offline.json"
 ROUTE = {name: f"benchmarks/results/route_sim_{name}.json"
          for name in ("default", "fifo", "balance_0", "balance_0.25", "balance_4", "max_share_1", "weka")}
 GROUPS = {(w, t): f"benchmarks/results/kv_groups_{w}_window_{t}.json"
@@ -330,6 +337,226 @@ def render_harnesses(load: Loader) -> str:
     )
 
 
+# --------------------------------------------------------------------------- in-engine (SGLang's pools)
+
+
+def _sglang(out: dict[str, Any], size: str, system: str) -> dict[str, Any]:
+    return next(r for r in out["runs"] if r["size"] == size and r["system"] == system)
+
+
+def _sweep(out: dict[str, Any], size: str) -> list[dict[str, Any]]:
+    return sorted((r for r in out["runs"] if r["size"] == size and r["system"].startswith("unified@")),
+                  key=lambda r: r["swa_ratio"])
+
+
+def _vs(a: int, b: int) -> str:
+    """``a`` against ``b`` as a ratio, or how many fewer when below."""
+    return times(a / b) if a >= b else f"{pct(1 - a / b, 1)} fewer"
+
+
+def _sweep_text(out: dict[str, Any], size: str) -> str:
+    return " / ".join(f"{r['swa_ratio']:g} {r['hit_tokens']:,}" + (f" ({r['rejected']} rejected)" if r["rejected"]
+                                                                   else "") for r in _sweep(out, size))
+
+
+def render_sglang_in_engine(load: Loader) -> str:
+    """docs/sglang.md: benchmarks/peers/in_engine.sh, answers quoted by the next turn."""
+    out = load(SGLANG_QUOTED)
+    sz = out["sizes"]
+    ro, ti = sz["roomy"], sz["tight"]
+    lines = [
+        f"Sizes for this sample: **roomy** {ro['kv_bytes'] / 1e9:.2f} GB, where an LRU cache of full KV alone hits "
+        f"{ro['full_kv_lru_hits']:,} tokens, {pct(ro['full_kv_lru_hits'] / ro['prefix_bound'], 1)} of the prefix "
+        f"bound ({ro['prefix_bound']:,}); **tight** {ti['kv_bytes'] / 1e9:.2f} GB (LRU of full KV alone: "
+        f"{ti['full_kv_lru_hits']:,}).",
+        "",
+        "| size | kv_bytes | system | swa_ratio | full / SWA pool tokens | hit tokens | input tokens | hit rate |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for size in ("roomy", "tight"):
+        for system in ("hybridkv", "unified_default", "unified_best"):
+            r = _sglang(out, size, system)
+            hit = f"**{r['hit_tokens']:,}**" if system == "hybridkv" else f"{r['hit_tokens']:,}"
+            if r["rejected"]:
+                hit += f" ({r['rejected']} requests rejected)"
+            lines.append(f"| {size} | {r['kv_bytes']:,} | {system} | {r['swa_ratio']:.4f} | {r['full_tokens']:,} / "
+                         f"{r['swa_tokens']:,} | {hit} | {r['input_tokens']:,} | {pct(r['hit_tokens'] / r['input_tokens'])} |")
+    h, d, b = (_sglang(out, "roomy", s)["hit_tokens"] for s in ("hybridkv", "unified_default", "unified_best"))
+    ht, dt, bt = (_sglang(out, "tight", s)["hit_tokens"] for s in ("hybridkv", "unified_default", "unified_best"))
+    text = (
+        f"At the roomy size hybridkv hits **{_vs(h, d)}** `UnifiedRadixCache`'s tokens at its default ratio and "
+        f"**{_vs(h, b)}** at its best ratio ({_sglang(out, 'roomy', 'unified_best')['swa_ratio']:g}; the sweep: "
+        f"{_sweep_text(out, 'roomy')}). At the tight size: {_vs(ht, dt)} the default ratio, {_vs(ht, bt)} the best "
+        f"({_sglang(out, 'tight', 'unified_best')['swa_ratio']:g}; the sweep: {_sweep_text(out, 'tight')})."
+    )
+    return ("\n".join(lines) + "\n\n" + text + "\n\n" + source_line(load, SGLANG_QUOTED) + "\n")
+
+
+def render_sglang_unquoted(load: Loader) -> str:
+    """docs/sglang.md: the same benchmark with ``--unquoted-answers``."""
+    out = load(SGLANG_UNQUOTED)
+    parts = []
+    for size in ("roomy", "tight"):
+        h, d, b = (_sglang(out, size, s) for s in ("hybridkv", "unified_default", "unified_best"))
+        parts.append(f"{size} hybridkv {h['hit_tokens']:,} vs `unified_default` {d['hit_tokens']:,} "
+                     f"({_vs(h['hit_tokens'], d['hit_tokens'])}) and `unified_best` ({b['swa_ratio']:g}) "
+                     f"{b['hit_tokens']:,} (**{_vs(h['hit_tokens'], b['hit_tokens'])}**)")
+    return "Same run otherwise: " + "; ".join(parts) + ".\n\n" + source_line(load, SGLANG_UNQUOTED) + "\n"
+
+
+# --------------------------------------------------------------------------- vLLM's OpenAI server
+
+
+def render_vllm_prefix_server(load: Loader) -> str:
+    """docs/vllm.md: adapters/vllm/scripts/bench_prefix_server.py (hybridkv's tree as vLLM's prefix cache)."""
+    out = load(VLLM_PREFIX_SERVER)
+    m, ph = out["metrics"], out["metrics_phase"]
+    t, per = out["ttft_ms_p50"], out["ttft_ms_p50_per_run"]
+
+    def hits(d: dict[str, Any]) -> str:
+        return f"{d['hybridkv']['hits']:,.0f} vs {d['vllm']['hits']:,.0f}"
+
+    def phase(name: str) -> str:
+        return (f"{name.replace('_', '-')} {hits({k: v[name] for k, v in ph.items()})} of "
+                f"{ph['hybridkv'][name]['queries']:,.0f}")
+
+    def per_server(phase: str) -> str:
+        return (" / ".join(f"{x:.1f}" for x in per[phase]["hybridkv"]) + " vs "
+                + " / ".join(f"{x:.1f}" for x in per[phase]["vllm"]))
+
+    return (
+        f"Served, hybridkv's tree vs vLLM's own prefix cache (`adapters/vllm/scripts/bench_prefix_server.py "
+        f"--repeats {out['repeats']}`: tiny MiMo-V2 at `--num-gpu-blocks-override {out['blocks']}`, multi-turn "
+        f"and concurrent clients, {out['repeats']} servers of each kind one at a time, alternating; `ranking` "
+        f"adaptive; {out['wall_s']:.0f} s on a shared 2-core machine with other jobs running): every output equal "
+        f"to vLLM's own: {'yes' if out['outputs_equal'] else '**no**'}; `/metrics` prefix-cache hits "
+        f"{hits(m)} of {m['hybridkv']['queries']:,.0f} queried tokens ({phase('multi_turn')}, "
+        f"{phase('concurrent')}); TTFT p50 (hybridkv vs vLLM, over all servers) "
+        f"multi-turn {t['multi_turn']['hybridkv']:.1f} vs {t['multi_turn']['vllm']:.1f} ms "
+        f"({times(out['ttft_ratio']['multi_turn'])}; per server {per_server('multi_turn')}), concurrent "
+        f"{t['concurrent']['hybridkv']:.1f} vs {t['concurrent']['vllm']:.1f} ms "
+        f"({times(out['ttft_ratio']['concurrent'])}; per server {per_server('concurrent')}). On a loaded "
+        f"machine these medians say little; the hits repeat run to run for the multi-turn client.\n\n"
+        + source_line(load, VLLM_PREFIX_SERVER) + "\n"
+    )
+
+
+def render_vllm_server(load: Loader) -> str:
+    """docs/vllm.md: adapters/vllm/scripts/bench_server.py (the KV connector's TTFT and hits), one cell per run."""
+    out = load(VLLM_SERVER)
+    runs = out["runs"]
+
+    def cells(f: Callable[[dict[str, Any]], str | None]) -> str:
+        xs = [f(r) for r in runs]
+        return "" if all(x is None for x in xs) else " / ".join("n/a" if x is None else x for x in xs)
+
+    def ttft(name: str, phase: str, base: str | None) -> Callable[[dict[str, Any]], str | None]:
+        def f(r: dict[str, Any]) -> str | None:
+            row = r["ttft_ms"].get(name, {})
+            if phase not in row:
+                return None
+            return f"{row[phase]:.1f}" + (f" ({times(row[phase] / r['ttft_ms'][base][phase])})" if base else "")
+        return f
+
+    def metric(name: str, key: str) -> Callable[[dict[str, Any]], str | None]:
+        def f(r: dict[str, Any]) -> str | None:
+            if name not in r["metrics"]:
+                return None
+            return f"{r['metrics'][name].get('vllm:hybridkv_' + key, 0):,.0f}"
+        return f
+
+    def loads(name: str) -> Callable[[dict[str, Any]], str | None]:
+        def f(r: dict[str, Any]) -> str | None:
+            if name not in r["metrics"]:
+                return None
+            mm = r["metrics"][name]
+            return (f"{mm.get('vllm:hybridkv_load_pages_l2_total', 0):,.0f} / "
+                    f"{mm.get('vllm:hybridkv_load_pages_l3_total', 0):,.0f}")
+        return f
+
+    def equal(name: str) -> str:
+        ok = all(v for r in runs for k, v in r["ttft_ms"].get(name, {}).items() if k.endswith("_outputs_equal_base"))
+        return "yes" if ok else "**no**"
+
+    rows = [("`base`, no connector", "base", None, None), ("`hkv`, async saves (default)", "hkv", "base", None),
+            ("`hkv_sync`, saves in the step", "hkv_sync", "base", None),
+            ("`base2`, restarted, no connector", "base2", None, None),
+            ("`hkv2`, restarted on the filled L3", "hkv2", None, "base2")]
+    lines = ["| server | concurrent TTFT, empty L3 (ms) | multi-turn TTFT (ms) | `hybridkv_hit_tokens` (`/metrics`) "
+             "| pages loaded L2 / L3 | outputs = no connector |", "|---|---|---|---|---|---|"]
+    for label, name, cbase, mbase in rows:
+        if not any(name in r["ttft_ms"] for r in runs):
+            continue
+        lines.append(f"| {label} | {cells(ttft(name, 'concurrent', cbase))} "
+                     f"| {cells(ttft(name, 'multi_turn', mbase))} | {cells(metric(name, 'hit_tokens_total'))} "
+                     f"| {cells(loads(name))} | {'(reference)' if name == 'base' else equal(name)} |")
+    conc = [r["ratios"]["concurrent_empty_l3_vs_base"] for r in runs]
+    filled = [r["ratios"]["multi_turn_filled_l3_vs_base"] for r in runs]
+    rounds = [x for r in runs for xs in r["concurrent_ttft_ms_per_round"].values() for x in xs]
+    per_turn = cells(lambda r: ", ".join(f"{x:.1f}" for x in r["multi_turn_ttft_ms_per_turn"].get("hkv2", [])))
+    hits2 = runs[0]["hits"].get("hkv2", [])
+    w = runs[0]["workload"]
+    first = sorted({c[0] for c in hits2}) if hits2 else []
+    return (
+        f"{'One run' if len(runs) == 1 else f'{len(runs)} runs'} of `bench_server.py --rounds {w['rounds']}"
+        f"{' --sync-save' if w.get('sync_save') else ''}` on a shared 2-core machine with other jobs running "
+        f"({'' if len(runs) == 1 else 'a cell per run, `a / b`; '}ratios against the server without connector "
+        f"of the same run; the multi-turn TTFT of `hkv` and `hkv_sync` is in the same server life as their "
+        f"concurrent batches, so their loads come from L2):\n\n"
+        + "\n".join(lines) + "\n\n"
+        f"Targets: concurrent batch with an empty L3 at most 1.2 times no connector (measured "
+        f"{', '.join(times(x) for x in conc)}: {'held' if all(x <= 1.2 for x in conc) else 'not held in every run'}); "
+        f"filled-L3 multi-turn below no connector (measured {', '.join(times(x) for x in filled)}: "
+        f"{'held' if all(x < 1 for x in filled) else 'not held in every run'}). Per-round medians of the "
+        f"concurrent batches span {min(rounds):.0f}-{max(rounds):.0f} ms over the servers and runs; the "
+        f"restarted hybridkv server's multi-turn TTFT per turn: {per_turn} ms. Cached tokens of its first turn "
+        f"(from L3): {', '.join(f'{x:,}' for x in first) or 'none'}.\n\n"
+        + source_line(load, VLLM_SERVER) + "\n"
+    )
+
+
+def render_vllm_offline(load: Loader) -> str:
+    """docs/vllm.md: the offline ``LLM`` runs of adapters/vllm/tests/test_vllm_e2e.py, cached tokens per request."""
+    out = load(VLLM_OFFLINE)
+    models = out["models"]
+    labels = (("gemma", "hkv1", "Gemma-2, hybridkv, process 1"),
+              ("gemma", "hkv2", "Gemma-2, fresh process, `l2_gb: 0`"),
+              ("mimo", "hkv1", "MiMo-V2, hybridkv, process 1"),
+              ("mimo", "hkv2", "MiMo-V2, fresh process (L2 on)"),
+              ("gemma", "offload", "OffloadingConnector (Gemma-2)"))
+    first = models["gemma"]["hkv1"]["sets"]
+
+    def lens(name: str) -> str:
+        return ", ".join(str(n) for n in first[name]["prompt_lens"])
+
+    lines = [f"| model, run | repeat ({lens('repeat')} tok) | shared prefix ({lens('shared_prefix')}) | multi-turn "
+             f"| outputs = no connector | pages loaded from L2 / L3 |", "|---|---|---|---|---|---|"]
+    for model, name, label in labels:
+        r = models[model].get(name)
+        if r is None:
+            continue
+        if "error" in r:
+            lines.append(f"| {label} | does not start on CPU: \"{r['error'].strip()}\" | | | | |")
+            continue
+        sets = r["sets"]
+
+        def cells(set_name: str, with_lens: bool = False) -> str:
+            text = ", ".join(str(n) for n in sets[set_name]["cached_tokens"])
+            if with_lens:
+                text += " (" + ", ".join(str(n) for n in sets[set_name]["prompt_lens"]) + " tok)"
+            return text
+
+        loads = (f"{r['l2_pages']} / {r['l3_pages']}" + (f", {r['failed_loads']} failed" if r["failed_loads"] else "")
+                 if "l2_pages" in r else "")
+        lines.append(f"| {label} | {cells('repeat')} | {cells('shared_prefix')} "
+                     f"| {cells('multi_turn', name == 'hkv1')} | {'yes' if r['outputs_equal_none'] else '**no**'} "
+                     f"| {loads} |")
+    inits = [r["init_s"] for m in models.values() for r in m.values() if "init_s" in r]
+    return ("\n".join(lines) + "\n\n"
+            f"Per `LLM`: init {min(inits):.0f}-{max(inits):.0f} s on a shared 2-core machine (other jobs running).\n\n"
+            + source_line(load, VLLM_OFFLINE) + "\n")
+
+
 # --------------------------------------------------------------------------- hybridkv replay
 
 
@@ -458,6 +685,63 @@ def render_tiers_vllm(load: Loader) -> str:
                      f"| {pct(r['token_hit_rate'])} |")
     return (f"Device {out['l1_gb']:g} GB, host {' / '.join(f'{h:g}' for h in out['host_gb'])} GB:\n\n"
             + "\n".join(lines) + "\n\n" + source_line(load, TIERS_VLLM) + "\n")
+
+
+def render_tiers_vllm_conclusions(load: Loader) -> str:
+    """docs/vllm.md: the conclusions under the tiers table, every figure from the same file."""
+    out = load(TIERS_VLLM)
+    conv, weka = "mooncake_conversation", "kv_cache_tester_16_sessions"
+    missing = object()
+
+    def row(trace: str, system: str, ret: Any = missing) -> dict[str, Any]:
+        return next(r for r in out["rows"] if r["trace"] == trace and r["system"] == system
+                    and (ret is missing or r.get("retention_interval", missing) == ret))
+
+    def rate(trace: str, system: str, ret: Any = missing) -> float:
+        return row(trace, system, ret)["token_hit_rate"]
+
+    def pts(a: float, b: float) -> str:
+        return f"{100 * (a - b):.2f}"
+
+    h2c, h2w = rate(conv, "hybridkv-l2"), rate(weka, "hybridkv-l2")
+    h1c, h1w = rate(conv, "hybridkv-l1"), rate(weka, "hybridkv-l1")
+    h3c = rate(conv, "hybridkv-l2-l3")
+    v = {(t, ret): rate(t, "vllm-cpu", ret) for t in (conv, weka) for ret in (0, 16384, None)}
+    fs0, fs16 = rate(conv, "vllm-cpu-fs", 0), rate(conv, "vllm-cpu-fs", 16384)
+    l1c, l1w = rate(conv, "vllm-l1", 0), rate(weka, "vllm-l1", 0)
+    host = {t: (row(t, "vllm-cpu", 0)["l2_hit_tokens"], row(t, "hybridkv-l2")["l2_hit_tokens"]) for t in (conv, weka)}
+    dev = {t: (row(t, "vllm-cpu", 0)["l1_hit_tokens"], row(t, "hybridkv-l2")["l1_hit_tokens"]) for t in (conv, weka)}
+
+    def mtok(n: int) -> str:
+        return f"{n / 1e6:.2f}M" if n < 1e8 else f"{n / 1e6:.1f}M"
+
+    return "\n".join([
+        "Conclusions, at equal device and host bytes and with vLLM's transfers assumed",
+        "free and infallible:",
+        "",
+        f"* **vLLM's own CPU offload is close to hybridkv's L2.** On the conversation trace hybridkv L1 + L2 "
+        f"leads vLLM's default by {pts(h2c, v[conv, 0])} points ({pct(h2c)} vs {pct(v[conv, 0])}) and vLLM at "
+        f"retention 16384 by {pts(h2c, v[conv, 16384])} points ({pct(v[conv, 16384])}); on kv-cache-tester by "
+        f"{pts(h2w, v[weka, 0])} and {pts(h2w, v[weka, 16384])} points. On the device alone hybridkv leads by "
+        f"more (conversation {pct(h1c)} vs vLLM's {pct(l1c)}, kv-cache-tester {pct(h1w)} vs {pct(l1w)}): vLLM's "
+        f"offloader stores the sliding-window blocks at the prompt ends that its device cache drops, and the host "
+        f"tier then wins most of that gap back.",
+        f"* **With a file tier.** hybridkv L1 + L2 + L3 {pct(h3c)} vs vLLM CPU + fs {pct(fs0)} at vLLM's default "
+        f"retention on the conversation trace (the L3 adds {pts(h3c, h2c)} vs {pts(fs0, v[conv, 0])} points), "
+        f"and {pts(h3c, fs16)} points at retention 16384 ({pct(fs16)}); at {max(out['host_gb']):g} GB of host "
+        f"nothing on the kv-cache-tester sessions needs the third tier in either system.",
+        f"* **Where the hits are served differs.** vLLM serves more from host memory ({mtok(host[conv][0])} vs "
+        f"{mtok(host[conv][1])} conversation tokens; {mtok(host[weka][0])} vs {mtok(host[weka][1])} "
+        f"kv-cache-tester tokens) and fewer from the device ({mtok(dev[conv][0])} vs {mtok(dev[conv][1])}; "
+        f"{mtok(dev[weka][0])} vs {mtok(dev[weka][1])}): every host hit is a host-to-device copy before the "
+        f"prefill (here assumed free), so the same hit rate costs vLLM more transfer time.",
+        f"* **Dense retention (`None`) on the conversation trace** ({pct(v[conv, None])}"
+        + (", below hybridkv's device cache alone" if v[conv, None] < h1c else "")
+        + "): every sliding-window block is kept on the device and stored to the host, so a long prompt takes "
+        "up to seven times the bytes (7 groups instead of about one).",
+        "",
+        source_line(load, TIERS_VLLM),
+    ]) + "\n"
 
 
 def render_kv_groups(load: Loader) -> str:
@@ -601,6 +885,80 @@ def render_transfer(load: Loader) -> str:
             + source_line(load, TRANSFER) + "\n")
 
 
+# --------------------------------------------------------------------------- L3 storage backends
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _l3_span(runs: list[dict[str, Any]], get: Callable[[dict[str, Any]], float], digits: int = 2) -> str:
+    """``median (min-max)`` of one figure over the runs."""
+    xs = [get(r) for r in runs]
+    return f"{_med(xs):.{digits}f} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
+
+
+def render_storage_checksums(load: Loader) -> str:
+    """docs/storage.md: the checksum rates over one batch (benchmarks/tiers_l3.py)."""
+    runs = load(TIERS_L3)["runs"]
+    r0 = runs[0]
+
+    def rate(k: str) -> float:
+        return _med([r["checksum_rates"][k] for r in runs])
+
+    one, all_ = rate("nh64_1_thread_gbps"), rate("nh64_all_threads_gbps")
+    both = (f"on all {r0['cpu_count']} threads {all_:.1f} GB/s"
+            + (" (slower than one thread here: the other core was busy with other jobs)" if all_ < one else ""))
+    return (f"Measured here (`benchmarks/tiers_l3.py`: one batch of {r0['pages_per_batch']} pages, "
+            f"{r0['pages_per_batch'] * r0['payload_bytes'] / 1e6:.0f} MB, in cache; medians of {len(runs)} runs "
+            f"on a shared {r0['cpu_count']}-core machine with other jobs running): NH64 {one:.1f} GB/s on one "
+            f"thread, {both}; xxh3_64 {rate('xxh3_64_gbps'):.1f} GB/s (one core, GIL held); crc32 "
+            f"{rate('crc32_gbps'):.1f} GB/s.\n\n" + source_line(load, TIERS_L3) + "\n")
+
+
+def render_storage_l3(load: Loader) -> str:
+    """docs/storage.md: raw client vs hybridkv per backend (benchmarks/tiers_l3.py), over several runs."""
+    out = load(TIERS_L3)
+    runs = out["runs"]
+    r0 = runs[0]
+    rows = (("file", "file", lambda b: b),
+            ("redis", "redis", lambda b: b),
+            ("mooncake, pool in a storage-node process (tcp)", "mooncake", lambda b: b),
+            ("nixl (POSIX)", "nixl", lambda b: b),
+            ("mooncake, pool in the benchmark's own process", "mooncake", lambda b: b["local_segment"]))
+    lines = ["| backend | raw put GB/s | raw get GB/s | hybridkv put GB/s | hybridkv get GB/s "
+             "| `l3_overhead_ratio` median (range) |", "|---|---|---|---|---|---|"]
+    for label, name, part in rows:
+        if any(name not in r["backends"] or "skipped" in r["backends"][name] for r in runs):
+            lines.append(f"| {label} | not run: client not installed | | | | |")
+            continue
+
+        def cell(k: str, digits: int = 2) -> str:
+            return f"{_med([part(r['backends'][name])[k] for r in runs]):.{digits}f}"
+
+        lines.append(f"| {label} | {cell('raw_put_gbps')} | {cell('raw_get_gbps')} | {cell('hkv_put_gbps')} "
+                     f"| {cell('hkv_get_gbps')} "
+                     f"| {_l3_span(runs, lambda r: part(r['backends'][name])['l3_overhead_ratio'])} |")
+    meets = [n for n in ("file", "redis", "mooncake", "nixl")
+             if _med([r["backends"][n]["l3_overhead_ratio"] for r in runs]) <= r0["target_ratio"]]
+    misses = [n for n in ("file", "redis", "mooncake", "nixl") if n not in meets]
+    verdict = (f"Against the target (<= {r0['target_ratio']:g}), medians over the runs: "
+               + (f"within it {', '.join(meets)}" if meets else "none within it")
+               + (f"; above it {', '.join(misses)}" if misses else "") + ".")
+    loads = " / ".join(f"{r['loadavg_1min_start']:.1f}" for r in runs)
+    walls = " / ".join(f"{r['wall_s']:.0f}" for r in runs)
+    nbytes = r0["pages_per_batch"] * r0["payload_bytes"]
+    nh = _med([r["checksum_rates"]["nh64_all_threads_gbps"] for r in runs])
+    return (f"{len(runs)} runs of `python benchmarks/tiers_l3.py --json` (checksum {r0['checksum']}, batches of "
+            f"{r0['pages_per_batch']} pages, medians of {r0['repeats']} repeats per run) on a shared "
+            f"{r0['cpu_count']}-core machine with other jobs running (1-minute load average {loads} at the start "
+            f"of each run; each took {walls} s). GB/s are the medians of the runs' medians; the ratio column "
+            f"gives the median and the range over the runs:\n\n" + "\n".join(lines) + "\n\n"
+            + verdict + f" One NH64 pass over a batch ({nbytes / 1e6:.0f} MB) at the measured rate on all "
+            f"threads ({nh:.1f} GB/s) takes {nbytes / nh / 1e6:.1f} ms, paid once per put and once per get.\n\n"
+            + source_line(load, TIERS_L3) + "\n")
+
+
 # NAME -> (result files it reads, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "readme-sample": ((SAMPLE,), render_sample),
@@ -616,12 +974,20 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "peers-weka-first4": ((PEERS_WEKA4,), render_weka_first4),
     "in-engine-vllm": ((IN_ENGINE_CONV, IN_ENGINE_WEKA), render_in_engine_vllm),
     "engine-step": ((ENGINE_STEP,), render_engine_step),
+    "sglang-in-engine": ((SGLANG_QUOTED,), render_sglang_in_engine),
+    "sglang-unquoted": ((SGLANG_UNQUOTED,), render_sglang_unquoted),
+    "vllm-prefix-server": ((VLLM_PREFIX_SERVER,), render_vllm_prefix_server),
+    "vllm-server": ((VLLM_SERVER,), render_vllm_server),
+    "vllm-offline": ((VLLM_OFFLINE,), render_vllm_offline),
     "soak": ((SOAK,), render_soak),
     "tiers-vllm": ((TIERS_VLLM,), render_tiers_vllm),
+    "tiers-vllm-conclusions": ((TIERS_VLLM,), render_tiers_vllm_conclusions),
     "kv-groups": (tuple(GROUPS.values()), render_kv_groups),
     "tiers": ((TIERS,), render_tiers),
     "tier-stall": ((TIER_STALL,), render_tier_stall),
     "transfer": ((TRANSFER,), render_transfer),
+    "storage-checksums": ((TIERS_L3,), render_storage_checksums),
+    "storage-l3": ((TIERS_L3,), render_storage_l3),
     "route-sim": ((ROUTE["default"],), render_route_sim),
     "route-knobs": (tuple(ROUTE[n] for n in ("balance_0", "balance_0.25", "default", "balance_4", "max_share_1")),
                     render_route_knobs),
