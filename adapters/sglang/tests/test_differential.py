@@ -73,7 +73,7 @@ def test_mooncake_hits_vs_sglang_unified_swa(name, n, full, swa, page_size):
     seqs = [(p, None) for p in _mooncake(n, 8192)]
     sg_hit, total = _run("sglang", seqs, full, swa, 16, page_size)
     hk_hit, _ = _run("hybridkv", seqs, full, swa, 16, page_size)
-    print(f"\n[differential {name}, page {page_size}] {len(seqs)} requests, {total} input tokens, pools "
+    print(f"\n[differential {name}, page {page_size}] {len(seqs)} requests, {total} input tokens, pools (whole pages) "
           f"full={full} swa={swa}: SGLang UnifiedRadixCache hit {sg_hit} ({sg_hit / total:.2%}), "
           f"hybridkv hit {hk_hit} ({hk_hit / total:.2%})")
     assert hk_hit >= sg_hit
