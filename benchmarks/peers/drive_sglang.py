@@ -8,7 +8,8 @@ Flavours (each runs in a venv holding that SGLang release):
 Both sit on SGLang's real CPU pools: ``SWAKVPool(device="cpu")`` (one full
 and one SWA layer of a tiny head: only slot accounting matters, and the pool
 sizes in *tokens* come from the byte budget), ``SWATokenToKVPoolAllocator``
-(paged; its naive extend path, the Triton kernel cannot run on CPU) and
+(paged: ``alloc_extend`` through its naive extend path, the Triton kernel cannot
+run on CPU; ``alloc(n)`` at page size 1, as the scheduler does) and
 ``ReqToTokenPool``.  Per request, one at a time: build a ``Req`` and match it
 the scheduler's way, lock the hit, then per prefill chunk evict the
 shortfall from the tree, ``alloc_extend`` the chunk and write the request's
@@ -184,10 +185,13 @@ class Flow:
             from sglang.srt.mem_cache.common import evict_from_tree_cache
 
             evict_from_tree_cache(self.cache, need)
-        last = int(self.req_to_token.req_to_token[idx, start - 1]) if start else -1
-        pl, sl = torch.tensor([start], dtype=torch.int64), torch.tensor([end], dtype=torch.int64)
         t0 = time.perf_counter()
-        out = self.alloc.alloc_extend(pl, pl, sl, sl, torch.tensor([last], dtype=torch.int64), n)
+        if self.page == 1:  # the scheduler's alloc_token_slots: SGLang's paged calls assert page_size > 1
+            out = self.alloc.alloc(n)
+        else:
+            last = int(self.req_to_token.req_to_token[idx, start - 1]) if start else -1
+            pl, sl = torch.tensor([start], dtype=torch.int64), torch.tensor([end], dtype=torch.int64)
+            out = self.alloc.alloc_extend(pl, pl, sl, sl, torch.tensor([last], dtype=torch.int64), n)
         self.kernel_s += time.perf_counter() - t0
         return out
 

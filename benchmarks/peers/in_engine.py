@@ -10,11 +10,17 @@ sizes picked from the workload (``roomy`` ~ the replays' 594 GB regime, ``tight`
 * ``unified_default``  ``UnifiedRadixCache`` (FULL + SWA) at ``--swa-full-tokens-ratio`` 0.8;
 * ``unified_best``     the same at the swept ratio with the most hit tokens.
 
-    benchmarks/peers/in_engine.sh --json [--trace T] [--limit N] [--systems hybridkv]
+    benchmarks/peers/in_engine.sh --json [--trace T] [--limit N] [--systems hybridkv] [--page-size 64]
+
+``--page-size N`` is SGLang's ``--page-size`` (default 1): at N > 1 every
+allocation goes through SGLang's paged ``alloc_extend`` / ``alloc_decode`` (their
+torch fallbacks on CPU) and hits end on page boundaries.  Every hit of every run
+is content-checked (tags read back from SGLang's K/V buffers); a wrong one stops
+the run with an error.
 
 ``--json`` prints one object ``{"sglang": [{"kv_bytes", "system", "swa_ratio",
-"hit_tokens", "input_tokens"}, ...]}`` on stdout; progress and every swept ratio
-go to stderr (and to ``--details FILE`` as JSON when given).
+"hit_tokens", "input_tokens", "page_size"}, ...]}`` on stdout; progress and every
+swept ratio go to stderr (and to ``--details FILE`` as JSON when given).
 """
 
 from __future__ import annotations
@@ -51,9 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default=",".join(em.SYSTEMS),
                     help="comma-separated subset of hybridkv,unified (unified: the ratio sweep with its default "
                          "and best rows; default both)")
+    ap.add_argument("--page-size", type=int, default=1,
+                    help="SGLang's --page-size: tokens per KV page for every system (default 1)")
     args = ap.parse_args(argv)
     if args.limit < 1:
         ap.error("--limit must be >= 1")
+    if args.page_size < 1:
+        ap.error(f"--page-size must be >= 1, got {args.page_size}")
     if not args.trace.is_file():
         ap.error(f"--trace {args.trace} is not a file")
     ratios = [float(x) for x in args.ratios.split(",") if x]
@@ -75,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             f"input {s['input_tokens']})")
     try:
         rows = em.equal_memory(prompts, sizes, ratios=ratios, quoted_answers=not args.unquoted_answers,
-                               progress=log, systems=systems)
+                               progress=log, systems=systems, page_size=args.page_size)
     except ValueError as exc:  # a sample so small that its sizes cannot hold the running requests
         log(f"error: {exc} (the sizes scale with the sample: use a larger --limit)")
         return 2
@@ -83,12 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in main_rows if r.system == "hybridkv" and r.rejected]
     if args.details:
         args.details.write_text(json.dumps({"trace": str(args.trace), "limit": args.limit, "sizes": sizes,
+                                            "page_size": args.page_size,
                                             "quoted_answers": not args.unquoted_answers, "systems": list(systems),
                                             "runs": [vars(r) for r in rows]}, indent=1))
     log(f"done in {time.perf_counter() - start:.0f} s")
     if args.json:
         print(json.dumps({"sglang": [r.public() for r in main_rows]}))
     else:
+        print(f"page size {args.page_size}; {sum(r.hits_verified for r in rows)} hits content-checked, none wrong\n")
         print("| size | kv_bytes | system | swa_ratio | full / SWA pool tokens | hit tokens | input tokens | hit rate |")
         print("|---|---|---|---|---|---|---|---|")
         for r in main_rows:

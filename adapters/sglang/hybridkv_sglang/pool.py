@@ -11,6 +11,13 @@ the two views consistent:
 * tree SWA page id   = SWA token slot  // page_size (the mapping's value);
 * a tree page holds SWA  <=>  the mapping of its full slots is non-zero.
 
+At ``page_size > 1`` SGLang's paged calls (``alloc_extend`` / ``alloc_decode``)
+hand a request whole pages and page both pools in step, so slot ``i`` of full
+page F maps to slot ``i`` of one SWA page S: the mapping is per token, the
+pairing per page.  The pool reads a page's SWA from its first slot and always
+writes and clears whole pages; :meth:`SGLangPagePool.mapping_mismatches` checks
+every token of a page against that pairing.
+
 The tree frees a node's SWA without its full KV (SWA-only eviction); the
 mapping of that node's full slots must then read 0, or SGLang's kernels would
 read a slot that now belongs to someone else.  The pool therefore remembers,
@@ -79,6 +86,18 @@ class SGLangPagePool(OneWindowPool):
         swa = self.mapping[firsts].cpu().numpy()
         return np.where(swa > 0, swa // self.page_size, -1).astype(np.int32)
 
+    def mapping_mismatches(self, full_pages: np.ndarray, swa_pages: np.ndarray) -> np.ndarray:
+        """Indices into ``full_pages`` whose mapping, token by token, is not the
+        tree's: slot ``i`` of ``full_pages[k]`` must map to slot ``i`` of
+        ``swa_pages[k]`` (0 where ``swa_pages[k] == -1``).  O(n * page_size)."""
+        if full_pages.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        swa = np.asarray(swa_pages, dtype=np.int64)
+        want = self.tokens(np.maximum(swa, 0)).view(-1, self.page_size)
+        want[torch.as_tensor(swa < 0)] = 0
+        got = self.mapping[self.tokens(full_pages)].view(-1, self.page_size).to(want.dtype)
+        return np.flatnonzero((got != want).any(dim=1).cpu().numpy())
+
     def adopt(self, full_pages: np.ndarray, swa_pages: np.ndarray) -> None:
         """Make SGLang's mapping agree with the tree for these (full, swa) pairs.
 
@@ -106,9 +125,10 @@ class SGLangPagePool(OneWindowPool):
         was adopted onto another full page.  O(n)."""
         if pages.size == 0:
             return
-        toks = self.tokens(pages)
-        self.mapping.index_fill_(0, toks, 0)
-        self.allocator.full_attn_allocator.free(toks)
+        pages64 = torch.as_tensor(pages.astype(np.int64))
+        self.mapping.index_fill_(0, self.tokens(pages64), 0)
+        # page ids straight to SGLang's free list (at page size 1 they are the slots)
+        self.allocator.full_attn_allocator.free_page_ids(pages64)
         self.freed_full_pages += int(pages.size)
 
     def free_swa_trusted(self, pages: np.ndarray) -> None:

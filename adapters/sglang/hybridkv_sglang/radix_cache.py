@@ -244,8 +244,7 @@ class HybridKVRadixCache(BasePrefixCache):
             return
         length = n_pages * self.page_size
         tokens = np.asarray(req.full_untruncated_fill_ids[:length], dtype=np.int64)
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :length:self.page_size].cpu().numpy()
-        full = (row if self.page_size == 1 else row // self.page_size).astype(np.int32)
+        full = self._row_pages(req, protected, n_pages)
         # [0, protected) is the tree's own path (the row was rewritten onto it at
         # match or at the last checkpoint): its SWA is the tree's, not the
         # request's, so only the new pages carry SWA.  Keeps a checkpoint's
@@ -274,6 +273,26 @@ class HybridKVRadixCache(BasePrefixCache):
         kv.cache_inserted_len = max(kv.cache_inserted_len, length)
         req.last_node = result.node
         self.counters["checkpoints"] += 1
+
+    def _row_pages(self, req: Any, protected: int, n_pages: int) -> np.ndarray:
+        """Full page ids of the request's row ``[0, n_pages)`` (int32).  The new
+        pages ``[protected, n_pages)`` must be whole pages of SGLang's paged
+        allocation (slot ``i`` of a page at ``page_start + i``): a row that is not
+        would put a page's other slots in the tree under the wrong page id, so it
+        raises ValueError naming ``req``.  O(n_pages + new tokens)."""
+        ps = self.page_size
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n_pages * ps]
+        full = row[::ps].to(torch.int64)
+        if ps > 1:
+            new = row[protected * ps:].to(torch.int64)
+            off = new != self.pool.tokens(full[protected:] // ps)
+            if bool(off.any()):
+                bad = protected + int(torch.nonzero(off)[0, 0]) // ps
+                raise ValueError(f"req {getattr(req, 'rid', '?')}: row page {bad} (positions {bad * ps}.."
+                                 f"{bad * ps + ps - 1}) is not one whole page of size {ps}; SGLang's paged "
+                                 "alloc_extend / alloc_decode give page-aligned rows")
+            full = full // ps
+        return full.cpu().numpy().astype(np.int32)
 
     def _lock_checkpoint(self, node: TreeNode, req: Any) -> Any:
         """Lock ``node``; if its SWA window is gone (only possible for a finished
@@ -334,8 +353,16 @@ class HybridKVRadixCache(BasePrefixCache):
 
     def sanity_check(self) -> None:
         """Tree invariants plus: SGLang's full->SWA mapping equals the tree's SWA
-        pages on every cached page.  O(cached pages)."""
+        pages on every token of every cached page.  O(cached tokens)."""
         self.tree.check_invariants()
-        for node in self.tree.iter_nodes():
-            got = self.pool.swa_pages_of(node.full)
-            assert np.array_equal(got, node.swa), f"full->SWA mapping disagrees with the tree at {node}"
+        nodes = list(self.tree.iter_nodes())
+        if not nodes:
+            return
+        full = np.concatenate([n.full for n in nodes])
+        swa = np.concatenate([n.swa for n in nodes])
+        bad = self.pool.mapping_mismatches(full, swa)  # every token of every page
+        if bad.size:
+            ends = np.cumsum([len(n.full) for n in nodes])
+            node = nodes[int(np.searchsorted(ends, bad[0], side="right"))]
+            raise AssertionError(f"full->SWA mapping disagrees with the tree at {node} "
+                                 f"(full page {full[bad[0]]}, tree SWA page {swa[bad[0]]})")

@@ -22,6 +22,10 @@ cache of full KV alone (SWA charged nothing, 64-token blocks) reaches
 :data:`ROOMY_BOUND_SHARE` of the unlimited prefix bound of the requests
 replayed (at 594 GB on the full trace: 31.8% of 38.3%); ``tight`` is a tenth
 of it (59 GB).
+
+``page_size`` (default 1) is SGLang's ``--page-size``: the pools, both systems'
+pool sizes and every allocation are paged (``alloc_extend`` / ``alloc_decode``
+at page sizes above 1), hits end on page boundaries.
 """
 
 from __future__ import annotations
@@ -65,10 +69,11 @@ class Row:
     accounting_checks: int
     hits_verified: int
     seconds: float
+    page_size: int = 1
 
     def public(self) -> dict:
         return {"kv_bytes": self.kv_bytes, "system": self.system, "swa_ratio": round(self.swa_ratio, 4),
-                "hit_tokens": self.hit_tokens, "input_tokens": self.input_tokens}
+                "hit_tokens": self.hit_tokens, "input_tokens": self.input_tokens, "page_size": self.page_size}
 
 
 # ------------------------------------------------------------------ workload
@@ -155,30 +160,33 @@ def pick_sizes(prompts: Sequence[np.ndarray]) -> dict[str, dict]:
 
 
 # ------------------------------------------------------------------ systems
-def hybridkv_split(kv_bytes: int, prompts: Sequence[np.ndarray], chunk: int = CHUNK, max_live: int = MAX_LIVE):
+def hybridkv_split(kv_bytes: int, prompts: Sequence[np.ndarray], chunk: int = CHUNK, max_live: int = MAX_LIVE,
+                   page_size: int = 1):
     """:func:`~hybridkv_sglang.split.plan_swa_split` for the harness: ``max_live``
     requests that may all be prefilling a chunk at once; L = mean prompt length."""
     from hybridkv_sglang.split import plan_swa_split
 
     mean_len = int(np.mean([len(p) for p in prompts]))
     return plan_swa_split(kv_bytes, FULL_BYTES_PER_TOKEN, SWA_BYTES_PER_TOKEN, window=WINDOW,
-                          chunked_prefill_size=chunk, max_running_requests=max_live,
+                          chunked_prefill_size=chunk, max_running_requests=max_live, page_size=page_size,
                           prefill_chunks_in_flight=max_live, tokens_per_window=mean_len)
 
 
 def run_one(system: str, prompts: Sequence[np.ndarray], full: int, swa: int, *,
             sanity_every: int = 0, chunk: int = CHUNK, max_live: int = MAX_LIVE,
-            quoted_answers: bool = True) -> tuple[dict, float]:
+            quoted_answers: bool = True, page_size: int = 1) -> tuple[dict, float]:
     """Replay ``prompts`` through ``system`` (``"hybridkv"`` or ``"unified"``) on
-    pools of ``full`` / ``swa`` tokens.  ``quoted_answers``: the decoded tokens are
-    what the next turn quotes (:func:`conversation_outputs`), else tokens no later
-    prompt holds.  Returns the driver's stats and seconds."""
+    pools of ``full`` / ``swa`` tokens of ``page_size``-token pages.
+    ``quoted_answers``: the decoded tokens are what the next turn quotes
+    (:func:`conversation_outputs`), else tokens no later prompt holds.  Returns
+    the driver's stats and seconds."""
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from hybridkv_sglang.radix_cache import HybridKVRadixCache
 
     longest = max(len(p) for p in prompts) + OUTPUT_TOKENS + 1
-    pools = Pools(full_tokens=full, swa_tokens=swa, max_reqs=max_live + 2, max_context=longest)
+    pools = Pools(full_tokens=full, swa_tokens=swa, page_size=page_size, max_reqs=max_live + 2,
+                  max_context=longest)
     params = pools.init_params(WINDOW)
     if system == "unified":
         params.tree_components = (ComponentType.FULL, ComponentType.SWA)
@@ -208,25 +216,30 @@ def run_one(system: str, prompts: Sequence[np.ndarray], full: int, swa: int, *,
 def equal_memory(prompts: Sequence[np.ndarray], sizes: dict[str, dict], *, ratios: Sequence[float] = RATIOS,
                  sanity_every: int = 0, chunk: int = CHUNK, max_live: int = MAX_LIVE,
                  quoted_answers: bool = True, progress: Callable[[str], None] | None = None,
-                 systems: Sequence[str] = SYSTEMS) -> list[Row]:
+                 systems: Sequence[str] = SYSTEMS, page_size: int = 1) -> list[Row]:
     """hybridkv, unified_default and unified_best at every size (and, with
     ``progress``, a line per run); ``systems`` a subset of :data:`SYSTEMS`
     (``"unified"``: the sweep and both of its rows).  A ratio whose pools reject a
     request (SWA too small for the running requests) is not eligible as
-    ``unified_best``.  Raises ValueError naming ``systems`` for an unknown name."""
+    ``unified_best``.  ``page_size``: SGLang's ``--page-size`` for every run.
+    Raises ValueError naming ``systems`` for an unknown name, ``page_size`` for
+    one that is not a positive int."""
     if isinstance(systems, str) or not systems or any(x not in SYSTEMS for x in systems):
         raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}, got {systems!r}")
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
     rows: list[Row] = []
 
     def record(size, kv_bytes, system, ratio, full, swa) -> Row:
         st, secs = run_one("hybridkv" if system == "hybridkv" else "unified", prompts, full, swa,
                            sanity_every=sanity_every, chunk=chunk, max_live=max_live,
-                           quoted_answers=quoted_answers)
+                           quoted_answers=quoted_answers, page_size=page_size)
         row = Row(size, kv_bytes, system, ratio, full, swa, st["hit_tokens"], st["input_tokens"], st["requests"],
-                  st["rejected"], st["checks"], st["hits_verified"], round(secs, 1))
+                  st["rejected"], st["checks"], st["hits_verified"], round(secs, 1), page_size)
         if progress:
-            progress(f"{size} {system} ratio={ratio:.4f} full={full} swa={swa}: hit {row.hit_tokens} "
-                     f"of {row.input_tokens}, rejected {row.rejected}, {row.seconds} s")
+            progress(f"{size} {system} page={page_size} ratio={ratio:.4f} full={full} swa={swa}: hit "
+                     f"{row.hit_tokens} of {row.input_tokens}, {row.hits_verified} hits content-checked (a wrong "
+                     f"one stops the run), rejected {row.rejected}, {row.seconds} s")
         return row
 
     from hybridkv_sglang.split import pools_at_ratio
@@ -234,14 +247,14 @@ def equal_memory(prompts: Sequence[np.ndarray], sizes: dict[str, dict], *, ratio
     for size, info in sizes.items():
         kv_bytes = info["kv_bytes"]
         if "hybridkv" in systems:
-            split = hybridkv_split(kv_bytes, prompts, chunk, max_live)
+            split = hybridkv_split(kv_bytes, prompts, chunk, max_live, page_size)
             rows.append(record(size, kv_bytes, "hybridkv", split.swa_full_tokens_ratio, split.full_tokens,
                                split.swa_tokens))
         if "unified" not in systems:
             continue
         sweep = []
         for r in sorted(set(ratios) | {DEFAULT_RATIO}):
-            full, swa = pools_at_ratio(kv_bytes, FULL_BYTES_PER_TOKEN, SWA_BYTES_PER_TOKEN, r)
+            full, swa = pools_at_ratio(kv_bytes, FULL_BYTES_PER_TOKEN, SWA_BYTES_PER_TOKEN, r, page_size)
             if swa <= WINDOW + 1:  # SGLang refuses such a pool (validate_swa_pool_size)
                 continue
             sweep.append(record(size, kv_bytes, f"unified@{r}", r, full, swa))

@@ -38,10 +38,11 @@ from sglang.srt.managers.scheduler_components.pool_stats_observer import (
     kv_private_swa_tokens,
     kv_private_tokens,
 )
+from sglang.srt.mem_cache.allocation import get_last_loc_torch
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+from sglang.srt.mem_cache.common import checkpoint_kv_cache, evict_from_tree_cache, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, ReqToTokenPool
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
@@ -90,7 +91,9 @@ class Pools:
     """SGLang's CPU pools for a 2-layer hybrid model (layer 0 full, layer 1 SWA).
 
     One KV head of dimension 2 in float32: K and V of a token carry its 64-bit
-    content tag (see :func:`encode_tags`).
+    content tag (see :func:`encode_tags`).  The pool sizes are rounded down to
+    whole pages, as SGLang rounds its token budget (its paged allocators hold
+    ``size // page_size`` pages).
     """
 
     full_tokens: int
@@ -100,6 +103,10 @@ class Pools:
     max_context: int = 1 << 17
 
     def __post_init__(self) -> None:
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
+        self.full_tokens -= self.full_tokens % self.page_size
+        self.swa_tokens -= self.swa_tokens % self.page_size
         self.kv = SWAKVPool(size=self.full_tokens, size_swa=self.swa_tokens, page_size=self.page_size,
                             dtype=torch.float32, head_num=1, head_dim=2, swa_attention_layer_ids=[1],
                             full_attention_layer_ids=[0], device="cpu", enable_memory_saver=False)
@@ -237,9 +244,40 @@ class Driver:
             raise PseudoHitError(f"{req.rid}: SWA KV of position {bad} inside the window of a {hit}-token hit "
                                  f"is {'freed' if swa[bad - lo] <= 0 else 'not its own'}")
 
-    def _alloc(self, req: Req, n: int) -> torch.Tensor | None:
-        self.alloc.evict_to_free_tokens(self.cache, n)
-        return self.alloc.alloc(n)
+    def _alloc_extend(self, req: Req, start: int, end: int) -> torch.Tensor | None:
+        """Slots for row positions ``[start, end)``, as the scheduler allocates an
+        extend (``alloc_for_extend``): ``alloc_token_slots`` at page size 1, else
+        ``alloc_paged_token_slots_extend`` (eviction of the demand with one more
+        page per request, then ``alloc_extend`` with the prefix and sequence
+        lengths and ``last_loc``, the row's slot before ``start``, -1 for none).
+        None when the pools cannot hold it even after eviction."""
+        n, ps = end - start, self.pools.page_size
+        if ps == 1:
+            evict_from_tree_cache(self.cache, n)
+            return self.alloc.alloc(n)
+        prefix_lens = torch.tensor([start], dtype=torch.int64)
+        seq_lens = torch.tensor([end], dtype=torch.int64)
+        demand = self.alloc.get_extend_allocation_demand(prefix_lens, seq_lens, conservative_num_tokens=n + ps,
+                                                         shard_size=1)
+        evict_from_tree_cache(self.cache, demand)
+        last_loc = get_last_loc_torch(self.pools.req_to_token.req_to_token,
+                                      torch.tensor([req.kv.req_pool_idx], dtype=torch.int64), prefix_lens)
+        return self.alloc.alloc_extend(prefix_lens, prefix_lens, seq_lens, seq_lens, last_loc.to(torch.int64), n)
+
+    def _alloc_decode(self, req: Req, pos: int) -> torch.Tensor | None:
+        """The slot of row position ``pos`` (one decode token), as
+        ``alloc_for_decode_default`` allocates it: ``alloc_token_slots`` at page
+        size 1, else ``alloc_paged_token_slots_decode`` (eviction of a page, then
+        ``alloc_decode`` with the sequence length after the token and ``last_loc``
+        = the row's slot at ``pos - 1``).  None when the pools cannot hold it."""
+        ps = self.pools.page_size
+        if ps == 1:
+            evict_from_tree_cache(self.cache, 1)
+            return self.alloc.alloc(1)
+        evict_from_tree_cache(self.cache, ps)
+        last_loc = self.pools.req_to_token.req_to_token[req.kv.req_pool_idx, pos - 1:pos].to(torch.int64)
+        seq_lens = torch.tensor([pos + 1], dtype=torch.int64)
+        return self.alloc.alloc_decode(seq_lens, seq_lens, last_loc)
 
     def _write(self, live: _Live, start: int, slots: torch.Tensor) -> None:
         req = live.req
@@ -262,7 +300,7 @@ class Driver:
                     self.pools.req_to_token.write((req.kv.req_pool_idx, slice(0, start)), prefix.to(torch.int32))
                 req.kv.kv_allocated_len = req.kv.kv_committed_len = start
             req.extend_end = end
-            slots = self._alloc(req, end - start)
+            slots = self._alloc_extend(req, start, end)
             if slots is None:
                 return self._reject(live)
             self._write(live, start, slots)
@@ -282,7 +320,7 @@ class Driver:
             due = req.seqlen - 1 - self.cache.swa_retain_window >= req.kv.get_evicted_seqlen(ComponentType.SWA) + 1
             if due:
                 self.cache.evict_sliding_windows(req, req.seqlen - 1)
-        slots = self._alloc(req, 1)
+        slots = self._alloc_decode(req, pos)
         if slots is None:
             return self._reject(live)
         req.output_ids.append(int(live.tokens[pos]))
