@@ -76,6 +76,7 @@ TRANSFER = "benchmarks/results/transfer.json"
 TIERS_L3 = "benchmarks/results/tiers_l3.json"
 SGLANG_QUOTED = "benchmarks/peers/results/in_engine_sglang.json"
 SGLANG_UNQUOTED = "benchmarks/peers/results/in_engine_sglang_unquoted.json"
+SGLANG_PAGE64 = "benchmarks/peers/results/in_engine_sglang_page64.json"
 VLLM_PREFIX_SERVER = "benchmarks/results/vllm_prefix_server.json"
 VLLM_SERVER = "benchmarks/results/vllm_server.json"
 VLLM_OFFLINE = "benchmarks/results/vllm_offline.json"
@@ -361,7 +362,16 @@ def _sweep_text(out: dict[str, Any], size: str) -> str:
 
 def render_sglang_in_engine(load: Loader) -> str:
     """docs/sglang.md: benchmarks/peers/in_engine.sh, answers quoted by the next turn."""
-    out = load(SGLANG_QUOTED)
+    return _sglang_in_engine(load, SGLANG_QUOTED)
+
+
+def render_sglang_in_engine_page64(load: Loader) -> str:
+    """docs/sglang.md: the same benchmark at page size 64 (``--page-size 64``)."""
+    return _sglang_in_engine(load, SGLANG_PAGE64)
+
+
+def _sglang_in_engine(load: Loader, path: str) -> str:
+    out = load(path)
     sz = out["sizes"]
     ro, ti = sz["roomy"], sz["tight"]
     lines = [
@@ -389,7 +399,7 @@ def render_sglang_in_engine(load: Loader) -> str:
         f"{_sweep_text(out, 'roomy')}). At the tight size: {_vs(ht, dt)} the default ratio, {_vs(ht, bt)} the best "
         f"({_sglang(out, 'tight', 'unified_best')['swa_ratio']:g}; the sweep: {_sweep_text(out, 'tight')})."
     )
-    return ("\n".join(lines) + "\n\n" + text + "\n\n" + source_line(load, SGLANG_QUOTED) + "\n")
+    return ("\n".join(lines) + "\n\n" + text + "\n\n" + source_line(load, path) + "\n")
 
 
 def render_sglang_unquoted(load: Loader) -> str:
@@ -976,6 +986,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "engine-step": ((ENGINE_STEP,), render_engine_step),
     "sglang-in-engine": ((SGLANG_QUOTED,), render_sglang_in_engine),
     "sglang-unquoted": ((SGLANG_UNQUOTED,), render_sglang_unquoted),
+    "sglang-in-engine-page64": ((SGLANG_PAGE64,), render_sglang_in_engine_page64),
     "vllm-prefix-server": ((VLLM_PREFIX_SERVER,), render_vllm_prefix_server),
     "vllm-server": ((VLLM_SERVER,), render_vllm_server),
     "vllm-offline": ((VLLM_OFFLINE,), render_vllm_offline),
