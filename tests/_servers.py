@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -80,3 +83,16 @@ def _need_redis() -> None:
         import redis  # noqa: F401
     except ImportError:
         pytest.skip("redis-py is not installed (pip install 'hybridkv[redis]')")
+
+
+@contextlib.contextmanager
+def running_redis(workdir: Path) -> Iterator[RedisServer]:
+    """A redis-server of its own in ``workdir`` on a free port, stopped on exit
+    (skips the test when redis-server is not installed)."""
+    _need_redis()
+    server = RedisServer(workdir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from _servers import RedisServer, _need_redis
+from _servers import RedisServer, running_redis
 from hybridkv.eval.traces import default_shared_traces
 
 
@@ -24,8 +24,5 @@ def shared_traces() -> Path:
 @pytest.fixture()
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A private redis-server per test (tests kill it)."""
-    _need_redis()
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.stop()
+    with running_redis(tmp_path) as server:
+        yield server

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from _servers import RedisServer, _need_redis
+from _servers import RedisServer, running_redis
 from hybridkv import CacheConfig, HybridKVCache, KVShape, ModelSpec
 
 TINY = ModelSpec("tiny", ["full", "swa", "swa"], 8, KVShape(2, 6, 4), KVShape(3, 6, 4), dtype="float32",
@@ -25,8 +25,5 @@ def tiny_cache(full_pages: int = 24, swa_pages: int = 12, retention: str = "eage
 @pytest.fixture()
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A private redis-server per test (tests kill it)."""
-    _need_redis()
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.stop()
+    with running_redis(tmp_path) as server:
+        yield server

@@ -17,28 +17,22 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from _servers import RedisServer, _need_redis, _stop, free_port, wait_port  # noqa: F401 (re-exported to tests)
+from _servers import RedisServer, _need_redis, _stop, free_port, running_redis, wait_port  # noqa: F401 (re-exported to tests)
 from hybridkv.tiers.storage import open_backend
 
 
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    _need_redis()
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
+    with running_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
 @pytest.fixture()
 def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A private redis-server (for kill/restart tests)."""
-    _need_redis()
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.stop()
+    with running_redis(tmp_path) as server:
+        yield server
 
 
 class MooncakeMaster:
