@@ -37,6 +37,7 @@ import numpy as np
 
 from .radix import InsertResult, LockHandle, MatchResult, PagePool, WindowSafeTree
 from .radix.node import TreeNode
+from .radix.tree import parts_pages
 from .request import Request
 
 __all__ = ["Hit", "Lifecycle", "PagePool", "TierHooks", "TierPlan"]
@@ -89,19 +90,10 @@ class Hit:
     parts: list[tuple[TreeNode, int]]
     handle: LockHandle
 
-    def full_pages(self) -> np.ndarray:
-        """The hit's full page ids (a new int32 array).  O(pages)."""
-        return _join([nd.full[:take] for nd, take in self.parts])
-
-    def swa_pages(self) -> np.ndarray:
-        """The hit's SWA page ids (a new int32 array, ``NO_PAGE`` where not held).  O(pages)."""
-        return _join([nd.swa[:take] for nd, take in self.parts])
-
-
-def _join(arrays: list[np.ndarray]) -> np.ndarray:
-    if not arrays:
-        return np.zeros(0, np.int32)
-    return arrays[0].copy() if len(arrays) == 1 else np.concatenate(arrays)
+    def page_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """The hit's full and SWA page ids (int32 copies; SWA ``NO_PAGE`` where not
+        held), as :meth:`~hybridkv.radix.WindowSafeTree.match_tokens` gives them.  O(pages)."""
+        return parts_pages(self.parts)
 
 
 class Lifecycle:
@@ -124,11 +116,6 @@ class Lifecycle:
         self.tree = tree
         self.page_size = tree.page_size
         self.policy = tree.policy
-
-    @property
-    def pool(self) -> PagePool:
-        """The host's pages, as the tree sees them."""
-        return self.tree.pool
 
     # ------------------------------------------------------------- begin
     def begin(self, tokens: np.ndarray, namespace: str, limit: int | None, *, touch: bool = True) -> Hit:

@@ -50,7 +50,20 @@ from .types import (EMPTY, RANKINGS, SWA_EVICTIONS, InsertResult, LockHandle, Ma
                     TreeConfig, TreeEvent, pool_lacks)
 
 __all__ = ["TreeConfig", "TreeEvent", "WindowSafeTree", "MatchResult", "LockHandle", "InsertResult",
-           "PagePool", "RANKINGS", "SWA_EVICTIONS", "as_token_array"]
+           "PagePool", "RANKINGS", "SWA_EVICTIONS", "as_token_array", "parts_pages"]
+
+
+def parts_pages(parts: list[tuple[TreeNode, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The full and SWA page ids of a match's ``(node, pages taken)`` parts
+    (:meth:`WindowSafeTree.match_parts`), as copies: the caller may write into
+    them, the nodes' arrays are the tree's.  O(pages)."""
+    if len(parts) == 1:
+        n, take = parts[0]
+        return n.full[:take].copy(), n.swa[:take].copy()
+    if parts:
+        return (np.concatenate([n.full[:take] for n, take in parts]),
+                np.concatenate([n.swa[:take] for n, take in parts]))
+    return EMPTY, EMPTY
 
 
 class WindowSafeTree:
@@ -267,15 +280,7 @@ class WindowSafeTree:
                      touch: bool = True) -> MatchResult:
         """:meth:`match` on an already validated key."""
         safe, raw_pages, parts, node = self.match_parts(key, namespace, max_len, split=split, touch=touch)
-        # copies: the caller may write into them, the nodes' arrays are the tree's
-        if len(parts) == 1:
-            n, take = parts[0]
-            full, swa = n.full[:take].copy(), n.swa[:take].copy()
-        elif parts:
-            full = np.concatenate([n.full[:take] for n, take in parts])
-            swa = np.concatenate([n.swa[:take] for n, take in parts])
-        else:
-            full = swa = EMPTY
+        full, swa = parts_pages(parts)
         size = self.page_size
         return MatchResult(safe * size, raw_pages * size, full, swa, node)
 

@@ -18,8 +18,8 @@ from ..modes import EvictionRanking, SwaEviction
 from ..spec import window_pages
 from .node import TreeNode
 
-__all__ = ["TreeConfig", "TreeEvent", "MatchResult", "LockHandle", "InsertResult", "PagePool", "SideGroup", "OneWindowPool", "pool_lacks",
-           "RANKINGS", "SWA_EVICTIONS", "EMPTY", "EvictionRanking", "SwaEviction"]
+__all__ = ["TreeConfig", "TreeEvent", "MatchResult", "LockHandle", "InsertResult", "PagePool", "SideGroup",
+           "OneWindowPool", "pool_lacks", "RANKINGS", "SWA_EVICTIONS", "EMPTY", "EvictionRanking", "SwaEviction"]
 
 EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -104,10 +104,13 @@ class OneWindowPool:
         """The host's allocator owns the check (its references); nothing here."""
 
 
+#: the members of :class:`PagePool`, in its order
+POOL_MEMBERS = ("groups", "free_full_trusted", "free_swa_trusted", "held_by_all", "group_bytes", "check_taken")
+
+
 def pool_lacks(pool: object) -> list[str]:
     """The :class:`PagePool` members ``pool`` does not have (``[]``: complete)."""
-    names = ("groups", "free_full_trusted", "free_swa_trusted", "held_by_all", "group_bytes", "check_taken")
-    return [n for n in names if not hasattr(pool, n)]
+    return [n for n in POOL_MEMBERS if not hasattr(pool, n)]
 
 
 @dataclass(frozen=True)

@@ -144,8 +144,9 @@ def test_begin_locks_the_window_safe_hit_and_end_gives_it_back():
     hit = life.begin(_tok(12), "default", 11)
     assert isinstance(hit, Hit)
     assert (hit.pages, hit.raw_pages) == (5, 5)
-    assert hit.full_pages().tolist() == [0, 1, 2, 3, 4]
-    assert hit.swa_pages().tolist() == [0, 1, 2, 3, 4]
+    full, swa = hit.page_ids()
+    assert full.tolist() == [0, 1, 2, 3, 4]
+    assert swa.tolist() == [0, 1, 2, 3, 4]
     assert hit.handle.node is not None and t.protected_full_pages == 5
     life.end(hit.handle)
     assert t.protected_full_pages == 0
@@ -154,7 +155,7 @@ def test_begin_locks_the_window_safe_hit_and_end_gives_it_back():
 def test_begin_without_a_hit_locks_nothing():
     life = Lifecycle(_tree())
     hit = life.begin(_tok(12), "default", 11)
-    assert (hit.pages, hit.handle.node, hit.full_pages().size) == (0, None, 0)
+    assert (hit.pages, hit.handle.node, hit.page_ids()[0].size) == (0, None, 0)
 
 
 def test_release_rule_is_the_policy_and_kept_is_its_complement():
@@ -221,8 +222,8 @@ def test_hit_page_arrays_are_copies():
     t = _tree()
     t.insert(np.arange(8), np.arange(4), np.arange(4))
     hit = Lifecycle(t).begin(_tok(8), "default", 8)
-    hit.full_pages()[:] = 99
-    assert hit.full_pages().tolist() == [0, 1, 2, 3]
+    hit.page_ids()[0][:] = 99
+    assert hit.page_ids()[0].tolist() == [0, 1, 2, 3]
     assert isinstance(LockHandle(None), LockHandle)
 
 

@@ -196,7 +196,7 @@ class HybridKVCacheManager(KVCacheManager):
         if hit.pages == 0:
             return self.empty_kv_cache_blocks, 0, 0
         self.counters["hit_tokens"] += hit.pages * P
-        return self.create_kv_cache_blocks(self._blocks_of(hit.full_pages(), hit.swa_pages())), hit.pages * P, 0
+        return self.create_kv_cache_blocks(self._blocks_of(*hit.page_ids())), hit.pages * P, 0
 
     def _track(self, request: Any, handle: LockHandle, hit_pages: int, raw_pages: int) -> None:
         live = self._live.get(request.request_id)
