@@ -187,6 +187,29 @@ class HostTier:
                 del table[key]
                 self._free_swa_entry(key, page)
 
+    def discard(self, keys: Sequence[bytes], *, swa: bool = False) -> int:
+        """Drop ``keys`` (their copy turned out unusable, e.g. a read of them failed),
+        as an eviction would; absent keys are ignored.  Returns pages dropped.  O(n)."""
+        n = 0
+        for key in keys:
+            if not swa:
+                page = self._full.pop(key, None)
+                if page is None:
+                    continue
+                self._free_full(np.array([page], dtype=np.int32))
+                self.counters["evicted_full_pages"] += 1
+                if self.listeners:
+                    emit(self.listeners, TierEvent("L2", "remove", (key,)))
+                self._drop_paired_swa(key, set())
+                n += 1
+                continue
+            for table in (self._swa, self._anchor):
+                page = table.pop(key, None)
+                if page is not None:
+                    self._free_swa_entry(key, page)
+                    n += 1
+        return n
+
     def clear(self) -> int:
         """Drop every page (as a host restart would); returns pages dropped.  O(pages)."""
         n = 0

@@ -36,3 +36,18 @@ def test_budget_bytes_accepts_numpy_ints():
     spec = ModelSpec.preset("mimo-v2.5", page_size=4)
     host = HostTier(spec, np.int64(4 * spec.bytes_per_page("full")))
     assert host.alloc(4, 0) is not None
+
+
+def test_discard_drops_keys_and_frees_their_pages():
+    spec = ModelSpec.preset("mimo-v2.5", page_size=4)
+    tier = HostTier(spec, 3 * spec.bytes_per_page("full") + 2 * spec.bytes_per_page("swa"))
+    tier.insert_full([b"a", b"b", b"c"], tier.alloc(3, 0)[0])
+    tier.insert_swa([b"s1", b"s2"], tier.alloc(0, 2)[1], np.array([True, False]))
+    assert tier.discard([b"b", b"zz"]) == 1  # an absent key is ignored
+    assert tier.lookup_full([b"a", b"b", b"c"]).tolist()[1] == -1
+    assert tier.discard([b"s1", b"s2"], swa=True) == 2
+    assert (tier.lookup_swa([b"s1", b"s2"]) == -1).all()
+    assert (tier.num_full_pages, tier.num_swa_pages) == (2, 0)
+    tier.check_invariants()
+    got = tier.alloc(1, 0)  # the discarded page is free again: no eviction needed
+    assert got is not None and tier.lookup_full([b"a", b"c"]).min() >= 0

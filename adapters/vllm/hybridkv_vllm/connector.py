@@ -15,8 +15,10 @@ manager, one block table per KV-cache group):
   ids are at its own block size; a hit ends on a multiple of the lcm of all
   block sizes (``self.unit``, also vLLM's scheduler block size).
 * Scheduler: ``get_num_new_matched_tokens`` hashes the prompt into hybridkv's
-  chained page keys (one chain per group), asks L3 which pages exist and
-  returns the largest *window-safe* hit (:func:`.plan.window_safe_tokens`):
+  chained page keys (one chain per group), finds which pages the tiers hold
+  in its one record of them (:class:`.sources.TierView`: the L2 mirror and
+  the store's index of what this engine saved, read or probed; the store is
+  asked ``exists`` only for keys with no answer) and returns the largest *window-safe* hit (:func:`.plan.window_safe_tokens`):
   full-attention pages for the whole prefix, SWA pages only for the window
   before the hit end.  Loads are reported asynchronous because that is the
   path on which vLLM 0.32 accepts per-request load failures for models with
@@ -44,8 +46,9 @@ manager, one block table per KV-cache group):
 * L2: each worker keeps a host page cache (:class:`.l2.HostPageCache`, hybridkv's
   ``HostTier`` index, ``l2_gb``).  Saves go to L2 and through to L3; loads read
   L2 first and L3 for the rest (L3 reads fill L2).  The scheduler decides hits
-  from L3 presence (it runs in another process than the worker's L2), so L2
-  saves L3 reads but never adds hits L3 cannot back.
+  from its record of both (it runs in another process than the worker's L2:
+  it mirrors the L2 index and keeps the store's index); a page the L2 mirror holds counts as present even when its
+  L3 write failed (a failed load takes it out of the mirror again).
 * Hit sources (``vllm:prompt_tokens_cached_by_source``): pages the worker reads
   from L2 count as ``host``, from a file L3 as ``disk`` (:mod:`.sources`: the
   scheduler side mirrors the worker's L2 index to tell which is which).
@@ -60,7 +63,6 @@ import os
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -74,6 +76,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hybridkv.tiers.index import StoreIndex
 from hybridkv.tiers.keys import page_keys
 from hybridkv.tiers.storage import open_backend
 
@@ -87,7 +90,7 @@ from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
 from .plan import checkpoint_ends, pages_to_save, window_safe_tokens
 from .progress import IDLE_WAIT_S, SavesBusy, SavesWatch, WorkerSaves
 from .saver import SaveThread
-from .sources import HitSources, l3_source
+from .sources import TierView, l3_source
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -99,7 +102,8 @@ if TYPE_CHECKING:
 
 __all__ = ["HybridKVConnector", "HybridKVMetadata", "PageJob"]
 
-SENT_KEYS_MAX = 1 << 17  # recently saved keys the scheduler remembers (~15 MB)
+STORE_KEYS_MAX = 1 << 20  # keys the scheduler's store index remembers (~150 MB at most)
+ABSENT_TTL_S = 2.0  # an "absent" probe answer is trusted this long (another engine may write)
 SHUTDOWN_DRAIN_S = 3.0  # vLLM SIGKILLs an engine process ~5 s after SIGTERM
 LOAD_WAIT_S = 30.0  # a load waits at most this long for a queued save of its pages
 
@@ -145,15 +149,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._reqs: dict[str, ReqState] = {}
         self._pending_loads: dict[str, PageJob] = {}
         self._pending_saves: list[PageJob] = []
-        # Keys of save jobs already sent to the workers (bounded, oldest out):
-        # lookups count them as stored while their store may still be queued.
-        self._sent: OrderedDict[bytes, None] = OrderedDict()
-        self._loading: dict[str, list[bytes]] = {}  # req -> keys of its load in flight
+        self._loading: dict[str, dict[int, list[bytes]]] = {}  # req -> its load's keys per group
         # Keys of save jobs built but not sent yet (dedup only; lookups do not see them:
         # a load in the same step would run before the save is submitted).
         self._claimed: set[bytes] = set()
         self._worker_saves = SavesWatch()  # keeps vLLM stepping until saves are counted
-        self._sources = HitSources(self.groups, self._l2_mirror(kv_cache_config), l3_source(self.cfg.l3_url))
+        # The one record of what L2 and L3 hold: keys of save jobs sent to the workers
+        # count as stored while their store may still be queued (a load waits for it).
+        self._tiers = TierView(self.groups, self._l2_mirror(kv_cache_config), l3_source(self.cfg.l3_url),
+                               StoreIndex(self.backend.exists, bound=STORE_KEYS_MAX, absent_ttl_s=ABSENT_TTL_S))
         # worker side
         self._saves_report = WorkerSaves()
         self._buffers: dict[int, GroupBuffers] = {}
@@ -269,9 +273,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         """Window-safe external hit beyond ``num_computed_tokens`` (page aligned).
 
-        Side-effect free towards vLLM (only caches keys).  Cost: one batched
-        ``exists`` over the page keys past the local hit that this engine has
-        not saved itself.
+        Side-effect free towards vLLM (only caches keys).  Cost: the tiers' record
+        (:class:`.sources.TierView`) answers for keys this engine saved, read or
+        probed; one batched ``exists`` asks the store about the rest.
         """
         unit = self.unit
         max_tokens = (request.num_tokens - 1) // unit * unit  # vLLM must compute >= 1 token
@@ -285,24 +289,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Pages below the engine's own hit are never read (window_safe_tokens
         # starts there); pages this engine already handed to its workers'
         # save threads count as present (the worker's load waits for their
-        # store, see SaveThread.wait_keys); only the rest is asked of L3.
-        present, ask, where = [], [], []
-        for gi, g in enumerate(self.groups):
-            ks = keys[g.index]
-            arr = np.zeros(len(ks), dtype=bool)
-            lo = min(len(ks), num_computed_tokens // g.block_size)
-            arr[:lo] = True
-            for i in range(lo, len(ks)):
-                if ks[i] in self._sent:
-                    arr[i] = True
-                else:
-                    ask.append(ks[i])
-                    where.append((gi, i))
-            present.append(arr)
-        if ask:
-            got = self.backend.exists(ask)
-            for (gi, i), ok in zip(where, got):
-                present[gi][i] = bool(ok)
+        # store, see SaveThread.wait_keys).
+        los = {g.index: min(len(keys[g.index]), num_computed_tokens // g.block_size) for g in self.groups}
+        held = self._tiers.present({gi: keys[gi][lo:] for gi, lo in los.items()})
+        present = [np.concatenate([np.ones(los[g.index], dtype=bool), held[g.index]]) for g in self.groups]
         hit = window_safe_tokens(present, self.groups, unit, num_computed_tokens, max_tokens)
         self._count(lookups=1)
         st.hit_tokens = hit if hit > num_computed_tokens else 0
@@ -338,9 +328,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             sel = [i for i in range(lo, min(hi, len(blk))) if not blk[i].is_null]
             pages[g.index] = (sel, [keys[g.index][i] for i in sel])
             job.groups[g.index] = ([blk[i].block_id for i in sel], pages[g.index][1])
-        st.hit_sources = self._sources.on_load(pages, start, end)
+        st.hit_sources = self._tiers.on_load(pages, start, end)
         self._pending_loads[request.request_id] = job
-        self._loading[request.request_id] = [k for _, ks in job.groups.values() for k in ks]
+        self._loading[request.request_id] = {gi: list(ks) for gi, (_, ks) in job.groups.items()}
         st.saved_tokens = max(st.saved_tokens, end)  # these pages are in storage already
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
@@ -383,7 +373,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             # A page another job already carries (a shared system prompt saved by
             # the first request of a batch) is neither copied out nor stored again.
             ks = keys[g.index]
-            sel = [i for i in sel if ks[i] not in self._sent and ks[i] not in self._claimed]
+            sel = [i for i in sel if not self._tiers.saved_or_queued(ks[i]) and ks[i] not in self._claimed]
             if sel:
                 job.groups[g.index] = ([ids[i] for i in sel], [ks[i] for i in sel])
                 self._claimed.update(ks[i] for i in sel)
@@ -420,14 +410,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta.saves.extend(self._pending_saves)
         self._pending_saves.clear()
         for job in meta.saves:  # visible to lookups from the next step on
-            self._sources.on_save(job.groups)
-            for _, ks in job.groups.values():
-                for k in ks:
-                    self._sent[k] = None
-                    self._sent.move_to_end(k)
+            self._tiers.on_save(job.groups)
         self._claimed.clear()
-        while len(self._sent) > SENT_KEYS_MAX:
-            self._sent.popitem(last=False)
         meta.idle = not (meta.loads or meta.saves or scheduler_output.total_num_scheduled_tokens)
         return meta
 
@@ -459,13 +443,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished_all_groups(request, (block_ids,))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """A failed load forgets its keys from the sent set: a save that was
-        dropped (queue full) or lost must not make every later lookup fail."""
+        """A finished load confirms its keys in the tiers' record; a failed one marks
+        them absent: a save that was dropped (queue full) or lost must not make
+        every later lookup fail."""
+        failed = connector_output.failed_recving or ()
         for req_id in connector_output.finished_recving or ():
-            keys = self._loading.pop(req_id, ())
-            if req_id in (connector_output.failed_recving or ()):
-                for k in keys:
-                    self._sent.pop(k, None)
+            keys = self._loading.pop(req_id, None)
+            if keys is not None:
+                self._tiers.on_load_done(keys, req_id not in failed)
         self._worker_saves.update(connector_output.kv_connector_worker_meta)
 
     def has_pending_push_work(self) -> bool:

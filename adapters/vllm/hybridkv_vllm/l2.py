@@ -71,6 +71,12 @@ class HostPageIndex:
             return self.tier.lookup_swa(keys, touch=True)
         return self.tier.lookup_full(keys, touch=True)
 
+    def held(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:
+        """Bool per key: whether the index holds it (recency untouched).  O(n)."""
+        if swa:
+            return self.tier.lookup_swa(keys) >= 0
+        return self.tier.lookup_full(keys) >= 0
+
     def admit(self, swa: bool, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """Index the keys not held yet (those held are touched); returns the indices
         ``i`` of ``keys`` admitted and their host pages.  When the budget cannot make

@@ -1,4 +1,12 @@
-"""Where the connector's hits come from, in vLLM's words (``prompt_tokens_cached_by_source``).
+"""The scheduler side's one record of the tiers: what L2 and L3 hold, and where hits come from.
+
+:class:`TierView` answers the connector's lookups (which of a prompt's pages the
+tiers hold) from the L2 mirror below and the store's :class:`~hybridkv.tiers.index.StoreIndex`
+(keys this engine queued for storing, keys read back or found by a probe, keys
+found absent for a short while), so a lookup probes the store (``exists``) only
+for keys it has no answer for, and a key is known in one place from its save to
+its loss.  It also splits each hit by tier, in vLLM's words
+(``prompt_tokens_cached_by_source``):
 
 vLLM 0.32 asks the scheduler-side connector, right after ``update_state_after_alloc``,
 to split a request's external hit by tier (``get_external_cache_hit_sources``); a
@@ -23,10 +31,12 @@ from collections.abc import Sequence
 import numpy as np
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hybridkv.tiers.index import StoreIndex
+
 from .l2 import HostPageIndex
 from .plan import GroupInfo
 
-__all__ = ["HitSources", "l3_source"]
+__all__ = ["TierView", "l3_source"]
 
 # L3 URL schemes whose pages live on this machine's disks; any other is a remote store.
 _DISK_SCHEMES = ("file", "nixl+posix")
@@ -41,19 +51,62 @@ def l3_source(url: str) -> CacheHitSource:
     return CacheHitSource.DISK if scheme in _DISK_SCHEMES else CacheHitSource.EXTERNAL_UNSPECIFIED
 
 
-class HitSources:
-    """The scheduler side's view of the worker's L2, and each hit's split by tier.
+class TierView:
+    """The scheduler side's record of what the worker's L2 and the L3 store hold, and
+    each hit's split by tier.
 
     Args:
         groups: the connector's KV-cache groups.
         l2: a mirror of the worker's L2 index (None: no L2, every hit is L3's).
         l3: the label of L3 hits (:func:`l3_source`).
+        store: what L3 holds as far as this engine knows (default: an index that never
+            probes, so only what this engine queued counts).
     """
 
-    def __init__(self, groups: Sequence[GroupInfo], l2: HostPageIndex | None, l3: CacheHitSource) -> None:
+    def __init__(self, groups: Sequence[GroupInfo], l2: HostPageIndex | None, l3: CacheHitSource,
+                 store: StoreIndex | None = None) -> None:
         self.groups = {g.index: g for g in groups}
         self.l2 = l2
         self.l3 = l3
+        self.store = store if store is not None else StoreIndex(None)
+
+    def present(self, wanted: dict[int, list[bytes]]) -> dict[int, np.ndarray]:
+        """Per group index, a bool per key of ``wanted``: whether L2 (the mirror, not
+        touched) or L3 holds it.  The keys neither L2 nor the store's record answer
+        for are probed in one batched call.  O(keys) plus at most one probe."""
+        out: dict[int, np.ndarray] = {}
+        ask: list[bytes] = []
+        where: list[tuple[int, int]] = []
+        for gi, keys in wanted.items():
+            held = np.zeros(len(keys), dtype=bool)
+            if self.l2 is not None and keys:
+                held = self.l2.held(self.groups[gi].is_swa, keys)
+            out[gi] = held
+            for i in np.flatnonzero(~held).tolist():
+                ask.append(keys[i])
+                where.append((gi, i))
+        if ask:
+            for (gi, i), ok in zip(where, self.store.present(ask).tolist()):
+                out[gi][i] = ok
+        return out
+
+    def saved_or_queued(self, key: bytes) -> bool:
+        """Whether the store holds ``key`` or this engine queued it (a save need not
+        carry it again).  O(1)."""
+        return self.store.state(key) is not None
+
+    def on_load_done(self, keys: dict[int, list[bytes]], ok: bool) -> None:
+        """A load of ``keys`` (per group index) finished: read intact (``ok``), or failed:
+        which pages it lacked is unknown, so every key leaves the L2 mirror and is
+        absent from L3 until stored again or probed past the TTL (a save the worker
+        dropped cannot make later lookups fail again and again).  O(keys)."""
+        for gi, ks in keys.items():
+            if ok:
+                self.store.stored(ks)
+                continue
+            self.store.lost(ks)
+            if self.l2 is not None:
+                self.l2.tier.discard(ks, swa=self.groups[gi].is_swa)
 
     def on_load(self, pages: dict[int, tuple[list[int], list[bytes]]], start: int, end: int) -> dict[CacheHitSource, int]:
         """A load of ``pages`` (per group index: page indices at the group's block size
@@ -96,7 +149,9 @@ class HitSources:
 
     def on_save(self, groups: dict[int, tuple[list[int], list[bytes]]]) -> None:
         """A save job's pages (per group index: block ids and keys) go into L2, as the
-        worker stores them.  O(pages)."""
+        worker stores them, and count as queued for L3.  O(pages)."""
+        for _, keys in groups.values():
+            self.store.queued(keys)
         if self.l2 is None:
             return
         for gi, (_, keys) in groups.items():

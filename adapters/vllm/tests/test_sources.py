@@ -1,6 +1,6 @@
 """The connector's hits by source (``vllm:prompt_tokens_cached_by_source``): L2 pages are
 ``host``, a file L3's are ``disk``, and the scheduler's mirror of the worker's L2 moves
-as the worker's L2 does (no server: :class:`hybridkv_vllm.sources.HitSources` alone)."""
+as the worker's L2 does (no server: :class:`hybridkv_vllm.sources.TierView` alone)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from hybridkv_vllm.l2 import HostPageCache, HostPageIndex
 from hybridkv_vllm.plan import GroupInfo
-from hybridkv_vllm.sources import HitSources, l3_source
+from hybridkv_vllm.sources import TierView, l3_source
 from vllm.v1.metrics.cache_hit_source import CacheHitSource as S
 
 # MiMo-V2's shape in vLLM: a full group of 64-token blocks, a sliding group (window 64) of 32
@@ -20,7 +20,7 @@ def _keys(tag: str, n: int) -> list[bytes]:
     return [f"{tag}{i}".encode() for i in range(n)]
 
 
-def _load(src: HitSources, tag: str, end: int, start: int = 0) -> dict:
+def _load(src: TierView, tag: str, end: int, start: int = 0) -> dict:
     """A hit [start, end): every full page, and the sliding group's window before ``end``."""
     full = list(range(start // 64, end // 64))
     swa = list(range(max(start, end - 64) // 32, end // 32))
@@ -42,7 +42,7 @@ def test_l3_label_rejects_a_non_string():
 
 
 def test_first_load_is_disk_the_repeat_is_host():
-    src = HitSources([FULL, SWA], HostPageIndex(PAGE, 64 * PAGE, 64), S.DISK)
+    src = TierView([FULL, SWA], HostPageIndex(PAGE, 64 * PAGE, 64), S.DISK)
     assert _load(src, "a", 384) == {S.DISK: 384}  # L2 empty: all from L3, which fills L2
     assert _load(src, "a", 384) == {S.HOST: 384}
     # a longer prompt over the same prefix: the new pages (and the new window) from L3
@@ -50,16 +50,16 @@ def test_first_load_is_disk_the_repeat_is_host():
 
 
 def test_saved_pages_are_host_and_without_l2_every_hit_is_l3s():
-    src = HitSources([FULL, SWA], HostPageIndex(PAGE, 64 * PAGE, 64), S.DISK)
+    src = TierView([FULL, SWA], HostPageIndex(PAGE, 64 * PAGE, 64), S.DISK)
     src.on_save({0: ([1, 2, 3], _keys("bf", 3)), 1: ([7, 8], _keys("bs", 6)[4:6])})
     assert _load(src, "b", 192) == {S.HOST: 192}
-    none = HitSources([FULL, SWA], None, S.EXTERNAL_UNSPECIFIED)
+    none = TierView([FULL, SWA], None, S.EXTERNAL_UNSPECIFIED)
     assert _load(none, "b", 192) == {S.EXTERNAL_UNSPECIFIED: 192}
     assert none.on_load({}, 64, 64) == {}
 
 
 def test_a_hit_past_a_local_hit_counts_only_its_own_tokens():
-    src = HitSources([FULL, SWA], HostPageIndex(PAGE, 64 * PAGE, 64), S.DISK)
+    src = TierView([FULL, SWA], HostPageIndex(PAGE, 64 * PAGE, 64), S.DISK)
     split = _load(src, "c", 384, start=128)
     assert split == {S.DISK: 256}
 
@@ -80,3 +80,48 @@ def test_the_mirror_evicts_as_the_workers_l2_does():
     held = (worker.lookup(False, every) >= 0).tolist()
     assert held == (mirror.lookup(False, every) >= 0).tolist()
     assert 0 < sum(held) < len(every)  # something was evicted, not everything
+
+
+class _Probe:
+    def __init__(self, there: set[bytes]) -> None:
+        self.there, self.asked = there, []
+
+    def __call__(self, keys: list[bytes]) -> list[bool]:
+        self.asked.append(list(keys))
+        return [k in self.there for k in keys]
+
+
+def _view(there: set[bytes]) -> tuple[TierView, _Probe]:
+    from hybridkv.tiers.index import StoreIndex
+    probe = _Probe(there)
+    return TierView([FULL, SWA], HostPageIndex(PAGE, 64 * PAGE, 64), S.DISK, StoreIndex(probe)), probe
+
+
+def test_a_lookup_probes_the_store_once_per_unknown_key():
+    """The tiers' record answers for keys saved here, held in L2 or probed before; only
+    keys with no answer reach the store's exists, in one call for all groups."""
+    view, probe = _view(set(_keys("pf", 4)))
+    got = view.present({0: _keys("pf", 6), 1: _keys("ps", 2)})
+    assert got[0].tolist() == [True] * 4 + [False] * 2 and got[1].tolist() == [False, False]
+    assert len(probe.asked) == 1 and len(probe.asked[0]) == 8
+    view.present({0: _keys("pf", 6), 1: _keys("ps", 2)})  # the same prompt again
+    assert len(probe.asked) == 1
+    view.on_save({0: ([9], _keys("qf", 1)), 1: ([3], _keys("qs", 1))})  # saved here: queued, in L2
+    got = view.present({0: _keys("qf", 1), 1: _keys("qs", 1)})
+    assert got[0].tolist() == [True] and got[1].tolist() == [True] and len(probe.asked) == 1
+    assert view.saved_or_queued(_keys("qf", 1)[0]) and not view.saved_or_queued(b"never")
+
+
+def test_a_failed_load_leaves_the_record_absent_not_looping():
+    """A save the worker dropped: the mirror and the record said present, the load failed.
+    The keys leave both, so the next lookup does not plan the same failing load."""
+    view, probe = _view(set())
+    keys = {0: _keys("rf", 2), 1: _keys("rs", 1)}
+    view.on_save({0: ([1, 2], keys[0]), 1: ([5], keys[1])})
+    assert all(v.all() for v in view.present(keys).values())
+    view.on_load_done(keys, ok=False)
+    assert not any(v.any() for v in view.present(keys).values())
+    assert probe.asked == []  # absent within the TTL: not even asked
+    assert (view.l2.held(False, keys[0]) == False).all()  # noqa: E712
+    view.on_load_done({0: _keys("pf", 1)}, ok=True)  # a load read intact: stored
+    assert view.saved_or_queued(_keys("pf", 1)[0])

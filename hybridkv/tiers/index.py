@@ -1,0 +1,162 @@
+"""What an L3 store holds, as far as one engine knows: the record lookups read.
+
+A lookup must not cost a round trip to the store for every page of every
+prompt.  :class:`StoreIndex` remembers, per chained page key
+(:mod:`hybridkv.tiers.keys`):
+
+* keys this engine **queued** for storing (a writer will put them; a load
+  that races the write waits for it, or fails and reports the keys lost);
+* keys **stored**: read back intact, or found by a probe;
+* keys found **absent** by a probe, for ``absent_ttl_s`` only (another engine
+  sharing the store may write them; past the TTL they are probed again).
+
+:meth:`StoreIndex.present` answers from the record and probes only the keys it
+has no answer for, in one batched call (the store's ``exists``), recording
+the answers.  A key a read found missing or corrupt is reported with
+:meth:`StoreIndex.lost` and is absent from then on until stored again.  The
+record is bounded (oldest entries out): an entry that falls out is only
+probed again, never answered wrongly.
+
+A hit is still clamped to what a load actually reads (the seed's rule): the
+index decides what is worth loading, the load decides what is served.
+
+Not thread-safe: its owner serialises calls (vLLM's scheduler thread).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from enum import IntEnum
+
+import numpy as np
+
+__all__ = ["Known", "StoreIndex"]
+
+Probe = Callable[[list[bytes]], Sequence[bool]]
+
+
+class Known(IntEnum):
+    """A key's state in a :class:`StoreIndex` (absent keys live in their own table)."""
+
+    QUEUED = 1
+    STORED = 2
+
+
+class StoreIndex:
+    """The keys one L3 store holds, as this engine knows them (see module docstring).
+
+    Args:
+        probe: the store's batched ``exists`` (``None``: never probe; only what
+            this engine queued or read counts).  A probe that raises counts as
+            "absent" for this lookup and is not recorded (a store that is down
+            degrades to a miss).
+        bound: most keys remembered as queued/stored, and as absent (> 0).
+        absent_ttl_s: how long an "absent" answer is trusted (>= 0).
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, probe: Probe | None, *, bound: int = 1 << 20, absent_ttl_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if probe is not None and not callable(probe):
+            raise TypeError(f"probe must be callable or None, got {type(probe).__name__}")
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound <= 0:
+            raise ValueError(f"bound must be a positive int, got {bound!r}")
+        if isinstance(absent_ttl_s, bool) or not isinstance(absent_ttl_s, (int, float)) or absent_ttl_s < 0:
+            raise ValueError(f"absent_ttl_s must be a number >= 0, got {absent_ttl_s!r}")
+        self._probe = probe
+        self._bound = bound
+        self._ttl = float(absent_ttl_s)
+        self._clock = clock
+        self._known: OrderedDict[bytes, Known] = OrderedDict()
+        self._absent: OrderedDict[bytes, float] = OrderedDict()  # key -> trusted until
+        self.counters = {"probes": 0, "probed_keys": 0, "probe_errors": 0, "answered_keys": 0, "lost_keys": 0}
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def state(self, key: bytes) -> Known | None:
+        """The record of ``key`` (``None``: unknown or absent).  O(1)."""
+        return self._known.get(key)
+
+    def _remember(self, keys: Sequence[bytes], state: Known) -> None:
+        known, absent = self._known, self._absent
+        for k in keys:
+            if state == Known.QUEUED and known.get(k) == Known.STORED:
+                known.move_to_end(k)
+                continue
+            known[k] = state
+            known.move_to_end(k)
+            absent.pop(k, None)
+        while len(known) > self._bound:
+            known.popitem(last=False)
+
+    def queued(self, keys: Sequence[bytes]) -> None:
+        """This engine handed ``keys`` to a writer: they count as present.  O(n)."""
+        self._remember(keys, Known.QUEUED)
+
+    def stored(self, keys: Sequence[bytes]) -> None:
+        """``keys`` are in the store (read back intact, or a writer confirmed).  O(n)."""
+        self._remember(keys, Known.STORED)
+
+    def lost(self, keys: Sequence[bytes]) -> None:
+        """A read found ``keys`` missing or corrupt (or their write was dropped):
+        absent until stored again.  O(n)."""
+        until = self._clock() + self._ttl
+        for k in keys:
+            if self._known.pop(k, None) is not None:
+                self.counters["lost_keys"] += 1
+            self._absent[k] = until
+            self._absent.move_to_end(k)
+        while len(self._absent) > self._bound:
+            self._absent.popitem(last=False)
+
+    def present(self, keys: Sequence[bytes], *, probe: bool = True) -> np.ndarray:
+        """Bool per key: whether the store holds it (or will: queued).  Keys with no
+        trusted answer are probed in one batched call when ``probe`` (else absent).
+        O(n) plus one probe of the unknown keys."""
+        now = self._clock()
+        out = np.zeros(len(keys), dtype=bool)
+        ask: list[bytes] = []
+        at: list[int] = []
+        for i, k in enumerate(keys):
+            if k in self._known:
+                out[i] = True
+                continue
+            until = self._absent.get(k)
+            if until is not None and until >= now:
+                continue
+            ask.append(k)
+            at.append(i)
+        self.counters["answered_keys"] += len(keys) - len(ask)
+        if ask and probe and self._probe is not None:
+            self._ask(ask, at, out, now)
+        return out
+
+    def _ask(self, ask: list[bytes], at: list[int], out: np.ndarray, now: float) -> None:
+        self.counters["probes"] += 1
+        self.counters["probed_keys"] += len(ask)
+        try:
+            got = list(self._probe(ask))  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - a store that is down is a miss, not a failed lookup
+            self.counters["probe_errors"] += 1
+            return
+        if len(got) != len(ask):
+            self.counters["probe_errors"] += 1
+            return
+        there = [k for k, ok in zip(ask, got) if ok]
+        self.stored(there)
+        until = now + self._ttl
+        for i, k, ok in zip(at, ask, got):
+            if ok:
+                out[i] = True
+            else:
+                self._absent[k] = until
+                self._absent.move_to_end(k)
+        while len(self._absent) > self._bound:
+            self._absent.popitem(last=False)
+
+    def stats(self) -> dict[str, int]:
+        """Counters plus the record's sizes."""
+        return {**self.counters, "known_keys": len(self._known), "absent_keys": len(self._absent)}

@@ -1,0 +1,126 @@
+"""StoreIndex: what an L3 store holds as far as one engine knows (hybridkv.tiers.index).
+
+Lookups answer from the record and probe only keys with no answer; answers are
+recorded (present for good, absent for a TTL); a lost key is absent until
+stored again; a probe that fails is a miss, never an error; the record stays
+within its bound.  Checked against a real file backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.tiers.index import Known, StoreIndex
+from hybridkv.tiers.storage import open_backend
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class CountingProbe:
+    def __init__(self, backend) -> None:  # noqa: ANN001
+        self.backend, self.calls, self.keys = backend, 0, 0
+
+    def __call__(self, keys: list[bytes]) -> list[bool]:
+        self.calls += 1
+        self.keys += len(keys)
+        return self.backend.exists(keys)
+
+
+@pytest.fixture()
+def store(tmp_path):  # noqa: ANN001, ANN201
+    backend = open_backend(f"file://{tmp_path}/l3")
+    yield backend
+    backend.close()
+
+
+def _k(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_known_keys_are_answered_without_a_probe(store):
+    store.put([_k(1), _k(2)], [b"a" * 8, b"b" * 8])
+    probe, clock = CountingProbe(store), Clock()
+    idx = StoreIndex(probe, absent_ttl_s=2.0, clock=clock)
+    assert idx.present([_k(1), _k(2), _k(3)]).tolist() == [True, True, False]
+    assert (probe.calls, probe.keys) == (1, 3)
+    # the same lookup again: every key has an answer (present, or absent within the TTL)
+    assert idx.present([_k(1), _k(2), _k(3)]).tolist() == [True, True, False]
+    assert probe.calls == 1
+    assert idx.state(_k(1)) is Known.STORED and idx.state(_k(3)) is None
+
+
+def test_an_absent_answer_expires_so_another_engines_write_becomes_visible(store):
+    probe, clock = CountingProbe(store), Clock()
+    idx = StoreIndex(probe, absent_ttl_s=2.0, clock=clock)
+    assert idx.present([_k(5)]).tolist() == [False]
+    store.put([_k(5)], [b"x" * 8])  # written by someone else
+    clock.t = 1.0
+    assert idx.present([_k(5)]).tolist() == [False]  # still trusted
+    clock.t = 2.5
+    assert idx.present([_k(5)]).tolist() == [True]
+    assert probe.calls == 2
+
+
+def test_queued_keys_count_as_present_and_lost_keys_do_not(store):
+    probe, clock = CountingProbe(store), Clock()
+    idx = StoreIndex(probe, absent_ttl_s=2.0, clock=clock)
+    idx.queued([_k(7), _k(8)])
+    assert idx.present([_k(7), _k(8)]).tolist() == [True, True]
+    assert probe.calls == 0
+    idx.lost([_k(8)])  # its write was dropped: a load found it missing
+    assert idx.present([_k(7), _k(8)]).tolist() == [True, False]
+    assert probe.calls == 0  # absent within the TTL
+    idx.stored([_k(8)])
+    assert idx.present([_k(8)]).tolist() == [True]
+    idx.stored([_k(9)])
+    idx.queued([_k(9)])  # queuing again does not demote a stored key
+    assert idx.state(_k(9)) is Known.STORED
+    assert idx.stats()["lost_keys"] == 1
+
+
+def test_a_failing_probe_is_a_miss_and_is_not_recorded():
+    calls = []
+
+    def down(keys: list[bytes]) -> list[bool]:
+        calls.append(len(keys))
+        raise ConnectionError("store down")
+
+    idx = StoreIndex(down)
+    assert idx.present([_k(1), _k(2)]).tolist() == [False, False]
+    assert idx.present([_k(1)]).tolist() == [False]
+    assert calls == [2, 1]  # not remembered as absent: asked again
+    assert idx.stats()["probe_errors"] == 2
+    short = StoreIndex(lambda keys: [True])  # a probe answering for fewer keys than asked
+    assert short.present([_k(1), _k(2)]).tolist() == [False, False]
+    assert short.stats()["probe_errors"] == 1
+
+
+def test_no_probe_means_only_what_this_engine_queued_counts():
+    idx = StoreIndex(None)
+    idx.queued([_k(1)])
+    assert idx.present([_k(1), _k(2)]).tolist() == [True, False]
+    assert idx.present([_k(2)], probe=False).tolist() == [False]
+
+
+def test_the_record_stays_within_its_bound(store):
+    idx = StoreIndex(CountingProbe(store), bound=4)
+    idx.queued([_k(i) for i in range(10)])
+    assert len(idx) == 4
+    assert [idx.state(_k(i)) for i in (5, 6, 9)] == [None, Known.QUEUED, Known.QUEUED]
+    idx.lost([_k(i) for i in range(100, 110)])
+    assert idx.stats()["absent_keys"] == 4
+
+
+@pytest.mark.parametrize("kw, match", [({"bound": 0}, "bound"), ({"bound": True}, "bound"),
+                                       ({"absent_ttl_s": -1}, "absent_ttl_s"),
+                                       ({"absent_ttl_s": "2"}, "absent_ttl_s")])
+def test_bad_arguments_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        StoreIndex(None, **kw)
+    with pytest.raises(TypeError, match="probe"):
+        StoreIndex(42)
