@@ -38,7 +38,11 @@ its tier stats.
 
     python tiers_vllm.py [--json] [--traces DIR] [--mooncake-limit 3000] [--sessions 16]
                          [--l1-gb 59] [--host-gb 594] [--retention 0,16384,none]
-                         [--systems vllm-l1,vllm-cpu,vllm-cpu-fs,hybridkv-l1,hybridkv-l2,hybridkv-l2-l3]
+                         [--systems vllm-l1,vllm-cpu,vllm-cpu-fs,hybridkv-l1,hybridkv-l2,hybridkv-l2-l3,
+                                    hybridkv-vllm-l1,hybridkv-vllm-l2-l3]
+
+``hybridkv-vllm-*``: hybridkv inside vLLM's scheduler (``--scheduler-cls``) and,
+for ``-l2-l3``, with its ``HybridKVConnector`` (see ``tiers_vllm_connector.py``).
 
 Run it with the vLLM venv's python (``tiers_vllm.sh`` does).
 """
@@ -64,7 +68,8 @@ import numpy as np  # noqa: E402
 
 from common import GB, parse_retention  # noqa: E402
 
-SYSTEMS = ("vllm-l1", "vllm-cpu", "vllm-cpu-fs", "hybridkv-l1", "hybridkv-l2", "hybridkv-l2-l3")
+SYSTEMS = ("vllm-l1", "vllm-cpu", "vllm-cpu-fs", "hybridkv-l1", "hybridkv-l2", "hybridkv-l2-l3",
+           "hybridkv-vllm-l1", "hybridkv-vllm-l2-l3")
 SAMPLED_TOKEN = 1  # the one output token of every request (its KV is never stored: prompt-only)
 MAX_IDLE_S = 120.0  # bound on the time an engine may schedule nothing before the driver gives up
 IDLE_SLEEP_S = 0.0005  # between steps that schedule nothing (secondary-tier threads at work)
@@ -468,7 +473,7 @@ def run_all(args: argparse.Namespace, traces: Path) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="hkv-tiers-vllm-") as tmp:
         for name, reqs in load_traces(traces, args.mooncake_limit, args.sessions, Path(tmp)):
-            seqs = materialize(reqs) if any(x.startswith("vllm") for x in args.systems) else []
+            seqs = materialize(reqs) if any("vllm" in x for x in args.systems) else []
             if "hybridkv-l1" in args.systems:
                 rows.append({"trace": name, **run_hybridkv(reqs, spec, l1, 0, "l1", Path(tmp))})
                 _progress(rows[-1])
@@ -478,6 +483,7 @@ def run_all(args: argparse.Namespace, traces: Path) -> dict[str, Any]:
                     if f"hybridkv-{tiers}" in args.systems:
                         rows.append({"trace": name, **run_hybridkv(reqs, spec, l1, host, tiers, Path(tmp))})
                         _progress(rows[-1])
+                rows += _in_vllm(name, args.systems, seqs, meta, l1, host, host_gb == args.host_gb[0])
                 if "vllm-l1" in args.systems and host_gb == args.host_gb[0]:
                     rows.append({"trace": name, **run_vllm(seqs, meta, l1, host, args.retention[0],
                                                            connector=False)})
@@ -492,6 +498,20 @@ def run_all(args: argparse.Namespace, traces: Path) -> dict[str, Any]:
                             _progress(rows[-1])
     return {"model": spec.name, "l1_gb": args.l1_gb, "host_gb": args.host_gb, "extension_rule": "on",
             "mooncake_limit": args.mooncake_limit, "sessions": args.sessions, "rows": rows}
+
+
+def _in_vllm(trace: str, systems: Sequence[str], seqs: list, meta: dict[str, Any], l1: int, host: int,
+             first_host: bool) -> list[dict[str, Any]]:
+    """hybridkv inside vLLM's scheduler (``tiers_vllm_connector``): the prefix cache
+    alone (at the first host size only) and with its connector's L2 + L3."""
+    from tiers_vllm_connector import run_hybridkv_vllm
+
+    rows = []
+    for system, tiers in (("hybridkv-vllm-l1", False), ("hybridkv-vllm-l2-l3", True)):
+        if system in systems and (tiers or first_host):
+            rows.append({"trace": trace, **run_hybridkv_vllm(seqs, meta, l1, host, tiers)})
+            _progress(rows[-1])
+    return rows
 
 
 def _progress(row: dict[str, Any]) -> None:

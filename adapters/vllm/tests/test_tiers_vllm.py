@@ -87,3 +87,24 @@ def test_bad_arguments() -> None:
         tiers_vllm.run_hybridkv(_trace(0), SPEC, DEVICE, HOST, "l4", Path("."))
     with pytest.raises(ValueError, match="device_bytes"):
         tiers_vllm.run_vllm(tiers_vllm.materialize(_trace(0)), tiers_vllm.preset_meta(SPEC), 0, HOST, 0)
+
+
+def test_hybridkv_in_vllm_hits_from_its_connectors_l2_after_device_eviction() -> None:
+    """Through vLLM's scheduler with hybridkv's prefix cache and connector (the served
+    stack, worker stood in): the evicted prompt comes back from L2; without the
+    connector it misses.  The store is probed once per new key, never for the repeat."""
+    import tiers_vllm_connector as tc
+
+    seqs, meta = tiers_vllm.materialize(_trace(4)), tiers_vllm.preset_meta(SPEC)
+    alone = tc.run_hybridkv_vllm(seqs, meta, DEVICE, HOST, tiers=False)
+    tiers = tc.run_hybridkv_vllm(seqs, meta, DEVICE, HOST, tiers=True)
+    assert alone["num_gpu_blocks"] == tiers["num_gpu_blocks"] == 40
+    assert alone["hit_tokens"] == 0
+    assert tiers["l1_hit_tokens"] == 0 and tiers["l3_hit_tokens"] == 0
+    assert tiers["l2_hit_tokens"] == (BLOCKS - 1) * PAGE
+    record = tiers["store_record"]
+    # five distinct prompts probed (their keys are unknown), the repeat answered from the record
+    assert record["probes"] == 5 and record["lost_keys"] == 0
+    assert record["known_keys"] >= 5 * (BLOCKS - 1)
+    with pytest.raises(ValueError, match="host_bytes"):
+        tc.run_hybridkv_vllm(seqs, meta, DEVICE, 0, tiers=True)
