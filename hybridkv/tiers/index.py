@@ -71,6 +71,7 @@ class StoreIndex:
         self._clock = clock
         self._known: OrderedDict[bytes, Known] = OrderedDict()
         self._absent: OrderedDict[bytes, float] = OrderedDict()  # key -> trusted until
+        self._touched: OrderedDict[bytes, float] = OrderedDict()  # key -> last touch asked
         self.counters = {"probes": 0, "probed_keys": 0, "probe_errors": 0, "answered_keys": 0, "lost_keys": 0}
 
     def __len__(self) -> int:
@@ -156,6 +157,27 @@ class StoreIndex:
                 self._absent.move_to_end(k)
         while len(self._absent) > self._bound:
             self._absent.popitem(last=False)
+
+    def due_touch(self, keys: Sequence[bytes], interval_s: float) -> list[bytes]:
+        """Of ``keys``, those the store holds (or will) whose last touch is older than
+        ``interval_s``; they count as touched now.  A hot prefix served from a faster
+        tier keeps its store entries alive this way (the seed's repair case 3)
+        without a touch per lookup.  O(n)."""
+        now = self._clock()
+        out = []
+        touched = self._touched
+        for k in keys:
+            if k not in self._known:
+                continue
+            last = touched.get(k)
+            if last is not None and now - last < interval_s:
+                continue
+            touched[k] = now
+            touched.move_to_end(k)
+            out.append(k)
+        while len(touched) > self._bound:
+            touched.popitem(last=False)
+        return out
 
     def stats(self) -> dict[str, int]:
         """Counters plus the record's sizes."""

@@ -124,3 +124,14 @@ def test_bad_arguments_are_named(kw, match):
         StoreIndex(None, **kw)
     with pytest.raises(TypeError, match="probe"):
         StoreIndex(42)
+
+
+def test_due_touch_names_known_keys_at_most_once_per_interval():
+    clock = Clock()
+    idx = StoreIndex(None, clock=clock)
+    idx.queued([_k(1), _k(2)])
+    assert idx.due_touch([_k(1), _k(2), _k(3)], 10.0) == [_k(1), _k(2)]  # _k(3): not in the store
+    clock.t = 5.0
+    assert idx.due_touch([_k(1), _k(2)], 10.0) == []
+    clock.t = 10.5
+    assert idx.due_touch([_k(2)], 10.0) == [_k(2)]

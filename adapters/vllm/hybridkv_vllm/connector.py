@@ -104,6 +104,7 @@ __all__ = ["HybridKVConnector", "HybridKVMetadata", "PageJob"]
 
 STORE_KEYS_MAX = 1 << 20  # keys the scheduler's store index remembers (~150 MB at most)
 ABSENT_TTL_S = 2.0  # an "absent" probe answer is trusted this long (another engine may write)
+TOUCH_INTERVAL_S = 30.0  # a hit's store keys are touched at most this often
 SHUTDOWN_DRAIN_S = 3.0  # vLLM SIGKILLs an engine process ~5 s after SIGTERM
 LOAD_WAIT_S = 30.0  # a load waits at most this long for a queued save of its pages
 
@@ -149,6 +150,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._reqs: dict[str, ReqState] = {}
         self._pending_loads: dict[str, PageJob] = {}
         self._pending_saves: list[PageJob] = []
+        self._touches: list[bytes] = []
         self._loading: dict[str, dict[int, list[bytes]]] = {}  # req -> its load's keys per group
         # Keys of save jobs built but not sent yet (dedup only; lookups do not see them:
         # a load in the same step would run before the save is submitted).
@@ -282,7 +284,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.cfg.max_hit_tokens:
             max_tokens = min(max_tokens, self.cfg.max_hit_tokens // unit * unit)
         st = self._state(request)  # every request gets state: its pages are saved later
-        st.hit_tokens, st.hit_sources = 0, {}
+        st.hit_tokens, st.hit_sources, st.local_tokens = 0, {}, num_computed_tokens
         if max_tokens <= num_computed_tokens:
             return 0, False
         keys = self._keys(st, max_tokens)
@@ -312,6 +314,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._record(event="alloc", req=request.request_id,
                          prompt_tokens=request.num_prompt_tokens,
                          external_tokens=int(num_external_tokens))
+        if st is not None:  # the whole hit keeps its store entries alive
+            top = st.hit_tokens if hit else st.local_tokens
+            self._touches += self._tiers.touches(self._keys(st, top), top, TOUCH_INTERVAL_S) if top else []
         if not hit:
             return
         assert st is not None
@@ -386,8 +391,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Loads decided since the last step, and prefill saves of this step."""
-        meta = HybridKVMetadata(loads=list(self._pending_loads.values()))
+        meta = HybridKVMetadata(loads=list(self._pending_loads.values()), touches=self._touches)
         self._pending_loads.clear()
+        self._touches = []
         null_id = self._null_block_id()
         sched: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens)
                                         for r in scheduler_output.scheduled_new_reqs]
@@ -412,7 +418,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         for job in meta.saves:  # visible to lookups from the next step on
             self._tiers.on_save(job.groups)
         self._claimed.clear()
-        meta.idle = not (meta.loads or meta.saves or scheduler_output.total_num_scheduled_tokens)
+        meta.idle = not (meta.loads or meta.saves or meta.touches or scheduler_output.total_num_scheduled_tokens)
         return meta
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
@@ -526,6 +532,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if meta.idle:  # nothing else to do this step: let the save thread get on
             self._saver.wait_progress(IDLE_WAIT_S)
+        if meta.touches:
+            self._saver.touch(meta.touches)
         if not meta.saves:
             return
         for job in meta.saves:

@@ -33,6 +33,7 @@ class HybridKVMetadata(KVConnectorMetadata):
 
     loads: list[PageJob] = field(default_factory=list)
     saves: list[PageJob] = field(default_factory=list)
+    touches: list[bytes] = field(default_factory=list)  # store keys to keep alive (repair case 3)
     idle: bool = False  # an empty step (no tokens, loads or saves): see progress.py
 
 
@@ -44,6 +45,7 @@ class ReqState:
     namespace: str
     keys: dict[int, list[bytes]] = field(default_factory=dict)  # per group, its block size
     hit_tokens: int = 0
+    local_tokens: int = 0  # the engine's own hit at the last lookup
     hit_sources: dict[CacheHitSource, int] = field(default_factory=dict)  # of the last load job
     saved_tokens: int = 0     # full-group KV up to here already handed to a save job
     saved_swa: dict[int, set[int]] = field(default_factory=dict)  # per SWA group: pages saved

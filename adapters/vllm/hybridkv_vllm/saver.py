@@ -56,6 +56,7 @@ class SaveTask:
     groups: dict[int, tuple[list[int], list[bytes]]]
     finish: bool = False
     rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    touch: list[bytes] = field(default_factory=list)  # a touch task: keys to keep alive in L3
     nbytes: int = 0
     t_submit: float = 0.0
 
@@ -122,6 +123,14 @@ class SaveThread:
                     task.rows[gi] = gather_host(self.buffers[gi], ids)
         self._q.put(task)
         return True
+
+    def touch(self, keys: list[bytes]) -> None:
+        """Queue an L3 touch of ``keys`` (behind the saves queued before it)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._pending += 1
+        self._q.put(SaveTask("", {}, touch=list(keys), t_submit=time.perf_counter()))
 
     def pop_released(self) -> set[str]:
         """Finish saves whose blocks vLLM may reuse now (report as ``finished_sending``)."""
@@ -217,6 +226,10 @@ class SaveThread:
 
     def _do(self, task: SaveTask) -> None:
         t0 = time.perf_counter()
+        if task.touch:
+            self.backend.touch(task.touch)  # a backend fault is counted there, never raised
+            self._count(touch_keys=len(task.touch))
+            return
         if task.finish:
             for gi, (ids, _) in task.groups.items():
                 if ids:

@@ -90,6 +90,19 @@ class TierView:
                 out[gi][i] = ok
         return out
 
+    def touches(self, keys: dict[int, list[bytes]], end: int, interval_s: float) -> list[bytes]:
+        """Store keys of a hit ``[0, end)`` to touch now (repair case 3: a prefix served
+        from the device or L2 keeps its L3 entries alive): every full-attention page,
+        each sliding group's window before ``end``; only keys the store holds whose
+        last touch is older than ``interval_s``.  ``keys``: per group index, the
+        request's keys (at least ``end`` tokens' worth).  O(pages of the hit)."""
+        out: list[bytes] = []
+        for gi, ks in keys.items():
+            g = self.groups[gi]
+            lo = max(0, end - int(g.window)) // g.block_size if g.is_swa else 0
+            out += self.store.due_touch(ks[lo:end // g.block_size], interval_s)
+        return out
+
     def saved_or_queued(self, key: bytes) -> bool:
         """Whether the store holds ``key`` or this engine queued it (a save need not
         carry it again).  O(1)."""

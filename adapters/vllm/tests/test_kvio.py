@@ -203,3 +203,30 @@ def test_saves_progress_keeps_engine_stepping_until_counted(tmp_path) -> None:
     watch.update(None)  # steps without worker metadata change nothing
     assert not watch.busy() and not st.wait_progress(1.0)  # nothing pending: at once
     assert st.stop(5)
+
+
+def test_save_thread_touches_l3_keys_behind_queued_saves(tmp_path) -> None:
+    """Repair case 3 on the worker: a touch task runs on the save thread, after the
+    saves queued before it, and calls the store's touch with exactly its keys."""
+    from hybridkv_vllm.saver import SaveThread
+
+    be = open_backend(f"file:{tmp_path / 'l3'}")
+    touched: list[list[bytes]] = []
+    order: list[str] = []
+    real_put = be.put
+    be.touch = lambda keys: (order.append("touch"), touched.append(list(keys)))[0]
+    be.put = lambda keys, values: (order.append("put"), real_put(keys, values))[1]
+    gb = GroupBuffers(_caches(seed=12), ["a", "b"], 10)
+    counts: dict[str, int] = {}
+    st = SaveThread(be, {0: gb}, None, {0: False}, 1 << 30,
+                    lambda **kw: [counts.__setitem__(k, counts.get(k, 0) + v) for k, v in kw.items()],
+                    lambda **ev: None)
+    keys = page_keys(as_np_tokens(list(range(96))), 32, namespace="t", fingerprint="f")
+    assert st.submit("r1", {0: ([1, 2], keys[:2])}, finish=False)
+    st.touch(keys[:3])
+    assert st.drain(10)
+    assert order == ["put", "touch"] and touched == [keys[:3]]
+    assert counts["touch_keys"] == 3 and st.pending() == 0
+    assert st.stop(5)
+    st.touch(keys)  # stopped: nothing queued, nothing raised
+    assert st.pending() == 0

@@ -125,3 +125,16 @@ def test_a_failed_load_leaves_the_record_absent_not_looping():
     assert (view.l2.held(False, keys[0]) == False).all()  # noqa: E712
     view.on_load_done({0: _keys("pf", 1)}, ok=True)  # a load read intact: stored
     assert view.saved_or_queued(_keys("pf", 1)[0])
+
+
+def test_a_hit_touches_its_store_keys_at_most_once_per_interval():
+    """Repair case 3 on the scheduler: the pages of a hit the store holds (every full
+    page, the sliding group's window before the end) are touched, rate-limited."""
+    view, _ = _view(set())
+    full, swa = _keys("tf", 6), _keys("ts", 12)
+    view.on_save({0: (list(range(6)), full), 1: (list(range(12)), swa)})
+    got = view.touches({0: full, 1: swa}, 384, interval_s=30.0)
+    # full pages [0, 6) and the window [320, 384) = sliding pages 10, 11
+    assert got == full + swa[10:12]
+    assert view.touches({0: full, 1: swa}, 384, interval_s=30.0) == []  # touched just now
+    assert view.touches({0: _keys("unknown", 2)}, 128, interval_s=0.0) == []  # not in the store
