@@ -30,7 +30,7 @@ __all__ = ["COUNTERS", "HybridKVPromMetrics", "HybridKVStats"]
 
 # name -> help text.  Scheduler side: lookups and hits; worker side: pages moved.
 COUNTERS: dict[str, str] = {
-    "lookups": "L3 lookups of the scheduler-side connector (one per request and attempt)",
+    "lookups": "tier lookups of the scheduler-side connector (one per request and attempt)",
     "hit_requests": "requests that got an external hit from hybridkv",
     "hit_tokens": "prompt tokens served from hybridkv's L2/L3 instead of being computed",
     "load_pages": "pages loaded into vLLM's KV cache (all groups)",
