@@ -676,7 +676,9 @@ def render_tiers_vllm(load: Loader) -> str:
     out = load(TIERS_VLLM)
     names = {"hybridkv-l1": "hybridkv L1 only", "hybridkv-l2": "hybridkv L1 + L2",
              "hybridkv-l2-l3": "hybridkv L1 + L2 + L3", "vllm-l1": "vLLM device cache only (no connector)",
-             "vllm-cpu": "vLLM CPU offload", "vllm-cpu-fs": "vLLM CPU + fs tiering"}
+             "vllm-cpu": "vLLM CPU offload", "vllm-cpu-fs": "vLLM CPU + fs tiering",
+             "hybridkv-vllm-l1": "hybridkv in vLLM (`--scheduler-cls`), no connector",
+             "hybridkv-vllm-l2-l3": "hybridkv in vLLM + its connector (L2 + file L3)"}
     traces = {"mooncake_conversation": "conversation", "kv_cache_tester_16_sessions": "kv-cache-tester"}
     lines = ["| trace | system | vLLM retention | L1 (device) hit tokens | L2 / CPU hit tokens | L3 (file) hit tokens "
              "| total hit rate |", "|---|---|---|---|---|---|---|"]
@@ -689,8 +691,9 @@ def render_tiers_vllm(load: Loader) -> str:
         vllm = r["system"].startswith("vllm")
         ret = r.get("retention_interval")
         ret = ("None (dense)" if ret is None else f"{ret}{' (default)' if ret == 0 else ''}") if vllm else ""
-        l2 = f"{r['l2_hit_tokens']:,}" if r["system"] not in ("hybridkv-l1", "vllm-l1") else ""
-        l3 = f"{r['l3_hit_tokens']:,}" if r["system"] in ("hybridkv-l2-l3", "vllm-cpu-fs") else ""
+        l2 = f"{r['l2_hit_tokens']:,}" if r["system"] not in ("hybridkv-l1", "vllm-l1", "hybridkv-vllm-l1") else ""
+        l3 = (f"{r['l3_hit_tokens']:,}" if r["system"] in ("hybridkv-l2-l3", "vllm-cpu-fs", "hybridkv-vllm-l2-l3")
+              else "")
         lines.append(f"| {what} | {names[r['system']]} | {ret} | {r['l1_hit_tokens']:,} | {l2} | {l3} "
                      f"| {pct(r['token_hit_rate'])} |")
     return (f"Device {out['l1_gb']:g} GB, host {' / '.join(f'{h:g}' for h in out['host_gb'])} GB:\n\n"
@@ -745,6 +748,7 @@ def render_tiers_vllm_conclusions(load: Loader) -> str:
         f"kv-cache-tester tokens) and fewer from the device ({mtok(dev[conv][0])} vs {mtok(dev[conv][1])}; "
         f"{mtok(dev[weka][0])} vs {mtok(dev[weka][1])}): every host hit is a host-to-device copy before the "
         f"prefill (here assumed free), so the same hit rate costs vLLM more transfer time.",
+        *_in_vllm_bullet(out, rate, pts, conv, weka, v, fs0),
         f"* **Dense retention (`None`) on the conversation trace** ({pct(v[conv, None])}"
         + (", below hybridkv's device cache alone" if v[conv, None] < h1c else "")
         + "): every sliding-window block is kept on the device and stored to the host, so a long prompt takes "
@@ -752,6 +756,19 @@ def render_tiers_vllm_conclusions(load: Loader) -> str:
         "",
         source_line(load, TIERS_VLLM),
     ]) + "\n"
+
+
+def _in_vllm_bullet(out: dict[str, Any], rate: Callable[..., float], pts: Callable[[float, float], str],
+                    conv: str, weka: str, v: dict, fs0: float) -> list[str]:
+    """The bullet on hybridkv inside vLLM (scheduler + connector), if the file has those rows."""
+    if not any(r["system"] == "hybridkv-vllm-l2-l3" for r in out["rows"]):
+        return []
+    c, w = rate(conv, "hybridkv-vllm-l2-l3"), rate(weka, "hybridkv-vllm-l2-l3")
+    return [f"* **Inside vLLM, as a user serves it** (hybridkv's tree as vLLM's device cache and its connector "
+            f"for L2 + L3, the worker stood in like vLLM's): {pct(c)} on the conversation trace ({pts(c, v[conv, 0])} "
+            f"points over vLLM's CPU offload, {pts(c, fs0)} over its CPU + fs tiering) and {pct(w)} on "
+            f"kv-cache-tester ({pts(w, v[weka, 0])} points over vLLM's CPU offload); the device alone "
+            f"{pct(rate(conv, 'hybridkv-vllm-l1'))} and {pct(rate(weka, 'hybridkv-vllm-l1'))}."]
 
 
 def render_kv_groups(load: Loader) -> str:

@@ -11,7 +11,9 @@ No model and no worker, as for vLLM's own offload in ``tiers_vllm.py``: this
 driver stands in for the model runner and reports every load of a step's
 connector metadata as received and every finish save as sent in that step's
 output (transfers take no time and never fail: the same upper bound vLLM's
-offload gets).  The connector's scheduler side therefore decides every hit
+offload gets).  Like the worker, it stores every page a step's save jobs name
+in the L3 store (a one-byte value: no load reads it), so the store answers the
+connector's probes as a served engine's store would.  The connector's scheduler side therefore decides every hit
 from its own record of the tiers (``hybridkv_vllm.sources.TierView``: the L2
 mirror, with the worker's budget and eviction, and the store's index of
 what was saved), which is what a served engine decides from; the worker's
@@ -91,6 +93,16 @@ def fake_output(sched: Any, so: Any) -> Any:
                              sampled_token_ids=sampled, kv_connector_output=kv_out)
 
 
+def store_saves(sched: Any, so: Any) -> int:
+    """Put the pages of step ``so``'s save jobs into the connector's L3 store, as the
+    worker's save thread does (one-byte values); returns the pages put."""
+    meta = so.kv_connector_metadata
+    keys = [k for job in getattr(meta, "saves", ()) for _, ks in job.groups.values() for k in ks]
+    if keys:
+        sched.connector.backend.put(keys, [b"\0"] * len(keys))
+    return len(keys)
+
+
 def _drain(sched: Any, totals: dict[str, int]) -> int:
     """Step until the engine has nothing to do (``tiers_vllm._drain`` with this
     module's worker stand-in); returns the steps."""
@@ -98,6 +110,8 @@ def _drain(sched: Any, totals: dict[str, int]) -> int:
     idle_since: float | None = None
     while sched.has_requests() or sched.connector is not None and sched.connector.has_pending_push_work():
         so = sched.schedule()
+        if sched.connector is not None:
+            store_saves(sched, so)
         for eco in sched.update_from_output(so, fake_output(sched, so)).values():
             if eco.scheduler_stats is not None:
                 tv._add_stats(totals, eco.scheduler_stats)
