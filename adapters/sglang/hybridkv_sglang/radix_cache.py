@@ -284,6 +284,11 @@ class HybridKVRadixCache(BasePrefixCache):
         (repair 1).  O(pages)."""
         extra = self._tier_reqs.setdefault(req.rid, {}).setdefault("extra", {})
         tokens = as_token_array(tokens, "tokens")  # the page keys hash int32 tokens, as at match
+        # the coordinator sees the SWA the request can read: the tree's on [0, protected)
+        # (write-back's repair 1 copies the device window the host lacks)
+        _, path_swa = self._path_pages(req.last_node) if not self.is_root(req.last_node) else (None, _EMPTY32)
+        if protected and len(path_swa) == protected:
+            swa = np.concatenate([path_swa, swa[protected:]]).astype(np.int32)
         self.coordinator.checkpoint(tokens, ns, protected, full, swa, extra)
 
     def touch_prefix(self, key: Any) -> None:
