@@ -165,3 +165,162 @@ def test_repairs_3_and_4_hits_touch_l3_and_anchor_their_window(page_size, tmp_pa
     window = [swa_key(k) for k in keys[h - wp:h]]
     assert all(k in co.host._anchor for k in window)  # repair 4: the hit's window is anchored in L2
     cache.close()
+
+
+# ------------------------------------------------------------------ (d) faults
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_corrupt_l3_files_degrade_to_a_miss_never_a_wrong_hit(page_size, tmp_path):
+    cache, pools = _cache(page_size, _tiers(tmp_path))
+    p = _prompt(10, 700)
+    _run(cache, pools, [p])
+    assert cache.coordinator.flush(30)
+    files = [f for f in (tmp_path / "l3").rglob("*") if f.is_file()]
+    assert files
+    for f in files:  # same length, every byte flipped
+        f.write_bytes(bytes(b ^ 0xFF for b in f.read_bytes()))
+    _drop_l1(cache, pools)
+    cache.coordinator.clear_l2()
+    assert _run(cache, pools, [p]) == [0]
+    st = cache.tier_stats()
+    assert st["l3_hit_tokens"] == 0 and st["l3_backend_corrupt"] > 0
+    cache.close()
+
+
+class _RaisingBackend:
+    """An L3 backend whose every call raises (a dead store)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.failing = False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _maybe(self, name, *a):
+        if self.failing:
+            raise ConnectionError(f"{name}: store down")
+        return getattr(self.inner, name)(*a)
+
+    def exists(self, keys):
+        return self._maybe("exists", keys)
+
+    def get(self, keys):
+        return self._maybe("get", keys)
+
+    def put(self, keys, values):
+        return self._maybe("put", keys, values)
+
+    def touch(self, keys):
+        return self._maybe("touch", keys)
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_a_raising_l3_backend_is_a_miss(page_size, tmp_path):
+    from hybridkv.tiers.storage import open_backend
+
+    backend = _RaisingBackend(open_backend(f"file://{tmp_path}/l3"))
+    cache, pools = _cache(page_size, TierConfig(l2_bytes=1 << 22, l3=backend, l2_device="cpu", l3_timeout_s=2.0))
+    p = _prompt(11, 700)
+    _run(cache, pools, [p])
+    assert cache.coordinator.flush(30)
+    backend.failing = True
+    _drop_l1(cache, pools)
+    cache.coordinator.clear_l2()
+    assert _run(cache, pools, [p]) == [0]
+    assert _run(cache, pools, [_prompt(12, 300)]) == [0]  # new writes fail quietly
+    cache.close()
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_a_failing_h2d_copy_leaves_the_l1_answer_and_no_leak(page_size):
+    cache, pools = _cache(page_size, _tiers())
+    p = _prompt(13, 700)
+    _run(cache, pools, [p])
+    _drop_l1(cache, pools)
+    co = cache.coordinator
+    real = co.copy
+
+    def broken(kind, src, sp, dst, dp):
+        if src is co.host.pool:
+            raise RuntimeError("H2D failed")
+        return real(kind, src, sp, dst, dp)
+
+    co.copy = broken
+    assert _run(cache, pools, [p]) == [0]
+    assert co.counters["tier_errors"] >= 1
+    co.copy = real
+    assert _run(cache, pools, [p]) == [_hit_of(len(p), page_size)]
+    cache.sanity_check()
+    _drop_l1(cache, pools)
+    a = pools.allocator
+    assert (a.full_available_size(), a.swa_available_size()) == (pools.full_tokens, pools.swa_tokens)
+
+
+# ------------------------------------------------------------------ (e) arguments
+def test_bad_tier_arguments_raise_naming_them(monkeypatch):
+    pools = Pools(full_tokens=1000, swa_tokens=500)
+    with pytest.raises(TypeError, match="tiers"):
+        HybridKVRadixCache(pools.init_params(W), tiers={"l2_bytes": 1 << 20})
+    with pytest.raises(ValueError, match="l2_bytes"):
+        TierConfig(l2_bytes=0)
+    with pytest.raises(ValueError, match="l2_device"):
+        HybridKVRadixCache(pools.init_params(W), tiers=TierConfig(l2_bytes=1 << 20, l2_device="meta"))
+    with pytest.raises(TypeError, match="kv_pool"):
+        spec_from_pools(object(), 1, W)
+    monkeypatch.setenv("HYBRIDKV_L2_BYTES", "lots")
+    with pytest.raises(ValueError, match="HYBRIDKV_L2_BYTES"):
+        tiers_from_env()
+    monkeypatch.delenv("HYBRIDKV_L2_BYTES")
+    monkeypatch.setenv("HYBRIDKV_L3", "file:///nowhere")
+    with pytest.raises(ValueError, match="HYBRIDKV_L2_BYTES"):
+        tiers_from_env()
+    monkeypatch.setenv("HYBRIDKV_L3", "nosuch://x")
+    monkeypatch.setenv("HYBRIDKV_L2_BYTES", str(1 << 20))
+    with pytest.raises(ValueError, match="scheme|nosuch"):
+        HybridKVRadixCache(pools.init_params(W))
+
+
+def test_env_selects_the_tiers(monkeypatch, tmp_path):
+    monkeypatch.setenv("HYBRIDKV_L2_BYTES", str(1 << 20))
+    monkeypatch.setenv("HYBRIDKV_L3", f"file://{tmp_path}/l3")
+    monkeypatch.setenv("HYBRIDKV_WRITE_POLICY", "write_back")
+    cache, _ = _cache(1, None)
+    assert cache.coordinator is not None and cache.coordinator.l3 is not None
+    assert cache.tier_config.l2_bytes == 1 << 20 and cache.tier_config.write_policy.value == "write_back"
+    cache.close()
+    monkeypatch.delenv("HYBRIDKV_L2_BYTES")
+    monkeypatch.delenv("HYBRIDKV_L3")
+    assert _cache(1, None)[0].coordinator is None
+
+
+# ------------------------------------------------------------------ plugin
+def _ctx(pools, hicache: bool, **args):
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache import registry
+
+    server_args = SimpleNamespace(**{"hicache_size": 0, "hicache_ratio": None, "hicache_write_policy": "write_through",
+                                     "hicache_storage_backend": None, **args})
+    return registry.TreeCacheBuildContext(
+        server_args=server_args, params=pools.init_params(W), is_hybrid_swa=True, is_hybrid_ssm=False,
+        enable_hierarchical_cache=hicache, disable_radix_cache=False, tp_worker=None, model_config=None,
+        tp_size=1, tp_rank=0, tp_group=None)
+
+
+def test_plugin_enable_hierarchical_cache_turns_on_hybridkv_l2(monkeypatch):
+    from hybridkv_sglang.plugin import create_hybridkv_radix_cache
+
+    for var in ("HYBRIDKV_L2_BYTES", "HYBRIDKV_L3", "HYBRIDKV_WRITE_POLICY"):
+        monkeypatch.delenv(var, raising=False)
+    pools = Pools(full_tokens=2000, swa_tokens=1000)
+    assert create_hybridkv_radix_cache(_ctx(pools, False)).coordinator is None
+    cache = create_hybridkv_radix_cache(_ctx(pools, True, hicache_ratio=0.5, hicache_write_policy="write_back"))
+    device = sum(pools.kv.get_kv_size_bytes())
+    assert cache.tier_config.l2_bytes == int(device * 0.5) and cache.tier_config.write_policy.value == "write_back"
+    assert cache.ready_to_load_host_cache() == -1 and cache.ongoing_load_back == {} and cache.cache_controller is None
+    cache = create_hybridkv_radix_cache(_ctx(pools, True, hicache_size=0.001))
+    assert cache.tier_config.l2_bytes == int(0.001 * (1 << 30))
+    with pytest.raises(ValueError, match="hicache-storage-backend.*HYBRIDKV_L3"):
+        create_hybridkv_radix_cache(_ctx(pools, True, hicache_storage_backend="file"))
+    with pytest.raises(ValueError, match="hicache-ratio"):
+        create_hybridkv_radix_cache(_ctx(pools, True, hicache_ratio=-1.0))
