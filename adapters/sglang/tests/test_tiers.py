@@ -324,3 +324,38 @@ def test_plugin_enable_hierarchical_cache_turns_on_hybridkv_l2(monkeypatch):
         create_hybridkv_radix_cache(_ctx(pools, True, hicache_storage_backend="file"))
     with pytest.raises(ValueError, match="hicache-ratio"):
         create_hybridkv_radix_cache(_ctx(pools, True, hicache_ratio=-1.0))
+
+
+# ------------------------------------------------------------------ mixed flow
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_mixed_flow_under_l1_pressure_every_tier_hit_is_the_requests_own(page_size, policy, tmp_path):
+    """Shared prefixes, three requests at a time, an L1 too small for the working
+    set, a small L2 over L3: hits come from all three tiers, the oracle checks
+    each, the pools are conserved after every step, the tree, the mapping and the
+    key registry agree every few steps."""
+    cache, pools = _cache(page_size, _tiers(tmp_path, l2_bytes=1 << 17, write_policy=policy),
+                          full=5000, swa=2500)
+    rng = np.random.default_rng(21)
+    bases = [_prompt(100 + i, 640) for i in range(4)]
+    prompts = []
+    for _ in range(24):
+        b = bases[int(rng.integers(0, len(bases)))]
+        cut = int(rng.integers(200, len(b)))
+        prompts.append(np.concatenate([b[:cut], _prompt(int(rng.integers(1 << 30)), int(rng.integers(50, 600)))]))
+    drv = Driver(cache, pools, W, chunk=256, max_live=3)
+    steps = [0]
+
+    def check(d):
+        steps[0] += 1
+        if steps[0] % 7 == 0:
+            cache.sanity_check()
+
+    drv.after_step = check
+    stats = drv.run([(p, 8, None) for p in prompts])
+    cache.sanity_check()
+    st = cache.tier_stats()
+    assert stats.rejected == 0 and st["tier_errors"] == 0
+    assert stats.loaded_tokens > 0 and st["l2_hit_tokens"] + st["l3_hit_tokens"] > 0
+    assert st["l1_hit_tokens"] + st["l2_hit_tokens"] + st["l3_hit_tokens"] == sum(stats.hits)
+    cache.close()
