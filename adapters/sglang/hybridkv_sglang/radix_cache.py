@@ -24,6 +24,10 @@ SGLang call                    here
 ``evict(num_tokens, swa_num_tokens)``  ``tree.evict(full_pages, swa_pages)``
 ``evict_sliding_windows``      SGLang's own out-of-window release of the
                                request's private SWA (base class)
+``host_hit_length``            with tiers: L2 (and landed L3) tokens past the
+                               L1 hit, window safe (:mod:`.tiers`)
+``init_load_back``             with tiers: L2 -> L1 copy, tree insert, mapping
+                               adopted, re-match (all or none of the promise)
 sizes                          tree counters x page size
 =============================  ==============================================
 
@@ -212,6 +216,7 @@ class HybridKVRadixCache(BasePrefixCache):
             ext = as_token_array(np.append(tokens, 0), "key")  # int32, as the tree and page keys take
             host = self.coordinator.host_hit_pages(ext, ns, safe, wait_l3=True) * ps
             self._tier_reqs.setdefault(req.rid, {}).update(tokens=ext, ns=ns)
+            self._trim_tier_reqs()
             self.counters["host_hit_tokens"] += host
         return MatchResult(device_prefix_len=safe * ps, last_device_node=node, last_host_node=node,
                            best_match_node=node, host_hit_length=host, full_kv_hit_length=max(raw * ps, safe * ps + host))
@@ -264,6 +269,14 @@ class HybridKVRadixCache(BasePrefixCache):
         """Stop the L3 worker and close a backend opened from a URL."""
         if self.coordinator is not None:
             self.coordinator.close()
+
+    def _trim_tier_reqs(self, cap: int = 8192) -> None:
+        """Forget the oldest matched-but-never-admitted requests (a waiting request
+        aborted before admission gets no ``on_release``).  Amortised O(1)."""
+        if len(self._tier_reqs) <= cap:
+            return
+        for rid in [r for r, st in self._tier_reqs.items() if "extra" not in st][:len(self._tier_reqs) - cap // 2]:
+            del self._tier_reqs[rid]
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         self._tier_reqs.pop(getattr(req, "rid", None), None)
