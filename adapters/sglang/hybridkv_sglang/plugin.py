@@ -38,9 +38,17 @@ def create_hybridkv_radix_cache(ctx: Any) -> Any:
     if ctx.enable_hierarchical_cache and not ctx.disable_radix_cache:
         l2_bytes, policy = _hicache_l2(ctx)
         tiers = tiers_from_env(l2_bytes=l2_bytes, write_policy=policy)
+    else:
+        tiers = tiers_from_env()
+    if tiers is not None and tiers.l3 is not None and int(getattr(ctx, "tp_size", 1) or 1) > 1:
+        raise ValueError("HYBRIDKV_L3 with --tp > 1 and --radix-cache-backend hybridkv: each rank reads its L3 "
+                         "shard on its own clock, so ranks could admit different hits (SGLang's HiCache agrees "
+                         "on them with a TP all-reduce this backend does not do yet); use L2 alone at --tp > 1")
     if ctx.disable_radix_cache:
         ctx.params.disable = True
-    return HybridKVRadixCache(ctx.params, tiers=tiers)
+    model = getattr(getattr(ctx, "model_config", None), "model_path", None) or "sglang"
+    scope = f"{model}|tp{ctx.tp_rank}/{ctx.tp_size}|pp{ctx.params.pp_rank}/{ctx.params.pp_size}"
+    return HybridKVRadixCache(ctx.params, tiers=tiers, tier_scope=scope)
 
 
 def _hicache_l2(ctx: Any) -> tuple[int, str]:

@@ -110,13 +110,16 @@ class HybridKVRadixCache(BasePrefixCache):
             ``$HYBRIDKV_L3``, ``$HYBRIDKV_WRITE_POLICY``; unset: no tiers).  With
             tiers, ``match_prefix`` reports L2/L3 hits as ``host_hit_length`` and
             ``init_load_back`` loads them (see :mod:`hybridkv_sglang.tiers`).
+        tier_scope: the model and shard named in the tiers' page keys (the plugin
+            passes the model path and TP/PP rank), so a shared L3 never mixes them.
 
     Node handles are hybridkv ``TreeNode`` objects; each namespace has its own
     root.  Not thread-safe (SGLang's scheduler is single-threaded).
     """
 
     def __init__(self, params: CacheInitParams, *, swa_checkpoint: int | None = None,
-                 swa_eviction: str | None = None, tiers: TierConfig | None = None) -> None:
+                 swa_eviction: str | None = None, tiers: TierConfig | None = None,
+                 tier_scope: str = "sglang") -> None:
         if not isinstance(params, CacheInitParams):
             raise TypeError(f"params must be SGLang's CacheInitParams, got {type(params).__name__}")
         if params.sliding_window_size is None or params.sliding_window_size < 1:
@@ -146,6 +149,7 @@ class HybridKVRadixCache(BasePrefixCache):
         if tiers is not None and not isinstance(tiers, TierConfig):
             raise TypeError(f"tiers must be a TierConfig or None, got {type(tiers).__name__}")
         self.tier_config = tiers if tiers is not None else tiers_from_env()
+        self.tier_scope = tier_scope
         self.coordinator: SGLangTierCoordinator | None = None
         # SGLang's scheduler reads these with --enable-hierarchical-cache: loads are
         # synchronous here (done inside init_load_back), nothing is ever in flight
@@ -170,7 +174,8 @@ class HybridKVRadixCache(BasePrefixCache):
             if self.coordinator is not None:
                 self.coordinator.close()  # L2 goes with L1 (SGLang's flush_cache clears HiCache too)
             self.coordinator = SGLangTierCoordinator(self.token_to_kv_pool_allocator, self.tree,
-                                                     self.tree_config.window, self.tier_config)
+                                                     self.tree_config.window, self.tier_config,
+                                                     self.tier_scope)
 
     def supports_swa(self) -> bool:
         return True
@@ -214,8 +219,11 @@ class HybridKVRadixCache(BasePrefixCache):
         if self.coordinator is not None and req is not None:
             # one token past the key: the coordinator matches (len - 1) // P pages
             ext = as_token_array(np.append(tokens, 0), "key")  # int32, as the tree and page keys take
-            host = self.coordinator.host_hit_pages(ext, ns, safe, wait_l3=True) * ps
-            self._tier_reqs.setdefault(req.rid, {}).update(tokens=ext, ns=ns)
+            state = self._tier_reqs.setdefault(req.rid, {})
+            # a request's first match waits (bounded) for its L3 read-ahead; later
+            # rounds of a waiting request read what has landed in L2 meanwhile
+            host = self.coordinator.host_hit_pages(ext, ns, safe, wait_l3="tokens" not in state) * ps
+            state.update(tokens=ext, ns=ns)
             self._trim_tier_reqs()
             self.counters["host_hit_tokens"] += host
         return MatchResult(device_prefix_len=safe * ps, last_device_node=node, last_host_node=node,

@@ -66,8 +66,10 @@ def tiers_from_env(l2_bytes: int | None = None, write_policy: str | None = None)
     return TierConfig(l2_bytes=l2_bytes, l3=l3, write_policy=policy, l2_device="cpu")
 
 
-def spec_from_pools(kv_pool: Any, page_size: int, window: int) -> ModelSpec:
-    """ModelSpec of SGLang's ``SWAKVPool`` ``kv_pool`` (MHA pools only).
+def spec_from_pools(kv_pool: Any, page_size: int, window: int, name: str = "sglang") -> ModelSpec:
+    """ModelSpec of SGLang's ``SWAKVPool`` ``kv_pool`` (MHA pools only).  ``name``
+    (part of every L2/L3 page key's fingerprint) tells apart models and ranks
+    whose pools have the same shapes.
 
     Raises TypeError for a pool without ``layers_mapping`` / per-layer
     ``k_buffer`` lists (MLA/DSA pools), ValueError for a dtype hybridkv does
@@ -85,7 +87,7 @@ def spec_from_pools(kv_pool: Any, page_size: int, window: int) -> ModelSpec:
         k, v = pool.k_buffer[0], pool.v_buffer[0]
         return KVShape(int(k.shape[-2]), int(k.shape[-1]), int(v.shape[-1]))
 
-    return ModelSpec(name="sglang", layer_kinds=kinds, window=int(window), full=shape(full), swa=shape(swa),
+    return ModelSpec(name=name, layer_kinds=kinds, window=int(window), full=shape(full), swa=shape(swa),
                      dtype=full.k_buffer[0].dtype, page_size=int(page_size))
 
 
@@ -172,9 +174,11 @@ class SGLangTierCoordinator(TierCoordinator):
         tree: the radix cache's :class:`~hybridkv.radix.WindowSafeTree`.
         window: the tree's window in tokens.
         tiers: the :class:`TierConfig` (``l2_device="cpu"`` keeps real bytes in L2).
+        scope: the model and shard (e.g. model path, TP/PP rank) in the page keys'
+            fingerprint: ranks and models sharing one L3 never read each other's KV.
     """
 
-    def __init__(self, allocator: Any, tree: Any, window: int, tiers: TierConfig) -> None:
+    def __init__(self, allocator: Any, tree: Any, window: int, tiers: TierConfig, scope: str = "sglang") -> None:
         if not isinstance(tiers, TierConfig):
             raise TypeError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
         if tiers.l2_device not in (None, "cpu"):
@@ -182,7 +186,9 @@ class SGLangTierCoordinator(TierCoordinator):
         if tiers.l2_device is None:
             tiers = TierConfig(**{**tiers.__dict__, "l2_device": "cpu"})
         self.kv = allocator.get_kvcache()
-        spec = spec_from_pools(self.kv, allocator.page_size, window)
+        if not isinstance(scope, str) or not scope:
+            raise TypeError(f"scope must be a non-empty str, got {scope!r}")
+        spec = spec_from_pools(self.kv, allocator.page_size, window, name=scope)
         super().__init__(spec, tree, SGLangTierPool(allocator), tiers)
         self._offsets = torch.arange(spec.page_size, dtype=torch.int64)
 

@@ -326,6 +326,20 @@ def test_plugin_enable_hierarchical_cache_turns_on_hybridkv_l2(monkeypatch):
         create_hybridkv_radix_cache(_ctx(pools, True, hicache_ratio=-1.0))
 
 
+def test_plugin_scopes_page_keys_per_rank_and_refuses_l3_at_tp_above_1(monkeypatch, tmp_path):
+    from hybridkv_sglang.plugin import create_hybridkv_radix_cache
+
+    pools = Pools(full_tokens=2000, swa_tokens=1000)
+    ctx = _ctx(pools, True, hicache_ratio=0.5)
+    a = create_hybridkv_radix_cache(ctx)
+    ctx.tp_rank, ctx.tp_size = 1, 2
+    b = create_hybridkv_radix_cache(ctx)
+    assert "tp1/2" in b.tier_scope and a.coordinator.fingerprint != b.coordinator.fingerprint
+    monkeypatch.setenv("HYBRIDKV_L3", f"file://{tmp_path}/l3")
+    with pytest.raises(ValueError, match="HYBRIDKV_L3 with --tp > 1"):
+        create_hybridkv_radix_cache(ctx)
+
+
 # ------------------------------------------------------------------ mixed flow
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
