@@ -70,6 +70,10 @@ def _hicache_l2(ctx: Any) -> tuple[int, str]:
     if size_gb > 0:
         return int(size_gb * (1 << 30)), policy
     ratio = getattr(args, "hicache_ratio", None)
+    if ratio is None:  # SGLang's auto-sizing (auto_size_hicache) publishes its choice
+        from sglang.srt.runtime_context import get_memory
+
+        ratio = getattr(get_memory(), "hicache_ratio", None)
     ratio = 2.0 if ratio is None else float(ratio)
     if ratio <= 0:
         raise ValueError(f"--hicache-ratio must be > 0, got {ratio}")

@@ -269,6 +269,12 @@ class HybridKVRadixCache(BasePrefixCache):
             self.coordinator.clear_l2()
         return True
 
+    @property
+    def token_to_kv_pool_host(self) -> Any:
+        """What SGLang's HiCache metrics read of a host pool (``logical_size``,
+        ``available_size()`` in tokens): L2's full pages, or None without tiers."""
+        return None if self.coordinator is None else _HostView(self.coordinator.host.pool, self.page_size)
+
     def tier_stats(self) -> dict[str, Any]:
         """The tier coordinator's counters ({} without tiers)."""
         return self.coordinator.stats() if self.coordinator is not None else {}
@@ -502,3 +508,14 @@ class HybridKVRadixCache(BasePrefixCache):
             node = nodes[int(np.searchsorted(ends, bad[0], side="right"))]
             raise AssertionError(f"full->SWA mapping disagrees with the tree at {node} "
                                  f"(full page {full[bad[0]]}, tree SWA page {swa[bad[0]]})")
+
+
+class _HostView:
+    """L2's full-page pool in tokens, as SGLang's metrics read a host pool."""
+
+    def __init__(self, pool: Any, page_size: int) -> None:
+        self.logical_size = int(pool.full.capacity) * page_size
+        self._pool, self._ps = pool, page_size
+
+    def available_size(self) -> int:
+        return int(self._pool.full.num_free) * self._ps

@@ -318,6 +318,8 @@ def test_plugin_enable_hierarchical_cache_turns_on_hybridkv_l2(monkeypatch):
     device = sum(pools.kv.get_kv_size_bytes())
     assert cache.tier_config.l2_bytes == int(device * 0.5) and cache.tier_config.write_policy.value == "write_back"
     assert cache.ready_to_load_host_cache() == -1 and cache.ongoing_load_back == {} and cache.cache_controller is None
+    host = cache.token_to_kv_pool_host  # what SGLang's HiCache metrics read
+    assert host.logical_size > 0 and host.available_size() == host.logical_size
     cache = create_hybridkv_radix_cache(_ctx(pools, True, hicache_size=0.001))
     assert cache.tier_config.l2_bytes == int(0.001 * (1 << 30))
     with pytest.raises(ValueError, match="hicache-storage-backend.*HYBRIDKV_L3"):
