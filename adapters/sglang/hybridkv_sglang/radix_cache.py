@@ -24,6 +24,10 @@ SGLang call                    here
 ``evict(num_tokens, swa_num_tokens)``  ``tree.evict(full_pages, swa_pages)``
 ``evict_sliding_windows``      SGLang's own out-of-window release of the
                                request's private SWA (base class)
+``host_hit_length``            with tiers: L2 (and landed L3) tokens past the
+                               L1 hit, window safe (:mod:`.tiers`)
+``init_load_back``             with tiers: L2 -> L1 copy, tree insert, mapping
+                               adopted, re-match (all or none of the promise)
 sizes                          tree counters x page size
 =============================  ==============================================
 
@@ -48,6 +52,7 @@ from hybridkv.defaults import SWA_CHECKPOINT
 from hybridkv._validate import as_token_array
 from hybridkv.lifecycle import Lifecycle
 from hybridkv.radix import LockHandle, TreeConfig, TreeNode, WindowSafeTree
+from hybridkv.tiers.config import TierConfig
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefParams,
@@ -55,18 +60,21 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
     IncLockRefResult,
+    InitLoadBackParams,
     MatchPrefixParams,
     MatchResult,
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
 from .pool import SGLangPagePool
+from .tiers import SGLangTierCoordinator, tiers_from_env
 
 __all__ = ["HybridKVRadixCache", "namespace_of"]
 
 logger = logging.getLogger(__name__)
 
 _EMPTY64 = torch.zeros(0, dtype=torch.int64)
+_EMPTY32 = np.zeros(0, dtype=np.int32)
 
 
 def namespace_of(extra_key: Optional[str], cache_salt: Optional[str]) -> str:
@@ -96,13 +104,22 @@ class HybridKVRadixCache(BasePrefixCache):
             :data:`hybridkv.defaults.SWA_CHECKPOINT`.
         swa_eviction: ``"page"`` (hybridkv), ``"node"`` or ``"none"``
             (baselines); default ``$HYBRIDKV_SWA_EVICTION`` or ``"page"``.
+        tiers: hybridkv's lower tiers (a :class:`~hybridkv.tiers.config.TierConfig`:
+            L2 host bytes, L3 URL, write policy), or None for
+            :func:`~hybridkv_sglang.tiers.tiers_from_env` (``$HYBRIDKV_L2_BYTES``,
+            ``$HYBRIDKV_L3``, ``$HYBRIDKV_WRITE_POLICY``; unset: no tiers).  With
+            tiers, ``match_prefix`` reports L2/L3 hits as ``host_hit_length`` and
+            ``init_load_back`` loads them (see :mod:`hybridkv_sglang.tiers`).
+        tier_scope: the model and shard named in the tiers' page keys (the plugin
+            passes the model path and TP/PP rank), so a shared L3 never mixes them.
 
     Node handles are hybridkv ``TreeNode`` objects; each namespace has its own
     root.  Not thread-safe (SGLang's scheduler is single-threaded).
     """
 
     def __init__(self, params: CacheInitParams, *, swa_checkpoint: int | None = None,
-                 swa_eviction: str | None = None) -> None:
+                 swa_eviction: str | None = None, tiers: TierConfig | None = None,
+                 tier_scope: str = "sglang") -> None:
         if not isinstance(params, CacheInitParams):
             raise TypeError(f"params must be SGLang's CacheInitParams, got {type(params).__name__}")
         if params.sliding_window_size is None or params.sliding_window_size < 1:
@@ -128,7 +145,18 @@ class HybridKVRadixCache(BasePrefixCache):
         if params.enable_metrics:
             self.init_metrics_collector()
         self.counters = {"match_calls": 0, "hit_tokens": 0, "raw_match_tokens": 0,
-                         "checkpoints": 0, "unsafe_tail_locks": 0}
+                         "checkpoints": 0, "unsafe_tail_locks": 0, "host_hit_tokens": 0, "loaded_tokens": 0}
+        if tiers is not None and not isinstance(tiers, TierConfig):
+            raise TypeError(f"tiers must be a TierConfig or None, got {type(tiers).__name__}")
+        self.tier_config = tiers if tiers is not None else tiers_from_env()
+        self.tier_scope = tier_scope
+        self.coordinator: SGLangTierCoordinator | None = None
+        # SGLang's scheduler reads these with --enable-hierarchical-cache: loads are
+        # synchronous here (done inside init_load_back), nothing is ever in flight
+        self.cache_controller = None
+        self.ongoing_write_through: dict = {}
+        self.ongoing_load_back: dict = {}
+        self.enable_storage = False
         self.reset()
 
     # ================================================================ basics
@@ -141,6 +169,13 @@ class HybridKVRadixCache(BasePrefixCache):
         self.pool.reset()
         self._locks: dict[int, list[LockHandle]] = {}
         self.root_node = self.tree.root(namespace_of(None, None))
+        self._tier_reqs: dict[Any, dict] = {}  # rid -> match tokens, load plan, tier extra
+        if self.tier_config is not None and not self.disable:
+            if self.coordinator is not None:
+                self.coordinator.close()  # L2 goes with L1 (SGLang's flush_cache clears HiCache too)
+            self.coordinator = SGLangTierCoordinator(self.token_to_kv_pool_allocator, self.tree,
+                                                     self.tree_config.window, self.tier_config,
+                                                     self.tier_scope)
 
     def supports_swa(self) -> bool:
         return True
@@ -179,8 +214,109 @@ class HybridKVRadixCache(BasePrefixCache):
         self.counters["match_calls"] += 1
         self.counters["hit_tokens"] += safe * ps
         self.counters["raw_match_tokens"] += raw * ps
+        host = 0
+        req = getattr(params, "req", None)
+        if self.coordinator is not None and req is not None:
+            # one token past the key: the coordinator matches (len - 1) // P pages
+            ext = as_token_array(np.append(tokens, 0), "key")  # int32, as the tree and page keys take
+            state = self._tier_reqs.setdefault(req.rid, {})
+            # a request's first match waits (bounded) for its L3 read-ahead; later
+            # rounds of a waiting request read what has landed in L2 meanwhile
+            host = self.coordinator.host_hit_pages(ext, ns, safe, wait_l3="tokens" not in state) * ps
+            state.update(tokens=ext, ns=ns)
+            self._trim_tier_reqs()
+            self.counters["host_hit_tokens"] += host
         return MatchResult(device_prefix_len=safe * ps, last_device_node=node, last_host_node=node,
-                           best_match_node=node, full_kv_hit_length=raw * ps)
+                           best_match_node=node, host_hit_length=host, full_kv_hit_length=max(raw * ps, safe * ps + host))
+
+    # ============================================================ lower tiers
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Any]:
+        """Load the request's L2 (and landed L3) hit into L1 at admission: the
+        coordinator copies the pages H2D and inserts them into the tree, SGLang's
+        full->SWA mapping is made to follow the tree on the path, and the hit is
+        re-matched (so it is what was actually loaded).  Returns ``(loaded tokens,
+        new last node)``; ``(0, old node)`` when less than the promised
+        ``host_hit_length`` arrived (SGLang's all-or-none rule; the loaded pages
+        stay cached).  Runtime: O(L / P) plus the copies."""
+        req = params.req
+        state = self._tier_reqs.get(getattr(req, "rid", None)) if req is not None else None
+        if self.coordinator is None or state is None or "tokens" not in state:
+            return 0, params.best_match_node
+        ext, ns = state["tokens"], state["ns"]
+        before = int(req.prefix_len)
+        plan = self.coordinator.before_match(ext, ns)
+        safe, _, node = self.lifecycle.match(ext[:-1], ns, touch=False)
+        node = node if node is not None else self.tree.root(ns)
+        full, swa = self._path_pages(node)
+        self.pool.adopt(full, swa)  # loaded pages (and SWA adopted below the old hit)
+        loaded = safe * self.page_size - before
+        if loaded <= 0 or loaded < int(params.host_hit_length):
+            return 0, req.last_node
+        state["plan"] = plan
+        self.counters["loaded_tokens"] += loaded
+        return loaded, node
+
+    def ready_to_load_host_cache(self) -> int:
+        """No load is in flight after ``init_load_back`` (copies are synchronous): -1."""
+        return -1
+
+    def check_hicache_events(self) -> None:
+        """Nothing to reconcile: the L3 workers land reads in L2 under the tiers' lock."""
+
+    def clear_storage_backend(self) -> bool:
+        """SGLang's ``/clear_hicache_storage``: drops L2 (L3 is the backend's own to clear)."""
+        if self.coordinator is not None:
+            self.coordinator.clear_l2()
+        return True
+
+    @property
+    def token_to_kv_pool_host(self) -> Any:
+        """What SGLang's HiCache metrics read of a host pool (``logical_size``,
+        ``available_size()`` in tokens): L2's full pages, or None without tiers."""
+        return None if self.coordinator is None else _HostView(self.coordinator.host.pool, self.page_size)
+
+    def tier_stats(self) -> dict[str, Any]:
+        """The tier coordinator's counters ({} without tiers)."""
+        return self.coordinator.stats() if self.coordinator is not None else {}
+
+    def close(self) -> None:
+        """Stop the L3 worker and close a backend opened from a URL."""
+        if self.coordinator is not None:
+            self.coordinator.close()
+
+    def _trim_tier_reqs(self, cap: int = 8192) -> None:
+        """Forget the oldest matched-but-never-admitted requests (a waiting request
+        aborted before admission gets no ``on_release``).  Amortised O(1)."""
+        if len(self._tier_reqs) <= cap:
+            return
+        for rid in [r for r, st in self._tier_reqs.items() if "extra" not in st][:len(self._tier_reqs) - cap // 2]:
+            del self._tier_reqs[rid]
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        self._tier_reqs.pop(getattr(req, "rid", None), None)
+
+    def _tier_account(self, req: Any, protected: int) -> None:
+        """The request's first checkpoint: account its admitted hit of
+        ``protected`` pages (per-tier figures; repairs 3 and 4).  O(hit pages)."""
+        state = self._tier_reqs.setdefault(req.rid, {})
+        _, hit_swa = self._path_pages(req.last_node) if not self.is_root(req.last_node) else (None, _EMPTY32)
+        hit = len(hit_swa) if len(hit_swa) <= protected else 0
+        tokens = as_token_array(np.asarray(req.full_untruncated_fill_ids[:hit * self.page_size]), "tokens")
+        state["extra"] = self.coordinator.account_hit(tokens, namespace_of(req.extra_key, req.cache_salt), hit,
+                                                      hit_swa[:hit], state.pop("plan", None))
+
+    def _tier_checkpoint(self, req: Any, tokens: np.ndarray, ns: str, protected: int, full: np.ndarray,
+                         swa: np.ndarray) -> None:
+        """Before the insert: register the new pages and write them through to L2
+        (repair 1).  O(pages)."""
+        extra = self._tier_reqs.setdefault(req.rid, {}).setdefault("extra", {})
+        tokens = as_token_array(tokens, "tokens")  # the page keys hash int32 tokens, as at match
+        # the coordinator sees the SWA the request can read: the tree's on [0, protected)
+        # (write-back's repair 1 copies the device window the host lacks)
+        _, path_swa = self._path_pages(req.last_node) if not self.is_root(req.last_node) else (None, _EMPTY32)
+        if protected and len(path_swa) == protected:
+            swa = np.concatenate([path_swa, swa[protected:]]).astype(np.int32)
+        self.coordinator.checkpoint(tokens, ns, protected, full, swa, extra)
 
     def touch_prefix(self, key: Any) -> None:
         tokens, ns = self._key_tokens(key)
@@ -240,6 +376,8 @@ class HybridKVRadixCache(BasePrefixCache):
         kv = req.kv
         n_pages = min(int(up_to), len(req.full_untruncated_fill_ids)) // self.page_size
         protected = kv.cache_protected_len // self.page_size
+        if self.coordinator is not None and "extra" not in self._tier_reqs.get(req.rid, {}):
+            self._tier_account(req, protected)
         if n_pages <= protected:
             return
         length = n_pages * self.page_size
@@ -252,6 +390,8 @@ class HybridKVRadixCache(BasePrefixCache):
         swa = np.full(n_pages, -1, dtype=np.int32)
         swa[protected:] = self.pool.swa_pages_of(full[protected:])
         ns = namespace_of(req.extra_key, req.cache_salt)
+        if self.coordinator is not None:
+            self._tier_checkpoint(req, tokens, ns, protected, full, swa)
         # Record owners before the insert: the tree may free duplicates right away.
         self.pool.adopt(full[protected:], swa[protected:])
         # the prompt's length: past it the tokens are decoded output (the learned
@@ -355,6 +495,8 @@ class HybridKVRadixCache(BasePrefixCache):
         """Tree invariants plus: SGLang's full->SWA mapping equals the tree's SWA
         pages on every token of every cached page.  O(cached tokens)."""
         self.tree.check_invariants()
+        if self.coordinator is not None:
+            self.coordinator.check_invariants()
         nodes = list(self.tree.iter_nodes())
         if not nodes:
             return
@@ -366,3 +508,14 @@ class HybridKVRadixCache(BasePrefixCache):
             node = nodes[int(np.searchsorted(ends, bad[0], side="right"))]
             raise AssertionError(f"full->SWA mapping disagrees with the tree at {node} "
                                  f"(full page {full[bad[0]]}, tree SWA page {swa[bad[0]]})")
+
+
+class _HostView:
+    """L2's full-page pool in tokens, as SGLang's metrics read a host pool."""
+
+    def __init__(self, pool: Any, page_size: int) -> None:
+        self.logical_size = int(pool.full.capacity) * page_size
+        self._pool, self._ps = pool, page_size
+
+    def available_size(self) -> int:
+        return int(self._pool.full.num_free) * self._ps

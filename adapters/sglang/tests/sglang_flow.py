@@ -40,7 +40,7 @@ from sglang.srt.managers.scheduler_components.pool_stats_observer import (
 )
 from sglang.srt.mem_cache.allocation import get_last_loc_torch
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, InitLoadBackParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, evict_from_tree_cache, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, ReqToTokenPool
@@ -138,6 +138,7 @@ class FlowStats:
     hit_tokens: int = 0
     rejected: int = 0
     checks: int = 0
+    loaded_tokens: int = 0
     hits: list = field(default_factory=list)
 
 
@@ -215,6 +216,8 @@ class Driver:
         req = Req(f"r{self._rid}", "", array("q", prompt.astype(np.int64).tolist()),
                   SamplingParams(max_new_tokens=max(1, n_out)), extra_key=extra_key)
         req.init_next_round_input(self.cache)
+        if req.needs_host_load_back():
+            self._load_back(req)
         live = _Live(req, tokens, prefix_hashes(tokens), len(prompt), self.chunk)
         self._verify_hit(live)
         req.lock = self.cache.lock(req.last_node)
@@ -223,6 +226,23 @@ class Driver:
         self.stats.hit_tokens += req.prefix_len
         self.stats.hits.append(req.prefix_len)
         self._live.append(live)
+
+    def _load_back(self, req: Req) -> None:
+        """The admission's host load-back (``schedule_policy`` under HiCache): the
+        device match pinned, ``init_load_back``, all-or-none, the loaded prefix
+        protected."""
+        pin = self.cache.lock(req.last_node)
+        try:
+            promised = req.host_hit_length
+            loaded, node = self.cache.init_load_back(InitLoadBackParams(
+                best_match_node=req.best_match_node, host_hit_length=promised, req=req))
+        finally:
+            self.cache.unlock(pin)
+        assert loaded == 0 or loaded >= promised, (req.rid, promised, loaded)
+        req.host_loaded_length, req.last_node = loaded, node
+        req.prefix_len += loaded
+        req.kv.cache_protected_len = req.prefix_len
+        self.stats.loaded_tokens += loaded
 
     def _verify_hit(self, live: _Live) -> None:
         req = live.req
