@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from array import array
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Iterator
 
 import numpy as np
 
-from sglang_flow import Driver, Pools, PseudoHitError, _Live, prefix_hashes
+from sglang_flow import Driver, Pools, PseudoHitError, _Live
 
 IO_BACKEND = "direct"  # SGLang's torch-indexing transfer path (no CUDA kernels)
 MEM_LAYOUT = "layer_first"
@@ -165,42 +164,23 @@ class HiCacheDriver(Driver):
         self.tiers = TierStats()
 
     def _admit(self, prompt: np.ndarray, n_out, extra_key) -> None:
-        """:meth:`Driver._admit` with ``init_load_back`` between the match and
-        the lock, as ``PrefillAdder.add_one_req`` orders them."""
-        from sglang.srt.managers.schedule_batch import Req
-        from sglang.srt.sampling.sampling_params import SamplingParams
-
+        """:meth:`Driver._admit` (match, ``init_load_back`` between the match and the
+        lock, as ``PrefillAdder.add_one_req`` orders them, content check, lock)
+        after the controller's events, with the hit split by tier."""
         self.cache.check_hicache_events()
-        self._rid += 1
-        if isinstance(n_out, np.ndarray):
-            outputs, n_out = n_out, len(n_out)
-        else:
-            outputs = (prefix_hashes(prompt)[-1:] + np.arange(1, n_out + 1)) % 50000 + 7 if n_out else np.zeros(0)
-        tokens = np.concatenate([prompt, outputs.astype(np.int64)]).astype(np.int64)
-        req = Req(f"r{self._rid}", "", array("q", prompt.astype(np.int64).tolist()),
-                  SamplingParams(max_new_tokens=max(1, n_out)), extra_key=extra_key)
-        req.init_next_round_input(self.cache)
-        device_hit = req.prefix_len
-        host_hit = self._load_back(req)
-        live = _Live(req, tokens, prefix_hashes(tokens), len(prompt), self.chunk)
-        self._verify_hit(live)
-        if host_hit:
+        loaded = self.stats.loaded_tokens
+        super()._admit(prompt, n_out, extra_key)
+        host_hit = self.stats.loaded_tokens - loaded
+        if host_hit:  # Driver._admit checked the hit, loaded part included
             self.tiers.host_hits_verified += 1
-        req.lock = self.cache.lock(req.last_node)
-        self.stats.requests += 1
-        self.stats.input_tokens += len(prompt)
-        self.stats.hit_tokens += req.prefix_len
-        self.stats.hits.append(req.prefix_len)
-        self.tiers.device_hit_tokens += device_hit
+        self.tiers.device_hit_tokens += self.stats.hits[-1] - host_hit
         self.tiers.host_hit_tokens += host_hit
-        self._live.append(live)
 
-    def _load_back(self, req) -> int:
-        """``init_load_back`` + ``start_loading`` for a request with a host hit."""
+    def _load_back(self, req) -> None:
+        """``init_load_back`` + ``start_loading`` for a request with a host hit (SGLang's
+        HiCache takes no pin of the device match and may load less than promised)."""
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
-        if not req.needs_host_load_back():
-            return 0
         promised = req.host_hit_length
         loaded = self.cache.init_load_back(InitLoadBackParams(best_match_node=req.best_match_node,
                                                               host_hit_length=promised, req=req))
@@ -214,7 +194,7 @@ class HiCacheDriver(Driver):
             self.tiers.host_hit_declined += promised
         req.prefix_len += req.host_loaded_length
         req.kv.cache_protected_len = req.prefix_len
-        return req.host_loaded_length
+        self.stats.loaded_tokens += req.host_loaded_length
 
     def _step(self, live: _Live) -> None:
         self.cache.check_hicache_events()
