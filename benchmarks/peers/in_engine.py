@@ -21,6 +21,19 @@ the run with an error.
 ``--json`` prints one object ``{"sglang": [{"kv_bytes", "system", "swa_ratio",
 "hit_tokens", "input_tokens", "page_size"}, ...]}`` on stdout; progress and every
 swept ratio go to stderr (and to ``--details FILE`` as JSON when given).
+
+``--tiers`` compares the stacks with a host tier instead (``equal_memory_tiers``):
+hybridkv's radix backend with its L2 (``host_hit_length`` / ``init_load_back``)
+against SGLang's HiCache (``UnifiedRadixCache`` + ``init_hicache``, as
+``--enable-hierarchical-cache`` builds it; ``hicache_flow`` has the two CPU
+stand-ins it needs) at equal device and host bytes (``--host-factor`` x the
+device bytes, default 2), ``hicache_default`` at ratio 0.8 and ``hicache_best``
+over the sweep; ``--json`` then prints ``{"sglang": [{"kv_bytes", "host_bytes",
+"system", "setting", "hit_tokens", "l1_hit_tokens", "l2_hit_tokens",
+"input_tokens"}]}``.  ``--sizes`` runs one of the two sizes (two processes can
+share the work).
+
+    benchmarks/peers/in_engine.sh --json --page-size 64 --tiers [--trace T] [--limit N] [--sizes tight]
 """
 
 from __future__ import annotations
@@ -59,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
                          "and best rows; default both)")
     ap.add_argument("--page-size", type=int, default=1,
                     help="SGLang's --page-size: tokens per KV page for every system (default 1)")
+    ap.add_argument("--tiers", action="store_true",
+                    help="with host tiers: hybridkv's radix backend with its L2 vs SGLang's HiCache "
+                         "(--enable-hierarchical-cache) at equal device and host bytes")
+    ap.add_argument("--sizes", default="roomy,tight", help="comma-separated subset of roomy,tight (default both)")
+    ap.add_argument("--host-factor", type=float, default=None,
+                    help="with --tiers: host bytes = this x device bytes (default 2, HiCache's --hicache-ratio)")
     args = ap.parse_args(argv)
     if args.limit < 1:
         ap.error("--limit must be >= 1")
@@ -69,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [float(x) for x in args.ratios.split(",") if x]
     if any(not 0 < r <= 1 for r in ratios):
         ap.error("--ratios: SGLang accepts --swa-full-tokens-ratio in (0, 1]")
+    if args.tiers:
+        return tiers_main(args, ratios)
     systems = tuple(x for x in args.systems.split(",") if x)
     if not systems or any(x not in em.SYSTEMS for x in systems):
         ap.error(f"--systems: a comma-separated subset of {','.join(em.SYSTEMS)}, got {args.systems!r}")
@@ -107,6 +128,41 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r.size} | {r.kv_bytes:,} | {r.system} | {r.swa_ratio:.4f} | {r.full_tokens:,} / "
                   f"{r.swa_tokens:,} | {r.hit_tokens:,} | {r.input_tokens:,} | {r.hit_tokens / r.input_tokens:.2%} |")
     return 1 if bad else 0
+
+
+def tiers_main(args: argparse.Namespace, ratios: list[float]) -> int:
+    """``--tiers``: :func:`equal_memory_tiers.tiers_rows` at both sizes of the sample."""
+    import equal_memory_tiers as et
+
+    def log(msg: str) -> None:
+        print(f"[in-engine tiers] {msg}", file=sys.stderr, flush=True)
+
+    if args.systems != ",".join(em.SYSTEMS):
+        log("--systems is ignored with --tiers (hybridkv and the HiCache sweep always run)")
+    start = time.perf_counter()
+    prompts = em.mooncake_prompts(args.trace, args.limit)
+    sizes = {k: v for k, v in em.pick_sizes(prompts).items() if k in args.sizes.split(",")}
+    if not sizes:
+        log(f"--sizes: a subset of roomy,tight, got {args.sizes!r}")
+        return 2
+    factor = et.HOST_FACTOR if args.host_factor is None else args.host_factor
+    rows = et.tiers_rows(prompts, sizes, host_factor=factor, ratios=ratios, page_size=args.page_size, progress=log)
+    main_rows = [r for r in rows if r.system in ("hybridkv", "hicache_default", "hicache_best")]
+    if args.details:
+        args.details.write_text(json.dumps({"trace": str(args.trace), "limit": args.limit, "sizes": sizes,
+                                            "page_size": args.page_size, "host_factor": factor,
+                                            "runs": [vars(r) for r in rows]}, indent=1))
+    log(f"done in {time.perf_counter() - start:.0f} s; {sum(r.hits_verified for r in rows)} hits content-checked, "
+        "none wrong")
+    if args.json:
+        print(json.dumps({"sglang": [r.public() for r in main_rows]}))
+    else:
+        print("| size | kv_bytes | host_bytes | system | setting | L1 hit tokens | L2 hit tokens | hit tokens | input |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in main_rows:
+            print(f"| {r.size} | {r.kv_bytes:,} | {r.host_bytes:,} | {r.system} | {r.setting} | {r.l1_hit_tokens:,} "
+                  f"| {r.l2_hit_tokens:,} | {r.hit_tokens:,} | {r.input_tokens:,} |")
+    return 1 if any(r.system == "hybridkv" and r.rejected for r in main_rows) else 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 # best --swa-full-tokens-ratio, same KV bytes, through SGLang's real pools.
 #
 #   benchmarks/peers/in_engine.sh [--json] [--trace T] [--limit N] [--ratios 0.05,0.1,...] [--details FILE]
-#                                 [--systems hybridkv,unified] [--page-size N]
+#                                 [--systems hybridkv,unified] [--page-size N] [--tiers [--sizes S] [--host-factor F]]
 #
 # Creates or reuses the SGLang venv of adapters/sglang/run-tests.sh
 # (adapters/sglang/.venv or $HYBRIDKV_SGLANG_VENV).  With --json it prints ONE

@@ -112,6 +112,8 @@ class HybridKVRadixCache(BasePrefixCache):
             ``init_load_back`` loads them (see :mod:`hybridkv_sglang.tiers`).
         tier_scope: the model and shard named in the tiers' page keys (the plugin
             passes the model path and TP/PP rank), so a shared L3 never mixes them.
+        tier_spec: the ``ModelSpec`` L2 lays out and prices pages by (default the
+            pools'; see :class:`~hybridkv_sglang.tiers.SGLangTierCoordinator`).
 
     Node handles are hybridkv ``TreeNode`` objects; each namespace has its own
     root.  Not thread-safe (SGLang's scheduler is single-threaded).
@@ -119,7 +121,7 @@ class HybridKVRadixCache(BasePrefixCache):
 
     def __init__(self, params: CacheInitParams, *, swa_checkpoint: int | None = None,
                  swa_eviction: str | None = None, tiers: TierConfig | None = None,
-                 tier_scope: str = "sglang") -> None:
+                 tier_scope: str = "sglang", tier_spec: Any = None) -> None:
         if not isinstance(params, CacheInitParams):
             raise TypeError(f"params must be SGLang's CacheInitParams, got {type(params).__name__}")
         if params.sliding_window_size is None or params.sliding_window_size < 1:
@@ -150,6 +152,7 @@ class HybridKVRadixCache(BasePrefixCache):
             raise TypeError(f"tiers must be a TierConfig or None, got {type(tiers).__name__}")
         self.tier_config = tiers if tiers is not None else tiers_from_env()
         self.tier_scope = tier_scope
+        self.tier_spec = tier_spec
         self.coordinator: SGLangTierCoordinator | None = None
         # SGLang's scheduler reads these with --enable-hierarchical-cache: loads are
         # synchronous here (done inside init_load_back), nothing is ever in flight
@@ -175,7 +178,7 @@ class HybridKVRadixCache(BasePrefixCache):
                 self.coordinator.close()  # L2 goes with L1 (SGLang's flush_cache clears HiCache too)
             self.coordinator = SGLangTierCoordinator(self.token_to_kv_pool_allocator, self.tree,
                                                      self.tree_config.window, self.tier_config,
-                                                     self.tier_scope)
+                                                     self.tier_scope, self.tier_spec)
 
     def supports_swa(self) -> bool:
         return True

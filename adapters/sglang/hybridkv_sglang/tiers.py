@@ -91,6 +91,20 @@ def spec_from_pools(kv_pool: Any, page_size: int, window: int, name: str = "sgla
                      dtype=full.k_buffer[0].dtype, page_size=int(page_size))
 
 
+def _check_host_spec(host: ModelSpec, pools: ModelSpec) -> None:
+    """ValueError naming ``host_spec`` unless it can hold the pools' pages."""
+    if not isinstance(host, ModelSpec):
+        raise TypeError(f"host_spec must be a ModelSpec or None, got {type(host).__name__}")
+    same = (host.page_size, host.window, host.full, host.swa, host.dtype)
+    if same != (pools.page_size, pools.window, pools.full, pools.swa, pools.dtype):
+        raise ValueError(f"host_spec must have the pools' page size, window, K/V shapes and dtype {same[:4]} != "
+                         f"{(pools.page_size, pools.window, pools.full, pools.swa)}")
+    for kind in (AttnKind.FULL, AttnKind.SWA):
+        if len(host.layers(kind)) < len(pools.layers(kind)):
+            raise ValueError(f"host_spec has {len(host.layers(kind))} {kind.value} layers, the pools "
+                             f"{len(pools.layers(kind))}")
+
+
 class SGLangTierPool:
     """The coordinator's L1 pool over SGLang's ``SWATokenToKVPoolAllocator``.
 
@@ -176,9 +190,15 @@ class SGLangTierCoordinator(TierCoordinator):
         tiers: the :class:`TierConfig` (``l2_device="cpu"`` keeps real bytes in L2).
         scope: the model and shard (e.g. model path, TP/PP rank) in the page keys'
             fingerprint: ranks and models sharing one L3 never read each other's KV.
+        host_spec: the spec L2 lays out and prices pages by (default: the pools'
+            own, :func:`spec_from_pools`).  It must have the pools' page size,
+            window, dtype and K/V shapes and at least their layers of each kind;
+            extra layers hold no bytes (a benchmark prices pages like a larger
+            model this way).
     """
 
-    def __init__(self, allocator: Any, tree: Any, window: int, tiers: TierConfig, scope: str = "sglang") -> None:
+    def __init__(self, allocator: Any, tree: Any, window: int, tiers: TierConfig, scope: str = "sglang",
+                 host_spec: ModelSpec | None = None) -> None:
         if not isinstance(tiers, TierConfig):
             raise TypeError(f"tiers must be a TierConfig, got {type(tiers).__name__}")
         if tiers.l2_device not in (None, "cpu"):
@@ -189,6 +209,10 @@ class SGLangTierCoordinator(TierCoordinator):
         if not isinstance(scope, str) or not scope:
             raise TypeError(f"scope must be a non-empty str, got {scope!r}")
         spec = spec_from_pools(self.kv, allocator.page_size, window, name=scope)
+        self.pool_spec = spec
+        if host_spec is not None:
+            _check_host_spec(host_spec, spec)
+            spec = host_spec
         super().__init__(spec, tree, SGLangTierPool(allocator), tiers)
         self._offsets = torch.arange(spec.page_size, dtype=torch.int64)
 
@@ -207,13 +231,14 @@ class SGLangTierCoordinator(TierCoordinator):
         dev = self.kv.full_kv_pool if kind is AttnKind.FULL else self.kv.swa_kv_pool
         d2h = src is self.pool
         s_slots, d_slots = self._slots(src_pages), self._slots(dst_pages)
-        for layer in self.spec.layers(kind):
+        # the i-th pool layer of a kind is the host arena's i-th layer of that kind
+        for i, layer in enumerate(self.pool_spec.layers(kind)):
             local = self.kv.layers_mapping[layer][0]
             kb, vb = dev.k_buffer[local], dev.v_buffer[local]
             if d2h:
-                host.write(host.local(layer), d_slots.numpy(), kb[s_slots.to(kb.device)], vb[s_slots.to(vb.device)])
+                host.write(i, d_slots.numpy(), kb[s_slots.to(kb.device)], vb[s_slots.to(vb.device)])
             else:
-                k, v = host.read(host.local(layer), s_slots.numpy())
+                k, v = host.read(i, s_slots.numpy())
                 idx = d_slots.to(kb.device)
                 kb[idx] = k.to(device=kb.device, dtype=kb.dtype)
                 vb[idx] = v.to(device=vb.device, dtype=vb.dtype)
