@@ -100,7 +100,7 @@ def run_hybridkv_tiers(prompts: Sequence[np.ndarray], full: int, swa: int, host_
     stats = driver.run([(p, o, None) for p, o in zip(prompts, outputs)])
     cache.sanity_check()
     tiers = cache.tier_stats()
-    cache.coordinator.close()
+    cache.close()
     return {"hit_tokens": stats.hit_tokens, "l1_hit_tokens": stats.hit_tokens - stats.loaded_tokens,
             "l2_hit_tokens": stats.loaded_tokens, "input_tokens": stats.input_tokens, "requests": stats.requests,
             "rejected": stats.rejected, "hits_verified": sum(1 for h in stats.hits if h),

@@ -359,7 +359,14 @@ class Driver:
         req = live.req
         self.stats.rejected += 1
         req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
-        release_kv_cache(req, self.cache, checkpoint=False)
+        if req.kv.holds_kv and req.kv.is_kv_released:
+            # rejected at its first chunk with no hit: a row and no KV, which SGLang's
+            # scheduler never has (it takes the row with the chunk); give both back
+            self.pools.req_to_token.free(req)
+            self.cache.unlock(req.lock)
+            req.lock = None
+        else:
+            release_kv_cache(req, self.cache, checkpoint=False)
         self._live.remove(live)
 
     # ------------------------------------------------------------ checks

@@ -375,3 +375,42 @@ def test_mixed_flow_under_l1_pressure_every_tier_hit_is_the_requests_own(page_si
     assert stats.loaded_tokens > 0 and st["l2_hit_tokens"] + st["l3_hit_tokens"] > 0
     assert st["l1_hit_tokens"] + st["l2_hit_tokens"] + st["l3_hit_tokens"] == sum(stats.hits)
     cache.close()
+
+
+# ------------------------------------------------------------------ host spec (benchmarks)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_a_host_spec_with_extra_layers_prices_pages_and_keeps_content(page_size):
+    """L2 laid out by a larger spec (6 SWA layers per pool layer, as the tier benchmark
+    prices pages like the model): the same L2 hit, content checked, and an SWA page
+    costs six full ones of L2's budget."""
+    from hybridkv.spec import ModelSpec
+
+    pools = Pools(full_tokens=6000, swa_tokens=3000, page_size=page_size)
+    base = spec_from_pools(pools.allocator.get_kvcache(), page_size, W)
+    kinds = tuple(k for kind in base.layer_kinds for k in ((kind,) if kind is AttnKind.FULL else (kind,) * 6))
+    spec = ModelSpec(name="priced", layer_kinds=kinds, window=W, full=base.full, swa=base.swa,
+                     dtype=base.dtype, page_size=page_size)
+    cache = HybridKVRadixCache(pools.init_params(W), tiers=_tiers(), tier_spec=spec)
+    assert cache.coordinator.spec.bytes_per_page(AttnKind.SWA) == 6 * cache.coordinator.spec.bytes_per_page(AttnKind.FULL)
+    p = _prompt(11, 900)
+    _run(cache, pools, [p])
+    _drop_l1(cache, pools)
+    assert _run(cache, pools, [p]) == [_hit_of(len(p), page_size)]  # the oracle checked its K/V
+    assert cache.tier_stats()["l2_hit_tokens"] == _hit_of(len(p), page_size)
+
+
+def test_a_host_spec_that_cannot_hold_the_pools_pages_is_refused():
+    from hybridkv.spec import KVShape, ModelSpec
+
+    pools = Pools(full_tokens=6000, swa_tokens=3000, page_size=64)
+    base = spec_from_pools(pools.allocator.get_kvcache(), 64, W)
+    other = ModelSpec(name="x", layer_kinds=base.layer_kinds, window=W, full=KVShape(2, 2, 2), swa=base.swa,
+                      dtype=base.dtype, page_size=64)
+    with pytest.raises(ValueError, match="host_spec"):
+        HybridKVRadixCache(pools.init_params(W), tiers=_tiers(), tier_spec=other)
+    fewer = ModelSpec(name="y", layer_kinds=(AttnKind.FULL,), window=W, full=base.full, swa=base.swa,
+                      dtype=base.dtype, page_size=64)
+    with pytest.raises(ValueError, match="host_spec"):
+        HybridKVRadixCache(pools.init_params(W), tiers=_tiers(), tier_spec=fewer)
+    with pytest.raises(TypeError, match="host_spec"):
+        HybridKVRadixCache(pools.init_params(W), tiers=_tiers(), tier_spec="big")
