@@ -246,11 +246,6 @@ def run_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], device_bytes
     layer specs of a few hundred bytes a page, budgets giving the same block
     and chunk counts (:func:`scaled_budgets`).  ``connector=False``: no
     offloading connector (``host_bytes`` unused), vLLM's device cache alone."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
     if device_bytes <= 0:
         raise ValueError(f"device_bytes must be positive, got {device_bytes}")
     scaled = scaled or fs_tier
@@ -265,20 +260,9 @@ def run_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], device_bytes
             dev, host = scaled_budgets(vc, meta, device_bytes, host_bytes)
             vc.kv_transfer_config.kv_connector_extra_config["cpu_bytes_to_use"] = host
         sched = build_scheduler(vc, layer_specs(meta, scaled), dev)
-        hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        hasher = get_request_block_hasher(sched.hash_block_size, hash_fn)
-        params = SamplingParams(max_tokens=1)
         totals = {"device": 0, "host": 0, "other": 0, "input_tokens": 0, "steps": 0, "requests": 0}
         try:
-            for i, (ids, ns) in enumerate(seqs):
-                # a list only while the request lives (Python ints cost ~36 bytes a token)
-                req = Request(f"r{i}", np.asarray(ids).tolist(), params, None, block_hasher=hasher,
-                              cache_salt=None if ns == "default" else ns)
-                sched.add_request(req)
-                totals["steps"] += _drain(sched, totals)
-                totals["input_tokens"] += len(ids)
-                totals["requests"] += 1
+            replay_into(sched, vc, seqs, totals, _drain)
         finally:
             sched.shutdown()
     name = "vllm-cpu-fs" if fs_tier else "vllm-cpu" if connector else "vllm-l1"
@@ -288,6 +272,29 @@ def run_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], device_bytes
                 "cpu_chunks": _cpu_chunks(sched.connector), "scaled_bytes": scaled, "steps": totals["steps"],
                 "wall_s": round(time.perf_counter() - t0, 1), "version": _vllm_version(fs_tier, connector)})
     return out
+
+
+def replay_into(sched: Any, vc: Any, seqs: Sequence[tuple[Any, str]], totals: dict[str, int],
+                drain: Any) -> None:
+    """Add ``seqs`` (token ids, namespace) to ``sched`` one at a time, each stepped to
+    completion by ``drain(sched, totals)`` (steps counted); ``totals`` mutated."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(sched.hash_block_size, hash_fn)
+    params = SamplingParams(max_tokens=1)
+    for i, (ids, ns) in enumerate(seqs):
+        # a list only while the request lives (Python ints cost ~36 bytes a token)
+        req = Request(f"r{i}", np.asarray(ids).tolist(), params, None, block_hasher=hasher,
+                      cache_salt=None if ns == "default" else ns)
+        sched.add_request(req)
+        totals["steps"] += drain(sched, totals)
+        totals["input_tokens"] += len(ids)
+        totals["requests"] += 1
 
 
 def _cpu_chunks(connector: Any) -> int | None:

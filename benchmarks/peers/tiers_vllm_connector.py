@@ -32,8 +32,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import tiers_vllm as tv
 
 __all__ = ["CONNECTOR_SYSTEMS", "run_hybridkv_vllm"]
@@ -132,11 +130,6 @@ def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], dev
     """Replay ``seqs`` (token ids, namespace) one request at a time through vLLM's
     scheduler with hybridkv's prefix cache and (``tiers``) its connector; per-tier
     hit tokens.  ``host_bytes``: the connector's L2 (unused without ``tiers``)."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
     if device_bytes <= 0:
         raise ValueError(f"device_bytes must be positive, got {device_bytes}")
     if tiers and host_bytes <= 0:
@@ -148,18 +141,8 @@ def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], dev
         vc = _config(tv._model_dir(Path(tmp), max_len), max_len, chunk, host_bytes,
                      Path(tmp) / "l3" if tiers else None)
         sched = _scheduler(vc, tv.layer_specs(meta), device_bytes)
-        hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        hasher = get_request_block_hasher(sched.hash_block_size, hash_fn)
-        params = SamplingParams(max_tokens=1)
         try:
-            for i, (ids, ns) in enumerate(seqs):
-                req = Request(f"r{i}", np.asarray(ids).tolist(), params, None, block_hasher=hasher,
-                              cache_salt=None if ns == "default" else ns)
-                sched.add_request(req)
-                totals["steps"] += _drain(sched, totals)
-                totals["input_tokens"] += len(ids)
-                totals["requests"] += 1
+            tv.replay_into(sched, vc, seqs, totals, _drain)
             view = getattr(sched.connector, "_tiers", None)  # (an older connector has no record)
             record = view.store.stats() if tiers and view is not None else {}
         finally:

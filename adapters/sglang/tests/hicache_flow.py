@@ -16,7 +16,7 @@ with FULL + SWA components: ``hybrid_pool_assembler._SwaStrategy``) attaches a
 * ``check_hicache_events`` before every step (write-through acks, load acks,
   pending backups), as ``Scheduler`` does each iteration.
 
-Test-side shim (the only one; see ``HICACHE_FINDINGS.md``):
+Test-side shim (the only one; see ``benchmarks/peers/hicache_on_cpu.md``):
 
 * :func:`host_pools_unpinned` builds the host pools with ``pin_memory=False``.
   ``MHATokenToKVPoolHost`` exposes that flag (default True) but the assembler

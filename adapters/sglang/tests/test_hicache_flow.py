@@ -1,7 +1,7 @@
 """SGLang 0.5.23 HiCache on CPU (``hicache_flow``): a prefix evicted from the
 device pools is matched on the host tier, loaded back by ``init_load_back``
 and its K/V tags (written on device, copied D->H, then H->D) are the request's
-own.  A few seconds; the Mooncake replay is ``benchmarks/peers/in_engine_hicache.py``."""
+own.  A few seconds; the Mooncake replay is ``benchmarks/peers/in_engine.sh --tiers``."""
 
 from __future__ import annotations
 
