@@ -77,6 +77,7 @@ TIERS_L3 = "benchmarks/results/tiers_l3.json"
 SGLANG_QUOTED = "benchmarks/peers/results/in_engine_sglang.json"
 SGLANG_UNQUOTED = "benchmarks/peers/results/in_engine_sglang_unquoted.json"
 SGLANG_PAGE64 = "benchmarks/peers/results/in_engine_sglang_page64.json"
+SGLANG_TIERS = "benchmarks/peers/results/in_engine_sglang_tiers.json"
 VLLM_PREFIX_SERVER = "benchmarks/results/vllm_prefix_server.json"
 VLLM_SERVER = "benchmarks/results/vllm_server.json"
 VLLM_OFFLINE = "benchmarks/results/vllm_offline.json"
@@ -402,6 +403,51 @@ def _sglang_in_engine(load: Loader, path: str) -> str:
     return ("\n".join(lines) + "\n\n" + text + "\n\n" + source_line(load, path) + "\n")
 
 
+def render_sglang_tiers(load: Loader) -> str:
+    """docs/sglang.md: ``in_engine.sh --tiers``, hybridkv's backend with its L2 vs SGLang's HiCache."""
+    out = load(SGLANG_TIERS)
+    names = {"mooncake_conversation_trace.jsonl": "conversation", "weka": "kv-cache-tester"}
+    lines = ["| trace | size | device / host GB | system | setting | L1 hit tokens | L2 (host) hit tokens "
+             "| hit tokens | hybridkv vs it |", "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for trace, t in out["traces"].items():
+        for size in ("roomy", "tight"):
+            rows = {r["system"]: r for r in t["runs"] if r["size"] == size}
+            if not rows:
+                continue
+            h = rows["hybridkv"]["hit_tokens"]
+            for system in ("hybridkv", "hicache_default", "hicache_best"):
+                r = rows[system]
+                st = r["setting"]
+                setting = (f"swa ratio {st['swa_full_tokens_ratio']:.4g}"
+                           + (f", hicache ratio {st['hicache_ratio']:g}" if "hicache_ratio" in st else ""))
+                hit = f"**{r['hit_tokens']:,}**" if system == "hybridkv" else f"{r['hit_tokens']:,}"
+                if r["rejected"]:
+                    hit += f" ({r['rejected']} rejected)"
+                vs = "" if system == "hybridkv" else _vs(h, r["hit_tokens"])
+                lines.append(f"| {names.get(trace, trace)} ({t['limit']:,} req.) | {size} | {r['kv_bytes'] / 1e9:.2f} / "
+                             f"{r['host_bytes'] / 1e9:.2f} | {system} | {setting} | {r['l1_hit_tokens']:,} | "
+                             f"{r['l2_hit_tokens']:,} | {hit} | {vs} |")
+            sweep = sorted((r for r in t["runs"] if r["size"] == size and r["system"].startswith("hicache@")),
+                           key=lambda r: r["setting"]["swa_full_tokens_ratio"])
+            notes.append(f"{names.get(trace, trace)} {size}: " + " / ".join(
+                f"{r['setting']['swa_full_tokens_ratio']:g} {r['hit_tokens']:,}" for r in sweep))
+    checked = sum(r["hits_verified"] for t in out["traces"].values() for r in t["runs"]
+                  if r["system"] not in ("hicache_default", "hicache_best"))
+    verdicts = []
+    for trace, t in out["traces"].items():
+        for size in ("roomy", "tight"):
+            rows = {r["system"]: r["hit_tokens"] for r in t["runs"] if r["size"] == size}
+            if rows:
+                best, default = (_vs(rows["hybridkv"], rows[k]) for k in ("hicache_best", "hicache_default"))
+                verdicts.append(f"{names.get(trace, trace)} {size}: hybridkv hits {best}{' than' * ('fewer' in best)} "
+                                f"HiCache's best, {default}{' than' * ('fewer' in default)} its default")
+    missing = "".join(f" Not run: {why}." for why in out.get("not_run", {}).values())
+    return ("\n".join(lines) + "\n\n" + "; ".join(verdicts) + ". HiCache's sweep of `--swa-full-tokens-ratio` "
+            "(hit tokens): " + "; ".join(notes) + f". {checked:,} hits content-checked over all runs, none wrong."
+            + missing + "\n\n" + source_line(load, SGLANG_TIERS) + "\n")
+
+
 def render_sglang_unquoted(load: Loader) -> str:
     """docs/sglang.md: the same benchmark with ``--unquoted-answers``."""
     out = load(SGLANG_UNQUOTED)
@@ -509,7 +555,7 @@ def render_vllm_server(load: Loader) -> str:
     first = sorted({c[0] for c in hits2}) if hits2 else []
     return (
         f"{'One run' if len(runs) == 1 else f'{len(runs)} runs'} of `bench_server.py --rounds {w['rounds']}"
-        f"{' --sync-save' if w.get('sync_save') else ''}` on a shared 2-core machine with other jobs running "
+        f"{' --sync-save' if w.get('sync_save') else ''}` on a 2-core machine (the load it ran under: the file's note) "
         f"({'' if len(runs) == 1 else 'a cell per run, `a / b`; '}ratios against the server without connector "
         f"of the same run; the multi-turn TTFT of `hkv` and `hkv_sync` is in the same server life as their "
         f"concurrent batches, so their loads come from L2):\n\n"
@@ -1004,6 +1050,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "sglang-in-engine": ((SGLANG_QUOTED,), render_sglang_in_engine),
     "sglang-unquoted": ((SGLANG_UNQUOTED,), render_sglang_unquoted),
     "sglang-in-engine-page64": ((SGLANG_PAGE64,), render_sglang_in_engine_page64),
+    "sglang-tiers": ((SGLANG_TIERS,), render_sglang_tiers),
     "vllm-prefix-server": ((VLLM_PREFIX_SERVER,), render_vllm_prefix_server),
     "vllm-server": ((VLLM_SERVER,), render_vllm_server),
     "vllm-offline": ((VLLM_OFFLINE,), render_vllm_offline),
