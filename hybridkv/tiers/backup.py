@@ -177,10 +177,21 @@ class L2Backup:
         n = len(keys)
         if n == 0:
             return
+        plain = kind is AttnKind.SWA and anchored is not None and not np.asarray(anchored, bool).all()
+        if plain and np.asarray(anchored, bool).any():  # anchored windows first, then plain SWA on its own terms
+            a = np.asarray(anchored, bool)
+            for sel in (a, ~a):
+                idx = np.flatnonzero(sel)
+                self.store_l2(kind, l1_pages[idx], [keys[i] for i in idx], a[idx],
+                              None if base is None else [base[i] for i in idx])
+            return
         host = self.host
         protect_full, protect_swa = self.protected()
+        # plain SWA (it ends no kept window: L2 drops it first) displaces only older plain SWA,
+        # never full KV or anchored windows (DESIGN: under pressure, SWA that unlocks the fewest
+        # hits goes first, before full KV)
         got = host.alloc(n if kind is AttnKind.FULL else 0, n if kind is AttnKind.SWA else 0,
-                            protect=protect_full, protect_swa=protect_swa)
+                         protect=protect_full, protect_swa=protect_swa, plain_only=plain)
         if got is None:
             self.counters["l2_store_failed"] += n
             return

@@ -125,11 +125,13 @@ class HostTier:
 
     # ------------------------------------------------------------ allocation
     def alloc(self, n_full: int, n_swa: int, protect: Iterable[int] = (),
-              protect_swa: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray] | None:
+              protect_swa: Iterable[int] = (), *, plain_only: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
         """Allocate host pages, evicting unprotected LRU pages as needed.
 
         Returns ``(full_pages, swa_pages)`` int32, or None (nothing allocated;
         some pages may have been evicted) when even eviction cannot make room.
+        ``plain_only``: make room from plain SWA alone (what is stored then is
+        worth no more than what it displaces: full KV and anchored windows stay).
         The caller must :meth:`insert_full` / :meth:`insert_swa` or
         :meth:`free` what it gets.  O(n + evicted).
         """
@@ -137,7 +139,7 @@ class HostTier:
         if got is not None:
             return got
         pf, ps = set(int(p) for p in protect), set(int(p) for p in protect_swa)
-        for stage in ("swa", "full", "anchor"):
+        for stage in ("swa",) if plain_only else ("swa", "full", "anchor"):
             while not self.pool.can_alloc(n_full, n_swa):
                 short_full, short_swa, short_bytes = self.pool.shortfall(n_full, n_swa)
                 if stage == "full" and not (short_full or short_bytes):

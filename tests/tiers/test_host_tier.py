@@ -51,3 +51,23 @@ def test_discard_drops_keys_and_frees_their_pages():
     tier.check_invariants()
     got = tier.alloc(1, 0)  # the discarded page is free again: no eviction needed
     assert got is not None and tier.lookup_full([b"a", b"c"]).min() >= 0
+
+
+def test_plain_swa_makes_room_only_from_older_plain_swa():
+    """Storing a plain SWA page (it ends no kept window, L2 drops it first) may displace
+    older plain SWA but never full KV or an anchored window; an anchored one may."""
+    spec = ModelSpec.preset("mimo-v2.5", page_size=4)
+    fb, sb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
+    tier = HostTier(spec, 2 * fb + 2 * sb)
+    tier.insert_full([b"f1", b"f2"], tier.alloc(2, 0)[0])
+    tier.insert_swa([b"a1"], tier.alloc(0, 1)[1], np.array([True]))
+    tier.insert_swa([b"p1"], tier.alloc(0, 1)[1], np.array([False]))
+    got = tier.alloc(0, 1, plain_only=True)  # room from the older plain SWA page only
+    assert got is not None and tier.lookup_swa([b"p1"])[0] == -1
+    tier.insert_swa([b"p2"], got[1], np.array([False]))
+    assert tier.alloc(0, 2, plain_only=True) is None  # one plain page cannot make room for two
+    assert (tier.lookup_full([b"f1", b"f2"]) >= 0).all() and tier.lookup_swa([b"a1"])[0] >= 0
+    got = tier.alloc(0, 2)  # without the restriction full KV goes
+    assert got is not None and (tier.lookup_full([b"f1", b"f2"]) < 0).any()
+    tier.free(*got)
+    tier.check_invariants()

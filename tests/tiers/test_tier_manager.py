@@ -248,8 +248,8 @@ def test_a_read_sees_a_write_still_queued_behind_a_slow_put(tmp_path):
     slow.delay["put"] = 1.0
     b = tiered(slow, l1_pages=40, l2_pages=24)
     try:
-        ps = prompts(4, seed=16)
-        run(b, ps)  # L2 keeps only the last prompt; the earlier pages' L3 writes are still queued
+        ps = prompts(8, seed=16)
+        run(b, ps)  # L2 keeps only the last prompts' full KV; the earlier pages' L3 writes are still queued
         b.tree.evict(full_pages=b.tree.evictable_full_pages(), swa_pages=b.tree.evictable_swa_pages())
         before = slow.calls["put"]
         out = run(b, ps[:1])  # reads do not queue behind the writes, yet they see them
