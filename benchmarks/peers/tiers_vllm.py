@@ -306,18 +306,21 @@ def _cpu_chunks(connector: Any) -> int | None:
     return getattr(primary, "_num_chunks", None)
 
 
-def _drain(sched: Any, totals: dict[str, int]) -> int:
+def _drain(sched: Any, totals: dict[str, int], output: Any = None, busy: Any = None) -> int:
     """Step the engine until it has nothing to do (the request finished and
     the connector's jobs are done), adding each step's scheduler statistics
-    to ``totals`` (mutated); returns the number of steps.  A step that
+    to ``totals`` (mutated); returns the number of steps.  ``output(sched, so)``
+    is the worker stand-in (default :func:`fake_output`), ``busy(sched)`` keeps
+    stepping without requests (default: never).  A step that
     schedules nothing (a lookup or promotion of a secondary tier still
     running on its threads) is followed by a short sleep.  Raises if the
     engine stays idle for ``MAX_IDLE_S`` (a request that cannot be scheduled)."""
     steps = 0
     idle_since: float | None = None
-    while sched.has_requests():
+    output = output or fake_output
+    while sched.has_requests() or busy is not None and busy(sched):
         so = sched.schedule()
-        outputs = sched.update_from_output(so, fake_output(sched, so))
+        outputs = sched.update_from_output(so, output(sched, so))
         for eco in outputs.values():
             if eco.scheduler_stats is not None:
                 _add_stats(totals, eco.scheduler_stats)

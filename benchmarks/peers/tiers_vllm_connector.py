@@ -101,28 +101,18 @@ def store_saves(sched: Any, so: Any) -> int:
     return len(keys)
 
 
+def _output(sched: Any, so: Any) -> Any:
+    """The worker's step: store the step's saves in L3, then report its output."""
+    if sched.connector is not None:
+        store_saves(sched, so)
+    return fake_output(sched, so)
+
+
 def _drain(sched: Any, totals: dict[str, int]) -> int:
-    """Step until the engine has nothing to do (``tiers_vllm._drain`` with this
-    module's worker stand-in); returns the steps."""
-    steps = 0
-    idle_since: float | None = None
-    while sched.has_requests() or sched.connector is not None and sched.connector.has_pending_push_work():
-        so = sched.schedule()
-        if sched.connector is not None:
-            store_saves(sched, so)
-        for eco in sched.update_from_output(so, fake_output(sched, so)).values():
-            if eco.scheduler_stats is not None:
-                tv._add_stats(totals, eco.scheduler_stats)
-        steps += 1
-        if so.total_num_scheduled_tokens:
-            idle_since = None
-            continue
-        now = time.monotonic()
-        idle_since = now if idle_since is None else idle_since
-        if now - idle_since > tv.MAX_IDLE_S:
-            raise RuntimeError(f"the scheduler stayed idle for {tv.MAX_IDLE_S} s after {steps} steps")
-        time.sleep(tv.IDLE_SLEEP_S)
-    return steps
+    """``tiers_vllm._drain`` with this module's worker stand-in, stepping while the
+    connector has push work left too; returns the steps."""
+    return tv._drain(sched, totals, _output,
+                     lambda s: s.connector is not None and s.connector.has_pending_push_work())
 
 
 def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], device_bytes: int,

@@ -74,7 +74,6 @@ __all__ = ["HybridKVRadixCache", "namespace_of"]
 logger = logging.getLogger(__name__)
 
 _EMPTY64 = torch.zeros(0, dtype=torch.int64)
-_EMPTY32 = np.zeros(0, dtype=np.int32)
 
 
 def namespace_of(extra_key: Optional[str], cache_salt: Optional[str]) -> str:
@@ -302,7 +301,7 @@ class HybridKVRadixCache(BasePrefixCache):
         """The request's first checkpoint: account its admitted hit of
         ``protected`` pages (per-tier figures; repairs 3 and 4).  O(hit pages)."""
         state = self._tier_reqs.setdefault(req.rid, {})
-        _, hit_swa = self._path_pages(req.last_node) if not self.is_root(req.last_node) else (None, _EMPTY32)
+        _, hit_swa = self._path_pages(req.last_node)  # empty at the root
         hit = len(hit_swa) if len(hit_swa) <= protected else 0
         tokens = as_token_array(np.asarray(req.full_untruncated_fill_ids[:hit * self.page_size]), "tokens")
         state["extra"] = self.coordinator.account_hit(tokens, namespace_of(req.extra_key, req.cache_salt), hit,
@@ -316,7 +315,7 @@ class HybridKVRadixCache(BasePrefixCache):
         tokens = as_token_array(tokens, "tokens")  # the page keys hash int32 tokens, as at match
         # the coordinator sees the SWA the request can read: the tree's on [0, protected)
         # (write-back's repair 1 copies the device window the host lacks)
-        _, path_swa = self._path_pages(req.last_node) if not self.is_root(req.last_node) else (None, _EMPTY32)
+        _, path_swa = self._path_pages(req.last_node)
         if protected and len(path_swa) == protected:
             swa = np.concatenate([path_swa, swa[protected:]]).astype(np.int32)
         self.coordinator.checkpoint(tokens, ns, protected, full, swa, extra)
