@@ -48,7 +48,8 @@ from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.sampling.sampling_params import SamplingParams
 
-_MULT = np.random.default_rng(12345).integers(1, 2**62, size=1 << 18, dtype=np.uint64) | np.uint64(1)
+# 2**20 positions: kv-cache-tester's prompts reach 806,730 tokens (the first 2**18 are those of the smaller table)
+_MULT = np.random.default_rng(12345).integers(1, 2**62, size=1 << 20, dtype=np.uint64) | np.uint64(1)
 
 
 def prefix_hashes(tokens: np.ndarray) -> np.ndarray:
