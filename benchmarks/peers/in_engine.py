@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     default_trace = (conftest.shared_traces() or Path("traces")) / "mooncake_conversation_trace.jsonl"
-    ap.add_argument("--trace", type=Path, default=default_trace, help=f"trace file (default {default_trace})")
+    ap.add_argument("--trace", type=Path, default=default_trace, help=f"trace file or kv-cache-tester folder (default {default_trace})")
     ap.add_argument("--limit", type=int, default=1000, help="first N requests of the trace (default 1000)")
     ap.add_argument("--ratios", default=",".join(str(r) for r in em.RATIOS),
                     help="UnifiedRadixCache --swa-full-tokens-ratio values to sweep (0.8 is always run)")
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--limit must be >= 1")
     if args.page_size < 1:
         ap.error(f"--page-size must be >= 1, got {args.page_size}")
-    if not args.trace.is_file():
-        ap.error(f"--trace {args.trace} is not a file")
+    if not args.trace.exists():
+        ap.error(f"--trace {args.trace}: no such file or directory (a JSONL trace or kv-cache-tester's folder)")
     ratios = [float(x) for x in args.ratios.split(",") if x]
     if any(not 0 < r <= 1 for r in ratios):
         ap.error("--ratios: SGLang accepts --swa-full-tokens-ratio in (0, 1]")
