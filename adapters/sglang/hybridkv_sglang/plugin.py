@@ -48,7 +48,27 @@ def create_hybridkv_radix_cache(ctx: Any) -> Any:
         ctx.params.disable = True
     model = getattr(getattr(ctx, "model_config", None), "model_path", None) or "sglang"
     scope = f"{model}|tp{ctx.tp_rank}/{ctx.tp_size}|pp{ctx.params.pp_rank}/{ctx.params.pp_size}"
-    return HybridKVRadixCache(ctx.params, tiers=tiers, tier_scope=scope)
+    counter = _layer_counter(ctx) if tiers is not None and ctx.enable_hierarchical_cache else None
+    return HybridKVRadixCache(ctx.params, tiers=tiers, tier_scope=scope, layer_counter=counter)
+
+
+def _layer_counter(ctx: Any) -> Any:
+    """SGLang's ``LayerDoneCounter`` for layer-by-layer loads, registered as
+    HiCache registers its own: with the KV pool (whose ``get_key_buffer`` and
+    friends wait on it) and the worker (which the scheduler tells the batch's
+    load).  None without a worker to register with (loads then run in
+    ``init_load_back``).  Only under ``--enable-hierarchical-cache``: the
+    scheduler calls ``ready_to_load_host_cache`` only then."""
+    from sglang.srt.managers.cache_controller import LayerDoneCounter
+
+    worker = getattr(ctx, "tp_worker", None)
+    if worker is None or not hasattr(worker, "register_hicache_layer_transfer_counter"):
+        return None
+    kv = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    counter = LayerDoneCounter(int(kv.layer_num))
+    kv.register_layer_transfer_counter(counter)
+    worker.register_hicache_layer_transfer_counter(counter)
+    return counter
 
 
 def _hicache_l2(ctx: Any) -> tuple[int, str]:

@@ -67,6 +67,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
 from .pool import SGLangPagePool
+from .layer_loads import LayerLoads
 from .tiers import SGLangTierCoordinator, tiers_from_env
 
 __all__ = ["HybridKVRadixCache", "namespace_of"]
@@ -113,6 +114,11 @@ class HybridKVRadixCache(BasePrefixCache):
             passes the model path and TP/PP rank), so a shared L3 never mixes them.
         tier_spec: the ``ModelSpec`` L2 lays out and prices pages by (default the
             pools'; see :class:`~hybridkv_sglang.tiers.SGLangTierCoordinator`).
+        layer_counter: SGLang's ``LayerDoneCounter`` registered with the KV pool
+            and the worker (the plugin does it under ``--enable-hierarchical-cache``):
+            loads are then queued at ``init_load_back`` and issued layer by layer
+            by ``ready_to_load_host_cache`` (:mod:`hybridkv_sglang.layer_loads`);
+            None: they run inside ``init_load_back``.
 
     Node handles are hybridkv ``TreeNode`` objects; each namespace has its own
     root.  Not thread-safe (SGLang's scheduler is single-threaded).
@@ -120,7 +126,7 @@ class HybridKVRadixCache(BasePrefixCache):
 
     def __init__(self, params: CacheInitParams, *, swa_checkpoint: int | None = None,
                  swa_eviction: str | None = None, tiers: TierConfig | None = None,
-                 tier_scope: str = "sglang", tier_spec: Any = None) -> None:
+                 tier_scope: str = "sglang", tier_spec: Any = None, layer_counter: Any = None) -> None:
         if not isinstance(params, CacheInitParams):
             raise TypeError(f"params must be SGLang's CacheInitParams, got {type(params).__name__}")
         if params.sliding_window_size is None or params.sliding_window_size < 1:
@@ -152,9 +158,10 @@ class HybridKVRadixCache(BasePrefixCache):
         self.tier_config = tiers if tiers is not None else tiers_from_env()
         self.tier_scope = tier_scope
         self.tier_spec = tier_spec
+        self.layer_counter = layer_counter
         self.coordinator: SGLangTierCoordinator | None = None
-        # SGLang's scheduler reads these with --enable-hierarchical-cache: loads are
-        # synchronous here (done inside init_load_back), nothing is ever in flight
+        # SGLang's scheduler reads these with --enable-hierarchical-cache: a load is
+        # issued whole by ready_to_load_host_cache, nothing is in flight past a batch
         self.cache_controller = None
         self.ongoing_write_through: dict = {}
         self.ongoing_load_back: dict = {}
@@ -178,6 +185,9 @@ class HybridKVRadixCache(BasePrefixCache):
             self.coordinator = SGLangTierCoordinator(self.token_to_kv_pool_allocator, self.tree,
                                                      self.tree_config.window, self.tier_config,
                                                      self.tier_scope, self.tier_spec)
+            if self.layer_counter is not None:
+                self.coordinator.layer_loads = LayerLoads(self.token_to_kv_pool_allocator.get_kvcache(),
+                                                          self.layer_counter)
 
     def supports_swa(self) -> bool:
         return True
@@ -253,14 +263,21 @@ class HybridKVRadixCache(BasePrefixCache):
         self.pool.adopt(full, swa)  # loaded pages (and SWA adopted below the old hit)
         loaded = safe * self.page_size - before
         if loaded <= 0 or loaded < int(params.host_hit_length):
+            if self.coordinator.layer_loads is not None:
+                self.coordinator.layer_loads.flush()  # cached but unlocked: loaded now
             return 0, req.last_node
         state["plan"] = plan
         self.counters["loaded_tokens"] += loaded
         return loaded, node
 
     def ready_to_load_host_cache(self) -> int:
-        """No load is in flight after ``init_load_back`` (copies are synchronous): -1."""
-        return -1
+        """The scheduler's call before the batch's forward: issue the loads the
+        batch's ``init_load_back`` calls queued, layer by layer, and return the
+        ``LayerDoneCounter`` producer index the worker waits on (-1: nothing to
+        wait for; always -1 without a layer counter, the copies having run in
+        ``init_load_back``).  O(queued bytes)."""
+        loads = self.coordinator.layer_loads if self.coordinator is not None else None
+        return loads.issue() if loads is not None else -1
 
     def check_hicache_events(self) -> None:
         """Nothing to reconcile: the L3 workers land reads in L2 under the tiers' lock."""

@@ -39,6 +39,8 @@ from hybridkv.tiers.config import PageOrigin, TierConfig
 from hybridkv.tiers.coordinator import TierCoordinator
 from hybridkv.tiers.reads import leading_true, window_safe
 
+from .layer_loads import LayerLoads
+
 __all__ = ["ReqShim", "SGLangTierCoordinator", "SGLangTierPool", "spec_from_pools", "tiers_from_env"]
 
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -215,6 +217,9 @@ class SGLangTierCoordinator(TierCoordinator):
             spec = host_spec
         super().__init__(spec, tree, SGLangTierPool(allocator), tiers)
         self._offsets = torch.arange(spec.page_size, dtype=torch.int64)
+        # set by the radix cache when SGLang's layer hooks wait for loads (else
+        # host -> device copies run inside ``init_load_back``)
+        self.layer_loads: LayerLoads | None = None
 
     # ============================================================ bytes
     def _slots(self, pages: np.ndarray) -> torch.Tensor:
@@ -231,6 +236,13 @@ class SGLangTierCoordinator(TierCoordinator):
         dev = self.kv.full_kv_pool if kind is AttnKind.FULL else self.kv.swa_kv_pool
         d2h = src is self.pool
         s_slots, d_slots = self._slots(src_pages), self._slots(dst_pages)
+        loads = self.layer_loads
+        if loads is not None:
+            if not d2h:  # read out now, issued layer by layer when the batch runs
+                loads.queue(kind, [host.read(i, s_slots.numpy()) for i in range(len(self.pool_spec.layers(kind)))],
+                            d_slots)
+                return
+            loads.flush()  # never read a device page whose load is still queued
         # the i-th pool layer of a kind is the host arena's i-th layer of that kind
         for i, layer in enumerate(self.pool_spec.layers(kind)):
             local = self.kv.layers_mapping[layer][0]

@@ -239,6 +239,13 @@ class Driver:
                 best_match_node=req.best_match_node, host_hit_length=promised, req=req))
         finally:
             self.cache.unlock(pin)
+        # the batch's forward: the scheduler issues the queued loads
+        # (ready_to_load_host_cache) and the worker's layers wait on them
+        # (tp_worker.set_hicache_consumer: the pool's layer_transfer_counter)
+        consumer = self.cache.ready_to_load_host_cache()
+        counter = getattr(self.pools.kv, "layer_transfer_counter", None)
+        if counter is not None:
+            counter.set_consumer(consumer)
         assert loaded == 0 or loaded >= promised, (req.rid, promised, loaded)
         req.host_loaded_length, req.last_node = loaded, node
         req.prefix_len += loaded
