@@ -95,6 +95,17 @@ class LayerLoads:
         if len(slots):
             self._queued.append(_Queued(kind, layers, slots))
 
+    def drop(self, kind: AttnKind, slots: torch.Tensor) -> None:
+        """Forget the queued copies of ``kind`` into device ``slots`` (their pages
+        went back to the allocator before the batch ran).  O(queued rows)."""
+        for q in self._queued:
+            if q.kind is kind:
+                keep = ~torch.isin(q.slots, slots.to(q.slots.device))
+                if not bool(keep.all()):
+                    q.slots = q.slots[keep]
+                    q.layers = [(k[keep], v[keep]) for k, v in q.layers]
+        self._queued = [q for q in self._queued if len(q.slots)]
+
     def _copy_layer(self, layer_id: int) -> None:
         local, is_swa = self.kv.layers_mapping[layer_id]
         kind = AttnKind.SWA if is_swa else AttnKind.FULL

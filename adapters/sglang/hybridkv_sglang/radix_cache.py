@@ -186,8 +186,8 @@ class HybridKVRadixCache(BasePrefixCache):
                                                      self.tree_config.window, self.tier_config,
                                                      self.tier_scope, self.tier_spec)
             if self.layer_counter is not None:
-                self.coordinator.layer_loads = LayerLoads(self.token_to_kv_pool_allocator.get_kvcache(),
-                                                          self.layer_counter)
+                loads = LayerLoads(self.token_to_kv_pool_allocator.get_kvcache(), self.layer_counter)
+                self.coordinator.layer_loads = self.coordinator.pool.loads = loads
 
     def supports_swa(self) -> bool:
         return True

@@ -121,6 +121,8 @@ class SGLangTierPool:
     def __init__(self, allocator: Any) -> None:
         self.allocator = allocator
         self.page_size = int(allocator.page_size)
+        # pages given back here (a load that failed half way) drop their queued copies
+        self.loads: LayerLoads | None = None
 
     def _pages(self, slots: torch.Tensor) -> np.ndarray:
         return (slots[::self.page_size] // self.page_size).cpu().numpy().astype(np.int32)
@@ -155,11 +157,17 @@ class SGLangTierPool:
             slots = (ids[:, None] * P + torch.arange(P)[None, :]).reshape(-1)
             self.allocator.full_to_swa_index_mapping.index_fill_(0, slots, 0)
             self.allocator.full_attn_allocator.free_page_ids(ids)
+            if self.loads is not None:
+                self.loads.drop(AttnKind.FULL, slots)
 
     def free_swa(self, pages: np.ndarray) -> None:
         """Give back SWA pages never handed to the tree."""
         if len(pages):
-            self.allocator.swa_attn_allocator.free_page_ids(torch.as_tensor(np.asarray(pages, dtype=np.int64)))
+            ids = torch.as_tensor(np.asarray(pages, dtype=np.int64))
+            self.allocator.swa_attn_allocator.free_page_ids(ids)
+            if self.loads is not None:
+                P = self.page_size
+                self.loads.drop(AttnKind.SWA, (ids[:, None] * P + torch.arange(P)[None, :]).reshape(-1))
 
     @staticmethod
     def held_by_all(pages: np.ndarray) -> np.ndarray:

@@ -169,3 +169,35 @@ def test_the_plugin_registers_sglang_s_counter_with_the_pool_and_the_worker(monk
     pools = Pools(full_tokens=2000, swa_tokens=1000, page_size=64)
     cache = create_hybridkv_radix_cache(ctx(pools, False))  # no tiers, no hooks
     assert cache.layer_counter is None and pools.kv.layer_transfer_counter is None and len(registered) == 1
+
+
+@pytest.mark.parametrize("page_size", (1, 64))
+def test_a_load_failing_half_way_drops_what_it_queued(page_size):
+    """The full pages' copy is queued, then the SWA copy fails: the load's pages go
+    back to the allocator and their queued copies with them (none is issued into
+    pages another request may now hold)."""
+    from hybridkv.spec import AttnKind
+
+    cache, pools, _ = _setup(page_size)
+    co = cache.coordinator
+    p = _prompt(4, 900)
+    _run(cache, pools, [p])
+    _drop_l1(cache, pools)
+    real, queued = co.copy, []
+
+    def swa_fails(kind, src, sp, dst, dp):
+        if src is co.host.pool and kind is AttnKind.SWA:
+            queued.append(len(co.layer_loads))
+            raise RuntimeError("H2D failed")
+        return real(kind, src, sp, dst, dp)
+
+    co.copy = swa_fails
+    assert _run(cache, pools, [p]) == [0]
+    loads = co.layer_loads
+    assert queued == [1] and len(loads) == 0 and loads.issued == 0 and loads.flushed == 0
+    assert co.counters["tier_errors"] >= 1
+    co.copy = real
+    assert _run(cache, pools, [p]) == [(len(p) - 1) // page_size * page_size]
+    _drop_l1(cache, pools)
+    a = pools.allocator
+    assert (a.full_available_size(), a.swa_available_size()) == (pools.full_tokens, pools.swa_tokens)
