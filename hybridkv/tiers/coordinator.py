@@ -266,6 +266,39 @@ class TierCoordinator:
             swa[need[l2_swa[need] >= 0]] = PageOrigin.L2
         return Residency(full, swa, l2_full, l2_swa, l1_full, l1_swa, deepest)
 
+    def _safe_hit(self, res: Residency) -> int:
+        """Window-safe hit pages over L1 and L2 of ``res``: the leading pages whose
+        full KV some tier holds, cut back to the last page whose window's SWA some
+        tier holds.  Clears ``res.full`` past the covered pages.  O(pages)."""
+        covered = leading_true(res.full > PageOrigin.NONE)
+        res.full[covered:] = PageOrigin.NONE
+        return window_safe(res.swa[:covered] > PageOrigin.NONE, self.spec.window_pages)
+
+    def lower_hit_pages(self, tokens: np.ndarray, namespace: str, l1_pages: int, *, wait_l3: bool) -> int:
+        """Pages past an L1 hit of ``l1_pages`` that L2 (and, with ``wait_l3``, what
+        the L3 read-ahead lands within ``l3_timeout_s``) would add, window safe;
+        nothing is loaded (a host engine that loads at admission, e.g. SGLang's
+        ``host_hit_length``; :meth:`before_match` loads).  Without ``wait_l3`` the
+        read-ahead is started, not waited for.  ``tokens`` holds one token past the
+        matchable key.  Never raises for tier faults (0).  O(pages) plus the wait."""
+        n = (len(tokens) - 1) // self.page_size
+        if n <= l1_pages:
+            return 0
+        try:
+            keys = self.page_keys(tokens, namespace, n)
+            if self.l3 is not None:
+                if wait_l3:
+                    self._wait_for_l3(tokens, namespace, keys)
+                else:
+                    self._start_fetch(tokens, namespace, keys)
+            with self.mutex:
+                hit = self._safe_hit(self.resident(tokens, namespace, keys))
+        except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
+            self.counters["tier_errors"] += 1
+            logger.warning("lower-tier hit lookup failed (%s: %s)", type(exc).__name__, exc)
+            return 0
+        return max(0, hit - l1_pages)
+
     def _load(self, tokens: np.ndarray, namespace: str, keys: list[bytes]) -> np.ndarray:
         """Make the L1/L2 hit resident in L1 (under the mutex); returns the
         :class:`PageOrigin` of each page's full KV over the hit.  O(pages)."""
@@ -274,9 +307,7 @@ class TierCoordinator:
         wp = self.spec.window_pages
         res = self.resident(tokens, namespace, keys)
         origin = res.full
-        covered = leading_true(origin > PageOrigin.NONE)
-        origin[covered:] = PageOrigin.NONE
-        hit = window_safe(res.swa[:covered] > PageOrigin.NONE, wp)
+        hit = self._safe_hit(res)
         if hit == 0:
             return origin[:0]
         self._to_l1(tokens, namespace, keys, res, hit, max(0, hit - wp))

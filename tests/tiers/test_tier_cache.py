@@ -96,6 +96,29 @@ def test_l2_serves_what_l1_evicted_with_right_content(policy):
         assert st["l1_to_l2_full_pages"] <= st["evicted_tokens"] // SPEC.page_size
 
 
+def test_lower_hit_pages_reports_the_window_safe_l2_hit_without_loading():
+    """What a host engine that loads at admission asks at match (SGLang's host_hit_length)."""
+    cache = make(l1_pages=40)
+    p = np.random.default_rng(11).integers(0, 5000, 33)
+    run(cache, p)  # 8 pages, written through to L2
+    co = cache.lower_tiers
+    ext = np.append(p, 0).astype(np.int32)  # one token past the matchable key
+    cache.tree.evict(swa_pages=cache.tree.evictable_swa_pages())  # L1: full KV, no window
+    assert co.lower_hit_pages(ext, "default", 0, wait_l3=False) == 8  # L2's SWA completes it
+    cache.tree.evict(full_pages=cache.tree.full_pages_cached)
+    assert cache.tree.full_pages_cached == 0
+    assert co.lower_hit_pages(ext, "default", 0, wait_l3=False) == 8
+    assert co.lower_hit_pages(ext, "default", 5, wait_l3=False) == 3
+    assert co.lower_hit_pages(ext, "default", 8, wait_l3=False) == 0
+    assert cache.tree.full_pages_cached == 0 and co.counters["l2_to_l1_full_pages"] == 0  # nothing loaded
+    # the hit stops where L2 lost the window's SWA
+    lost = [swa_key(k) for k in cache._page_keys(p, "default", 8)[6:8]]
+    assert co.host.discard(lost, swa=True) == 2
+    assert co.lower_hit_pages(ext, "default", 0, wait_l3=False) == 6  # pages 4, 5 hold the window of 6
+    co.resident = lambda *a: 1 / 0  # a tier fault is a miss, counted
+    assert co.lower_hit_pages(ext, "default", 0, wait_l3=False) == 0 and co.counters["tier_errors"] == 1
+
+
 def test_without_l2_room_the_l1_answer_stands():
     cache = make(l2_pages=1)
     rng = np.random.default_rng(2)

@@ -234,7 +234,7 @@ class HybridKVRadixCache(BasePrefixCache):
             state = self._tier_reqs.setdefault(req.rid, {})
             # a request's first match waits (bounded) for its L3 read-ahead; later
             # rounds of a waiting request read what has landed in L2 meanwhile
-            host = self.coordinator.host_hit_pages(ext, ns, safe, wait_l3="tokens" not in state) * ps
+            host = self.coordinator.lower_hit_pages(ext, ns, safe, wait_l3="tokens" not in state) * ps
             state.update(tokens=ext, ns=ns)
             self._trim_tier_reqs()
             self.counters["host_hit_tokens"] += host

@@ -16,7 +16,7 @@ gives it SGLang's pages and bytes:
 * :class:`SGLangTierCoordinator`: the coordinator whose ``copy`` moves pages
   between SGLang's per-layer device buffers (token slot = page * P + offset)
   and the host arena, plus the three calls the radix cache makes
-  (:meth:`~SGLangTierCoordinator.host_hit_pages` at match,
+  (:meth:`~hybridkv.tiers.coordinator.TierCoordinator.lower_hit_pages` at match,
   :meth:`~hybridkv.tiers.coordinator.TierCoordinator.before_match` at
   ``init_load_back``, :meth:`~SGLangTierCoordinator.checkpoint` before a
   checkpoint's insert);
@@ -35,9 +35,8 @@ import torch
 
 from hybridkv.lifecycle import TierPlan
 from hybridkv.spec import AttnKind, KVShape, ModelSpec
-from hybridkv.tiers.config import PageOrigin, TierConfig
+from hybridkv.tiers.config import TierConfig
 from hybridkv.tiers.coordinator import TierCoordinator
-from hybridkv.tiers.reads import leading_true, window_safe
 
 from .layer_loads import LayerLoads
 
@@ -264,32 +263,6 @@ class SGLangTierCoordinator(TierCoordinator):
                 vb[idx] = v.to(device=vb.device, dtype=vb.dtype)
 
     # ============================================================ the cache's calls
-    def host_hit_pages(self, tokens: np.ndarray, namespace: str, l1_pages: int, *, wait_l3: bool) -> int:
-        """Pages past the L1 hit ``l1_pages`` that L2 (and, with ``wait_l3``, what
-        the L3 read-ahead lands within ``l3_timeout_s``) would add, window safe;
-        nothing is loaded.  ``tokens`` holds one token past the matchable key.
-        Never raises for tier faults (0).  O(pages) plus the bounded wait."""
-        n = (len(tokens) - 1) // self.page_size
-        if n <= l1_pages:
-            return 0
-        try:
-            keys = self.page_keys(tokens, namespace, n)
-            if self.l3 is not None:
-                if wait_l3:
-                    self._wait_for_l3(tokens, namespace, keys)
-                else:
-                    self._start_fetch(tokens, namespace, keys)
-            with self.mutex:
-                res = self.resident(tokens, namespace, keys)
-        except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
-            self.counters["tier_errors"] += 1
-            import logging
-            logging.getLogger("hybridkv.tiers").warning("host-hit lookup failed (%s: %s)", type(exc).__name__, exc)
-            return 0
-        covered = leading_true(res.full > PageOrigin.NONE)
-        hit = window_safe(res.swa[:covered] > PageOrigin.NONE, self.spec.window_pages)
-        return max(0, hit - l1_pages)
-
     def account_hit(self, tokens: np.ndarray, namespace: str, hit_pages: int, swa_pages: np.ndarray,
                     plan: TierPlan | None) -> dict:
         """The request's hit is locked and admitted: per-tier hit figures, L3
