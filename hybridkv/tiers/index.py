@@ -90,8 +90,20 @@ class StoreIndex:
             known[k] = state
             known.move_to_end(k)
             absent.pop(k, None)
-        while len(known) > self._bound:
-            known.popitem(last=False)
+        self._trim(known)
+
+    def _trim(self, table: OrderedDict) -> None:
+        """Drop ``table``'s oldest entries past the bound.  Amortised O(1)."""
+        while len(table) > self._bound:
+            table.popitem(last=False)
+
+    def _set_absent(self, keys: Sequence[bytes], until: float) -> None:
+        """``keys`` are absent until ``until`` (newest last).  O(n)."""
+        absent = self._absent
+        for k in keys:
+            absent[k] = until
+            absent.move_to_end(k)
+        self._trim(absent)
 
     def queued(self, keys: Sequence[bytes]) -> None:
         """This engine handed ``keys`` to a writer: they count as present.  O(n)."""
@@ -104,14 +116,10 @@ class StoreIndex:
     def lost(self, keys: Sequence[bytes]) -> None:
         """A read found ``keys`` missing or corrupt (or their write was dropped):
         absent until stored again.  O(n)."""
-        until = self._clock() + self._ttl
         for k in keys:
             if self._known.pop(k, None) is not None:
                 self.counters["lost_keys"] += 1
-            self._absent[k] = until
-            self._absent.move_to_end(k)
-        while len(self._absent) > self._bound:
-            self._absent.popitem(last=False)
+        self._set_absent(keys, self._clock() + self._ttl)
 
     def present(self, keys: Sequence[bytes], *, probe: bool = True) -> np.ndarray:
         """Bool per key: whether the store holds it (or will: queued).  Keys with no
@@ -146,17 +154,10 @@ class StoreIndex:
         if len(got) != len(ask):
             self.counters["probe_errors"] += 1
             return
-        there = [k for k, ok in zip(ask, got) if ok]
-        self.stored(there)
-        until = now + self._ttl
-        for i, k, ok in zip(at, ask, got):
-            if ok:
-                out[i] = True
-            else:
-                self._absent[k] = until
-                self._absent.move_to_end(k)
-        while len(self._absent) > self._bound:
-            self._absent.popitem(last=False)
+        self.stored([k for k, ok in zip(ask, got) if ok])
+        for i, ok in zip(at, got):
+            out[i] = bool(ok)
+        self._set_absent([k for k, ok in zip(ask, got) if not ok], now + self._ttl)
 
     def due_touch(self, keys: Sequence[bytes], interval_s: float) -> list[bytes]:
         """Of ``keys``, those the store holds (or will) whose last touch is older than
@@ -175,8 +176,7 @@ class StoreIndex:
             touched[k] = now
             touched.move_to_end(k)
             out.append(k)
-        while len(touched) > self._bound:
-            touched.popitem(last=False)
+        self._trim(touched)
         return out
 
     def stats(self) -> dict[str, int]:
