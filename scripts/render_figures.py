@@ -420,7 +420,8 @@ def render_sglang_tiers(load: Loader) -> str:
                 r = rows[system]
                 st = r["setting"]
                 setting = (f"swa ratio {st['swa_full_tokens_ratio']:.4g}"
-                           + (f", hicache ratio {st['hicache_ratio']:g}" if "hicache_ratio" in st else ""))
+                           + (f", hicache ratio {st['hicache_ratio']:g}" if "hicache_ratio" in st else "")
+                           + f", {st.get('write_policy', 'write_through').replace('_', '-')}")
                 hit = f"**{r['hit_tokens']:,}**" if system == "hybridkv" else f"{r['hit_tokens']:,}"
                 if r["rejected"]:
                     hit += f" ({r['rejected']} rejected)"
@@ -430,8 +431,12 @@ def render_sglang_tiers(load: Loader) -> str:
                              f"{r['l2_hit_tokens']:,} | {hit} | {vs} |")
             sweep = sorted((r for r in t["runs"] if r["size"] == size and r["system"].startswith("hicache@")),
                            key=lambda r: r["setting"]["swa_full_tokens_ratio"])
-            notes.append(f"{names.get(trace, trace)} {size}: " + " / ".join(
-                f"{r['setting']['swa_full_tokens_ratio']:g} {r['hit_tokens']:,}" for r in sweep))
+            for policy in ("write_through", "write_back"):
+                runs = [r for r in sweep if r["setting"].get("write_policy", "write_through") == policy]
+                if runs:
+                    notes.append(f"{names.get(trace, trace)} {size}, {policy.replace('_', '-')}: " + " / ".join(
+                        f"{r['setting']['swa_full_tokens_ratio']:g} {r['hit_tokens']:,}"
+                        + (f" ({r['rejected']} rejected)" if r["rejected"] else "") for r in runs))
     checked = sum(r["hits_verified"] for t in out["traces"].values() for r in t["runs"]
                   if r["system"] not in ("hicache_default", "hicache_best"))
     verdicts = []

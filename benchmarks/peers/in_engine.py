@@ -27,8 +27,10 @@ hybridkv's radix backend with its L2 (``host_hit_length`` / ``init_load_back``)
 against SGLang's HiCache (``UnifiedRadixCache`` + ``init_hicache``, as
 ``--enable-hierarchical-cache`` builds it; ``hicache_flow`` has the two CPU
 stand-ins it needs) at equal device and host bytes (``--host-factor`` x the
-device bytes, default 2), ``hicache_default`` at ratio 0.8 and ``hicache_best``
-over the sweep; ``--json`` then prints ``{"sglang": [{"kv_bytes", "host_bytes",
+device bytes, default 2), hybridkv under ``--write-policy`` (default write-back),
+HiCache swept over the ratios and ``--hicache-write-policies`` (default both),
+``hicache_default`` at ratio 0.8 with write-through and ``hicache_best`` over the
+sweep; ``--json`` then prints ``{"sglang": [{"kv_bytes", "host_bytes",
 "system", "setting", "hit_tokens", "l1_hit_tokens", "l2_hit_tokens",
 "input_tokens"}]}``.  ``--sizes`` runs one of the two sizes (two processes can
 share the work).
@@ -78,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="roomy,tight", help="comma-separated subset of roomy,tight (default both)")
     ap.add_argument("--host-factor", type=float, default=None,
                     help="with --tiers: host bytes = this x device bytes (default 2, HiCache's --hicache-ratio)")
+    ap.add_argument("--write-policy", default="write_back", choices=("write_back", "write_through"),
+                    help="with --tiers: hybridkv's --hicache-write-policy (default write_back)")
+    ap.add_argument("--hicache-write-policies", default="write_through,write_back",
+                    help="with --tiers: HiCache's --hicache-write-policy values swept with each ratio "
+                         "(default write_through,write_back; SGLang's default row needs write_through)")
     args = ap.parse_args(argv)
     if args.limit < 1:
         ap.error("--limit must be >= 1")
@@ -146,7 +153,12 @@ def tiers_main(args: argparse.Namespace, ratios: list[float]) -> int:
         log(f"--sizes: a subset of roomy,tight, got {args.sizes!r}")
         return 2
     factor = et.HOST_FACTOR if args.host_factor is None else args.host_factor
-    rows = et.tiers_rows(prompts, sizes, host_factor=factor, ratios=ratios, page_size=args.page_size, progress=log)
+    policies = [x for x in args.hicache_write_policies.split(",") if x]
+    if not policies or any(x not in et.HICACHE_POLICIES for x in policies):
+        log(f"--hicache-write-policies: a subset of {','.join(et.HICACHE_POLICIES)}; got {policies}")
+        return 2
+    rows = et.tiers_rows(prompts, sizes, host_factor=factor, ratios=ratios, page_size=args.page_size,
+                         write_policy=args.write_policy, hicache_policies=policies, progress=log)
     main_rows = [r for r in rows if r.system in ("hybridkv", "hicache_default", "hicache_best")]
     if args.details:
         args.details.write_text(json.dumps({"trace": str(args.trace), "limit": args.limit, "sizes": sizes,

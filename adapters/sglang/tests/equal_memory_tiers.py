@@ -7,13 +7,18 @@ through SGLang 0.5.23's real pools, ``Req`` objects and admission helpers on CPU
 * ``hybridkv``: ``HybridKVRadixCache`` at the SWA/full split hybridkv picks
   (:func:`equal_memory.hybridkv_split`) with an L2 of ``host_bytes``
   (:mod:`hybridkv_sglang.tiers`: ``host_hit_length`` at match, ``init_load_back``
-  at admission, write-through at the end of a request, write-back on eviction);
-* ``hicache@R``: SGLang's ``UnifiedRadixCache`` with ``init_hicache``
-  (``--enable-hierarchical-cache``: its two host pools and
+  at admission) under ``--hicache-write-policy`` ``write_back`` by default (a page
+  is copied down when L1 evicts it, so L2 holds what L1 no longer does: the two
+  tiers' capacities add up; ``write_through`` copies every checkpoint down, so L2
+  also holds what L1 holds);
+* ``hicache@R`` (``hicache@R+write_back``): SGLang's ``UnifiedRadixCache`` with
+  ``init_hicache`` (``--enable-hierarchical-cache``: its two host pools and
   ``HybridCacheController``; :mod:`hicache_flow`) at ``--swa-full-tokens-ratio R``
   and the same ``host_bytes`` (``--hicache-ratio`` = host bytes / device pool
-  bytes); ``hicache_default`` is R = 0.8, ``hicache_best`` the swept R with the
-  most hit tokens among the runs that rejected no request.
+  bytes), under ``--hicache-write-policy write_through`` (SGLang's default) or
+  ``write_back``; ``hicache_default`` is R = 0.8 with write-through,
+  ``hicache_best`` the swept (R, policy) with the most hit tokens among the runs
+  that rejected no request.
 
 Bytes are the MiMo-shaped model's (:mod:`equal_memory`: 51,200 B a token of full
 KV, 307,200 of SWA).  SGLang's host pools are sized in those bytes through the
@@ -35,9 +40,10 @@ import numpy as np
 
 import equal_memory as em
 
-__all__ = ["HOST_FACTOR", "TierRow", "run_hybridkv_tiers", "tiers_rows"]
+__all__ = ["HICACHE_POLICIES", "HOST_FACTOR", "TierRow", "run_hybridkv_tiers", "tiers_rows"]
 
 HOST_FACTOR = 2.0  # host bytes / device bytes: HiCache's default --hicache-ratio
+HICACHE_POLICIES = ("write_through", "write_back")  # SGLang's --hicache-write-policy (default first)
 
 
 @dataclass
@@ -78,7 +84,7 @@ def _host_spec(kv_pool: Any, page_size: int, window: int) -> Any:
 
 def run_hybridkv_tiers(prompts: Sequence[np.ndarray], full: int, swa: int, host_bytes: int, *,
                        page_size: int = 64, chunk: int = em.CHUNK, max_live: int = em.MAX_LIVE,
-                       quoted_answers: bool = True) -> dict[str, Any]:
+                       quoted_answers: bool = True, write_policy: str = "write_back") -> dict[str, Any]:
     """Replay ``prompts`` through hybridkv's radix backend on pools of ``full`` / ``swa``
     tokens with an L2 of ``host_bytes`` (model bytes); per-tier hit tokens."""
     from hybridkv.tiers.config import TierConfig
@@ -93,7 +99,8 @@ def run_hybridkv_tiers(prompts: Sequence[np.ndarray], full: int, swa: int, host_
     params = pools.init_params(em.WINDOW)
     spec = _host_spec(pools.allocator.get_kvcache(), page_size, em.WINDOW)
     budget = host_bytes * spec.bytes_per_token_full // em.FULL_BYTES_PER_TOKEN
-    cache = HybridKVRadixCache(params, tiers=TierConfig(l2_bytes=int(budget), l2_device="cpu"), tier_spec=spec)
+    tiers = TierConfig(l2_bytes=int(budget), l2_device="cpu", write_policy=write_policy)
+    cache = HybridKVRadixCache(params, tiers=tiers, tier_spec=spec)
     driver = Driver(cache, pools, em.WINDOW, chunk=chunk, max_live=max_live)
     start = time.perf_counter()
     outputs = em.conversation_outputs(prompts) if quoted_answers else [em.OUTPUT_TOKENS] * len(prompts)
@@ -109,9 +116,11 @@ def run_hybridkv_tiers(prompts: Sequence[np.ndarray], full: int, swa: int, host_
 
 def tiers_rows(prompts: Sequence[np.ndarray], sizes: dict[str, dict], *, host_factor: float = HOST_FACTOR,
                ratios: Sequence[float] = em.RATIOS, page_size: int = 64, systems: Sequence[str] = ("hybridkv", "hicache"),
+               write_policy: str = "write_back", hicache_policies: Sequence[str] = HICACHE_POLICIES,
                progress: Callable[[str], None] | None = None) -> list[TierRow]:
-    """hybridkv, hicache_default, hicache_best (and every swept ``hicache@R``) at every
-    size, host bytes = ``host_factor`` x the device bytes."""
+    """hybridkv (under ``write_policy``), hicache_default, hicache_best (and every
+    swept ``hicache@R[+policy]``: ``ratios`` x ``hicache_policies``) at every size,
+    host bytes = ``host_factor`` x the device bytes."""
     import hicache_flow as hf
     from hybridkv_sglang.split import pools_at_ratio
 
@@ -123,27 +132,39 @@ def tiers_rows(prompts: Sequence[np.ndarray], sizes: dict[str, dict], *, host_fa
         host = int(host_factor * kv)
         if "hybridkv" in systems:
             split = em.hybridkv_split(kv, prompts, page_size=page_size)
-            r = run_hybridkv_tiers(prompts, split.full_tokens, split.swa_tokens, host, page_size=page_size)
+            r = run_hybridkv_tiers(prompts, split.full_tokens, split.swa_tokens, host, page_size=page_size,
+                                   write_policy=write_policy)
             rows.append(TierRow(size, kv, host, "hybridkv", {"swa_full_tokens_ratio": split.swa_full_tokens_ratio,
-                                                             "l2_bytes": host},
+                                                             "l2_bytes": host, "write_policy": write_policy},
                                 r["hit_tokens"], r["l1_hit_tokens"], r["l2_hit_tokens"], r["input_tokens"],
                                 r["requests"], r["rejected"], r["hits_verified"], r["seconds"], page_size))
             _say(progress, rows[-1])
         if "hicache" not in systems:
             continue
         sweep = []
-        for ratio in sorted(set(ratios) | {em.DEFAULT_RATIO}):
-            _, swa = pools_at_ratio(kv, em.FULL_BYTES_PER_TOKEN, em.SWA_BYTES_PER_TOKEN, ratio, page_size)
-            if swa <= em.WINDOW + 1:  # SGLang refuses such a pool
-                continue
-            h = hf.run_hicache(prompts, kv, host, page_size=page_size, swa_ratio=ratio)
-            sweep.append(TierRow(size, kv, int(h["host_bytes"]), f"hicache@{ratio}",
-                                 {"swa_full_tokens_ratio": ratio, "hicache_ratio": round(h["hicache_ratio"], 4)},
-                                 h["hit_tokens"], h["l1_hit_tokens"], h["l2_hit_tokens"], h["input_tokens"],
-                                 h["requests"], h["rejected"], h["hits_verified"], 0.0, page_size))
-            _say(progress, sweep[-1])
-        default = next(x for x in sweep if x.setting["swa_full_tokens_ratio"] == em.DEFAULT_RATIO)
-        rows.append(TierRow(**{**default.__dict__, "system": "hicache_default"}))
+        for policy in hicache_policies:
+            # SGLang's default setting always runs (the write-through sweep has it)
+            extra = {em.DEFAULT_RATIO} if policy == HICACHE_POLICIES[0] else set()
+            if policy not in HICACHE_POLICIES:
+                raise ValueError(f"hicache_policies: each of {HICACHE_POLICIES}, got {policy!r}")
+            for ratio in sorted(set(ratios) | extra):
+                _, swa = pools_at_ratio(kv, em.FULL_BYTES_PER_TOKEN, em.SWA_BYTES_PER_TOKEN, ratio, page_size)
+                if swa <= em.WINDOW + 1:  # SGLang refuses such a pool
+                    continue
+                h = hf.run_hicache(prompts, kv, host, page_size=page_size, swa_ratio=ratio, write_policy=policy)
+                name = f"hicache@{ratio}" + ("" if policy == HICACHE_POLICIES[0] else f"+{policy}")
+                sweep.append(TierRow(size, kv, int(h["host_bytes"]), name,
+                                     {"swa_full_tokens_ratio": ratio, "hicache_ratio": round(h["hicache_ratio"], 4),
+                                      "write_policy": policy},
+                                     h["hit_tokens"], h["l1_hit_tokens"], h["l2_hit_tokens"], h["input_tokens"],
+                                     h["requests"], h["rejected"], h["hits_verified"], 0.0, page_size))
+                _say(progress, sweep[-1])
+        default = next((x for x in sweep if x.setting["swa_full_tokens_ratio"] == em.DEFAULT_RATIO
+                        and x.setting["write_policy"] == HICACHE_POLICIES[0]), None)
+        if default is not None:  # a write-back-only sweep has no default row
+            rows.append(TierRow(**{**default.__dict__, "system": "hicache_default"}))
+        if not sweep:
+            continue
         eligible = [x for x in sweep if x.rejected == 0] or sweep
         best = max(eligible, key=lambda x: (x.hit_tokens, -abs(x.setting["swa_full_tokens_ratio"] - em.DEFAULT_RATIO)))
         rows.append(TierRow(**{**best.__dict__, "system": "hicache_best"}))

@@ -34,9 +34,11 @@ def test_both_stacks_serve_the_evicted_prompt_from_host_at_equal_bytes():
     kv = KV
     rows = et.tiers_rows(prompts, {"tight": {"kv_bytes": kv}}, ratios=(0.8,), page_size=64)
     by = {r.system: r for r in rows}
-    assert set(by) == {"hybridkv", "hicache_default", "hicache_best", "hicache@0.8"}
+    assert set(by) == {"hybridkv", "hicache_default", "hicache_best", "hicache@0.8", "hicache@0.8+write_back"}
+    assert by["hybridkv"].setting["write_policy"] == "write_back"
+    assert by["hicache_default"].setting["write_policy"] == "write_through"
     want = (1500 - 1) // 64 * 64
-    for name in ("hybridkv", "hicache_default"):
+    for name in ("hybridkv", "hicache_default", "hicache@0.8+write_back"):
         r = by[name]
         assert r.hit_tokens == r.l1_hit_tokens + r.l2_hit_tokens
         assert r.l2_hit_tokens == want, (name, r)  # the return, from host, content-checked
