@@ -416,7 +416,9 @@ def render_sglang_tiers(load: Loader) -> str:
             if not rows:
                 continue
             h = rows["hybridkv"]["hit_tokens"]
-            for system in ("hybridkv", "hicache_default", "hicache_best"):
+            for system in ("hybridkv", "hybridkv+write_through", "hicache_default", "hicache_best"):
+                if system not in rows and system != "hicache_default":  # an older file: write-through only
+                    continue
                 r = rows[system]
                 st = r["setting"]
                 setting = (f"swa ratio {st['swa_full_tokens_ratio']:.4g}"

@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="roomy,tight", help="comma-separated subset of roomy,tight (default both)")
     ap.add_argument("--host-factor", type=float, default=None,
                     help="with --tiers: host bytes = this x device bytes (default 2, HiCache's --hicache-ratio)")
-    ap.add_argument("--write-policy", default="write_back", choices=("write_back", "write_through"),
-                    help="with --tiers: hybridkv's --hicache-write-policy (default write_back)")
+    ap.add_argument("--write-policy", default="write_back",
+                    help="with --tiers: hybridkv's --hicache-write-policy, or a comma-separated list (the first "
+                         "is the hybridkv row, the others hybridkv+<policy> rows; default write_back)")
     ap.add_argument("--hicache-write-policies", default="write_through,write_back",
                     help="with --tiers: HiCache's --hicache-write-policy values swept with each ratio "
                          "(default write_through,write_back; SGLang's default row needs write_through)")
@@ -153,12 +154,16 @@ def tiers_main(args: argparse.Namespace, ratios: list[float]) -> int:
         log(f"--sizes: a subset of roomy,tight, got {args.sizes!r}")
         return 2
     factor = et.HOST_FACTOR if args.host_factor is None else args.host_factor
+    mine = [x for x in args.write_policy.split(",") if x]
+    if not mine or any(x not in et.HICACHE_POLICIES for x in mine):
+        log(f"--write-policy: one or more of {','.join(et.HICACHE_POLICIES)}; got {mine}")
+        return 2
     policies = [x for x in args.hicache_write_policies.split(",") if x]
     if not policies or any(x not in et.HICACHE_POLICIES for x in policies):
         log(f"--hicache-write-policies: a subset of {','.join(et.HICACHE_POLICIES)}; got {policies}")
         return 2
     rows = et.tiers_rows(prompts, sizes, host_factor=factor, ratios=ratios, page_size=args.page_size,
-                         write_policy=args.write_policy, hicache_policies=policies, progress=log)
+                         write_policy=mine, hicache_policies=policies, progress=log)
     main_rows = [r for r in rows if r.system in ("hybridkv", "hicache_default", "hicache_best")]
     if args.details:
         args.details.write_text(json.dumps({"trace": str(args.trace), "limit": args.limit, "sizes": sizes,

@@ -116,9 +116,10 @@ def run_hybridkv_tiers(prompts: Sequence[np.ndarray], full: int, swa: int, host_
 
 def tiers_rows(prompts: Sequence[np.ndarray], sizes: dict[str, dict], *, host_factor: float = HOST_FACTOR,
                ratios: Sequence[float] = em.RATIOS, page_size: int = 64, systems: Sequence[str] = ("hybridkv", "hicache"),
-               write_policy: str = "write_back", hicache_policies: Sequence[str] = HICACHE_POLICIES,
+               write_policy: str | Sequence[str] = "write_back", hicache_policies: Sequence[str] = HICACHE_POLICIES,
                progress: Callable[[str], None] | None = None) -> list[TierRow]:
-    """hybridkv (under ``write_policy``), hicache_default, hicache_best (and every
+    """hybridkv (under ``write_policy``, or each of a list: the first is the
+    ``hybridkv`` row, the others ``hybridkv+<policy>``), hicache_default, hicache_best (and every
     swept ``hicache@R[+policy]``: ``ratios`` x ``hicache_policies``) at every size,
     host bytes = ``host_factor`` x the device bytes."""
     import hicache_flow as hf
@@ -126,19 +127,23 @@ def tiers_rows(prompts: Sequence[np.ndarray], sizes: dict[str, dict], *, host_fa
 
     if host_factor <= 0:
         raise ValueError(f"host_factor must be positive, got {host_factor}")
+    # the first policy is the "hybridkv" row, any other a "hybridkv+<policy>" row beside it
+    policies = [write_policy] if isinstance(write_policy, str) else list(write_policy)
     rows: list[TierRow] = []
     for size, info in sizes.items():
         kv = int(info["kv_bytes"])
         host = int(host_factor * kv)
         if "hybridkv" in systems:
             split = em.hybridkv_split(kv, prompts, page_size=page_size)
-            r = run_hybridkv_tiers(prompts, split.full_tokens, split.swa_tokens, host, page_size=page_size,
-                                   write_policy=write_policy)
-            rows.append(TierRow(size, kv, host, "hybridkv", {"swa_full_tokens_ratio": split.swa_full_tokens_ratio,
-                                                             "l2_bytes": host, "write_policy": write_policy},
-                                r["hit_tokens"], r["l1_hit_tokens"], r["l2_hit_tokens"], r["input_tokens"],
-                                r["requests"], r["rejected"], r["hits_verified"], r["seconds"], page_size))
-            _say(progress, rows[-1])
+            for n, policy in enumerate(policies):
+                r = run_hybridkv_tiers(prompts, split.full_tokens, split.swa_tokens, host, page_size=page_size,
+                                       write_policy=policy)
+                rows.append(TierRow(size, kv, host, "hybridkv" if n == 0 else f"hybridkv+{policy}",
+                                    {"swa_full_tokens_ratio": split.swa_full_tokens_ratio, "l2_bytes": host,
+                                     "write_policy": policy},
+                                    r["hit_tokens"], r["l1_hit_tokens"], r["l2_hit_tokens"], r["input_tokens"],
+                                    r["requests"], r["rejected"], r["hits_verified"], r["seconds"], page_size))
+                _say(progress, rows[-1])
         if "hicache" not in systems:
             continue
         sweep = []
