@@ -145,15 +145,11 @@ def tiers_main(args: argparse.Namespace, ratios: list[float]) -> int:
     def log(msg: str) -> None:
         print(f"[in-engine tiers] {msg}", file=sys.stderr, flush=True)
 
-    if args.systems != ",".join(em.SYSTEMS):
-        log("--systems is ignored with --tiers (hybridkv and the HiCache sweep always run)")
-    start = time.perf_counter()
-    prompts = em.mooncake_prompts(args.trace, args.limit)
-    sizes = {k: v for k, v in em.pick_sizes(prompts).items() if k in args.sizes.split(",")}
-    if not sizes:
-        log(f"--sizes: a subset of roomy,tight, got {args.sizes!r}")
+    # --systems under --tiers: hybridkv and/or hicache (the sweep); a partial run's rows are merged by hand
+    systems = ["hicache" if x == "unified" else x for x in args.systems.split(",") if x]
+    if not systems or any(x not in ("hybridkv", "hicache") for x in systems):
+        log(f"--systems with --tiers: a subset of hybridkv,hicache; got {args.systems!r}")
         return 2
-    factor = et.HOST_FACTOR if args.host_factor is None else args.host_factor
     mine = [x for x in args.write_policy.split(",") if x]
     if not mine or any(x not in et.HICACHE_POLICIES for x in mine):
         log(f"--write-policy: one or more of {','.join(et.HICACHE_POLICIES)}; got {mine}")
@@ -162,8 +158,15 @@ def tiers_main(args: argparse.Namespace, ratios: list[float]) -> int:
     if not policies or any(x not in et.HICACHE_POLICIES for x in policies):
         log(f"--hicache-write-policies: a subset of {','.join(et.HICACHE_POLICIES)}; got {policies}")
         return 2
+    start = time.perf_counter()
+    prompts = em.mooncake_prompts(args.trace, args.limit)
+    sizes = {k: v for k, v in em.pick_sizes(prompts).items() if k in args.sizes.split(",")}
+    if not sizes:
+        log(f"--sizes: a subset of roomy,tight, got {args.sizes!r}")
+        return 2
+    factor = et.HOST_FACTOR if args.host_factor is None else args.host_factor
     rows = et.tiers_rows(prompts, sizes, host_factor=factor, ratios=ratios, page_size=args.page_size,
-                         write_policy=mine, hicache_policies=policies, progress=log)
+                         write_policy=mine, hicache_policies=policies, systems=systems, progress=log)
     main_rows = [r for r in rows if r.system in ("hybridkv", "hicache_default", "hicache_best")]
     if args.details:
         args.details.write_text(json.dumps({"trace": str(args.trace), "limit": args.limit, "sizes": sizes,
