@@ -52,7 +52,7 @@ class LayerLoads:
 
     Args:
         kv: SGLang's ``SWAKVPool`` (``layers_mapping``, ``full_kv_pool``,
-            ``swa_kv_pool``, ``start_layer``, ``layer_num``).
+            ``swa_kv_pool``, ``start_layer``).
         counter: SGLang's ``LayerDoneCounter`` registered with ``kv`` and the
             worker (``update_producer``, ``events[i].start_event`` /
             ``complete(layer)``), sized ``kv.layer_num``.
@@ -62,7 +62,7 @@ class LayerLoads:
     """
 
     def __init__(self, kv: Any, counter: Any) -> None:
-        for name in ("layers_mapping", "full_kv_pool", "swa_kv_pool", "layer_num"):
+        for name in ("layers_mapping", "full_kv_pool", "swa_kv_pool"):
             if not hasattr(kv, name):
                 raise TypeError(f"kv must be SGLang's SWAKVPool (it has no {name!r})")
         for name in ("update_producer", "events"):
@@ -71,12 +71,13 @@ class LayerLoads:
         self.kv = kv
         self.counter = counter
         self.start = int(getattr(kv, "start_layer", 0) or 0)
-        self.layer_num = int(kv.layer_num)
         # model layer -> its position among the pool's layers of its kind (the
         # coordinator's i-th layer of a kind, as in its ``copy``)
         self._kind_pos: dict[int, int] = {}
         seen = {False: 0, True: 0}
-        for layer_id in sorted(kv.layers_mapping):
+        # the pool's layers in model order (the ids the attention layers wait with)
+        self._order = sorted(kv.layers_mapping)
+        for layer_id in self._order:
             is_swa = bool(kv.layers_mapping[layer_id][1])
             self._kind_pos[layer_id] = seen[is_swa]
             seen[is_swa] += 1
@@ -135,11 +136,11 @@ class LayerLoads:
             self._stream.wait_stream(torch.cuda.current_stream())
         ctx = torch.cuda.stream(self._stream) if cuda else nullcontext()
         with ctx:
-            for i in range(self.layer_num):
-                self._copy_layer(self.start + i)
-                event.complete(i)
+            for layer_id in self._order:
+                self._copy_layer(layer_id)
+                event.complete(layer_id - self.start)
         self.issued += 1
-        self.issued_layers += self.layer_num
+        self.issued_layers += len(self._order)
         self._queued.clear()
         return producer
 
@@ -147,8 +148,8 @@ class LayerLoads:
         """Run whatever is queued now, on the current stream (no layer events).  O(queued bytes)."""
         if not self._queued:
             return
-        for i in range(self.layer_num):
-            self._copy_layer(self.start + i)
+        for layer_id in self._order:
+            self._copy_layer(layer_id)
         self.flushed += len(self._queued)
         self._queued.clear()
 
