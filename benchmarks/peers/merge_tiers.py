@@ -53,6 +53,8 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             t["sizes"].update(part["sizes"])
             for r in part["runs"]:
                 if r["system"] not in DERIVED:
+                    # runs from before the write-policy sweep were all write-through
+                    r = {**r, "setting": {"write_policy": "write_through", **r["setting"]}}
                     t["runs"][(r["size"], r["system"])] = r
     out = {}
     for name, t in traces.items():
