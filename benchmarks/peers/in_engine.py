@@ -165,13 +165,15 @@ def tiers_main(args: argparse.Namespace, ratios: list[float]) -> int:
         log(f"--sizes: a subset of roomy,tight, got {args.sizes!r}")
         return 2
     factor = et.HOST_FACTOR if args.host_factor is None else args.host_factor
+    failed: list[dict] = []
     rows = et.tiers_rows(prompts, sizes, host_factor=factor, ratios=ratios, page_size=args.page_size,
-                         write_policy=mine, hicache_policies=policies, systems=systems, progress=log)
+                         write_policy=mine, hicache_policies=policies, systems=systems, progress=log,
+                         failed=failed)
     main_rows = [r for r in rows if r.system in ("hybridkv", "hicache_default", "hicache_best")]
     if args.details:
         args.details.write_text(json.dumps({"trace": str(args.trace), "limit": args.limit, "sizes": sizes,
                                             "page_size": args.page_size, "host_factor": factor,
-                                            "runs": [vars(r) for r in rows]}, indent=1))
+                                            "runs": [vars(r) for r in rows], "failed": failed}, indent=1))
     log(f"done in {time.perf_counter() - start:.0f} s; {sum(r.hits_verified for r in rows)} hits content-checked, "
         "none wrong")
     if args.json:

@@ -117,11 +117,13 @@ def run_hybridkv_tiers(prompts: Sequence[np.ndarray], full: int, swa: int, host_
 def tiers_rows(prompts: Sequence[np.ndarray], sizes: dict[str, dict], *, host_factor: float = HOST_FACTOR,
                ratios: Sequence[float] = em.RATIOS, page_size: int = 64, systems: Sequence[str] = ("hybridkv", "hicache"),
                write_policy: str | Sequence[str] = "write_back", hicache_policies: Sequence[str] = HICACHE_POLICIES,
-               progress: Callable[[str], None] | None = None) -> list[TierRow]:
+               progress: Callable[[str], None] | None = None, failed: list[dict] | None = None) -> list[TierRow]:
     """hybridkv (under ``write_policy``, or each of a list: the first is the
     ``hybridkv`` row, the others ``hybridkv+<policy>``), hicache_default, hicache_best (and every
     swept ``hicache@R[+policy]``: ``ratios`` x ``hicache_policies``) at every size,
-    host bytes = ``host_factor`` x the device bytes."""
+    host bytes = ``host_factor`` x the device bytes.  With a ``failed`` list, a
+    HiCache run whose accounting check fails is recorded there (size, system, the
+    assertion) instead of ending the sweep."""
     import hicache_flow as hf
     from hybridkv_sglang.split import pools_at_ratio
 
@@ -156,8 +158,16 @@ def tiers_rows(prompts: Sequence[np.ndarray], sizes: dict[str, dict], *, host_fa
                 _, swa = pools_at_ratio(kv, em.FULL_BYTES_PER_TOKEN, em.SWA_BYTES_PER_TOKEN, ratio, page_size)
                 if swa <= em.WINDOW + 1:  # SGLang refuses such a pool
                     continue
-                h = hf.run_hicache(prompts, kv, host, page_size=page_size, swa_ratio=ratio, write_policy=policy)
                 name = f"hicache@{ratio}" + ("" if policy == HICACHE_POLICIES[0] else f"+{policy}")
+                try:
+                    h = hf.run_hicache(prompts, kv, host, page_size=page_size, swa_ratio=ratio, write_policy=policy)
+                except AssertionError as exc:  # a check of SGLang's own accounting failed in HiCache's run
+                    if failed is None:
+                        raise
+                    failed.append({"size": size, "system": name, "error": f"{type(exc).__name__}: {exc}"})
+                    if progress:
+                        progress(f"{size} {name}: FAILED {failed[-1]['error']}")
+                    continue
                 sweep.append(TierRow(size, kv, int(h["host_bytes"]), name,
                                      {"swa_full_tokens_ratio": ratio, "hicache_ratio": round(h["hicache_ratio"], 4),
                                       "write_policy": policy},
