@@ -71,6 +71,17 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def failures(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """``{"<trace> <size> <system>": error}`` of the HiCache runs that failed and
+    that no input ran since."""
+    ran = {(name, r["size"], r["system"]) for doc in docs for name, part in _parts(doc) for r in part["runs"]}
+    return {f"{name} {f['size']} {f['system']}":
+            f"SGLang's HiCache as {f['system']} on {name} at the {f['size']} size: the harness's check of "
+            f"SGLang's pool accounting (busy-time conservation, after every step) failed ({f['error']})"
+            for doc in docs for name, part in _parts(doc)
+            for f in part.get("failed", []) if (name, f["size"], f["system"]) not in ran}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -81,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     prov = json.loads(args.provenance.read_text())
     if "depends" not in prov and args.out.exists():
         prov["depends"] = json.loads(args.out.read_text())["provenance"]["depends"]
-    result = {"traces": merge([json.loads(p.read_text()) for p in args.inputs]),
-              "not_run": json.loads(args.not_run.read_text()) if args.not_run else {}, "provenance": prov}
+    docs = [json.loads(p.read_text()) for p in args.inputs]
+    not_run = json.loads(args.not_run.read_text()) if args.not_run else {}
+    result = {"traces": merge(docs), "not_run": {**not_run, **failures(docs)}, "provenance": prov}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
