@@ -44,7 +44,7 @@ __all__ = ["LayerLoads"]
 class _Queued:
     kind: AttnKind
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # the i-th layer of the kind: (K, V) rows
-    slots: torch.Tensor  # device token slots (int64)
+    slots: torch.Tensor  # device token slots (int64, on the pools' device)
 
 
 class LayerLoads:
@@ -82,6 +82,7 @@ class LayerLoads:
             self._kind_pos[layer_id] = seen[is_swa]
             seen[is_swa] += 1
         self._queued: list[_Queued] = []
+        self._device = kv.full_kv_pool.k_buffer[0].device
         self._stream: Any = None
         self.issued = 0
         self.issued_layers = 0
@@ -93,8 +94,8 @@ class LayerLoads:
     def queue(self, kind: AttnKind, layers: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor) -> None:
         """Queue ``layers[i]`` (K, V of the i-th pool layer of ``kind``) for the
         device ``slots``.  O(1)."""
-        if len(slots):
-            self._queued.append(_Queued(kind, layers, slots))
+        if len(slots):  # the index moves to the pools' device once, not once a layer
+            self._queued.append(_Queued(kind, layers, slots.to(self._device)))
 
     def drop(self, kind: AttnKind, slots: torch.Tensor) -> None:
         """Forget the queued copies of ``kind`` into device ``slots`` (their pages
@@ -104,7 +105,8 @@ class LayerLoads:
                 keep = ~torch.isin(q.slots, slots.to(q.slots.device))
                 if not bool(keep.all()):
                     q.slots = q.slots[keep]
-                    q.layers = [(k[keep], v[keep]) for k, v in q.layers]
+                    rows = keep.cpu()  # the K/V rows read out of L2 stay on the host
+                    q.layers = [(k[rows], v[rows]) for k, v in q.layers]
         self._queued = [q for q in self._queued if len(q.slots)]
 
     def _copy_layer(self, layer_id: int) -> None:
@@ -115,9 +117,8 @@ class LayerLoads:
         for q in self._queued:
             if q.kind is kind:
                 k, v = q.layers[self._kind_pos[layer_id]]
-                idx = q.slots.to(kb.device, non_blocking=True)
-                kb[idx] = k.to(device=kb.device, dtype=kb.dtype, non_blocking=True)
-                vb[idx] = v.to(device=vb.device, dtype=vb.dtype, non_blocking=True)
+                kb[q.slots] = k.to(device=kb.device, dtype=kb.dtype, non_blocking=True)
+                vb[q.slots] = v.to(device=vb.device, dtype=vb.dtype, non_blocking=True)
 
     def issue(self) -> int:
         """Issue every queued copy, layer by layer in model order, recording the
@@ -129,7 +130,7 @@ class LayerLoads:
         producer = self.counter.update_producer()
         event = self.counter.events[producer]
         event.start_event.record()
-        cuda = self._on_cuda()
+        cuda = self._device.type == "cuda"
         if cuda:
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
@@ -152,7 +153,3 @@ class LayerLoads:
             self._copy_layer(layer_id)
         self.flushed += len(self._queued)
         self._queued.clear()
-
-    def _on_cuda(self) -> bool:
-        buf = self.kv.full_kv_pool.k_buffer[0]
-        return buf.device.type == "cuda"

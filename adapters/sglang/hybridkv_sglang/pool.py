@@ -40,6 +40,15 @@ __all__ = ["SGLangPagePool"]
 logger = logging.getLogger(__name__)
 
 
+def page_tokens(pages: np.ndarray | torch.Tensor, page_size: int) -> torch.Tensor:
+    """Token slots of whole ``pages`` of SGLang's paged allocators (slot = page *
+    ``page_size`` + offset), page after page: int64, ``len(pages) * page_size``.  O(n)."""
+    p = torch.as_tensor(np.asarray(pages, dtype=np.int64)) if isinstance(pages, np.ndarray) else pages.long()
+    if page_size == 1:
+        return p
+    return (p[:, None] * page_size + torch.arange(page_size, dtype=torch.int64)[None, :]).reshape(-1)
+
+
 class SGLangPagePool(OneWindowPool):
     """Adapter from ``SWATokenToKVPoolAllocator`` to hybridkv's ``PagePool``.
 
@@ -62,7 +71,6 @@ class SGLangPagePool(OneWindowPool):
         swa_pages = int(allocator.size_swa) // self.page_size + 2
         #: full page id owning each tree-held SWA page, -1 if the tree holds none
         self.owner = np.full(swa_pages, -1, dtype=np.int64)
-        self._offsets = torch.arange(self.page_size, dtype=torch.int64)
         self.freed_full_pages = 0
         self.freed_swa_pages = 0
 
@@ -73,10 +81,7 @@ class SGLangPagePool(OneWindowPool):
 
     def tokens(self, pages: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Token slots of ``pages`` (int64, ``len(pages) * page_size``).  O(n)."""
-        p = torch.as_tensor(np.asarray(pages, dtype=np.int64)) if isinstance(pages, np.ndarray) else pages.long()
-        if self.page_size == 1:
-            return p
-        return (p[:, None] * self.page_size + self._offsets[None, :]).reshape(-1)
+        return page_tokens(pages, self.page_size)
 
     def swa_pages_of(self, full_pages: np.ndarray) -> np.ndarray:
         """Current SWA page of each full page from SGLang's mapping, -1 where none.  O(n)."""

@@ -39,6 +39,7 @@ from hybridkv.tiers.config import TierConfig
 from hybridkv.tiers.coordinator import TierCoordinator
 
 from .layer_loads import LayerLoads
+from .pool import page_tokens
 
 __all__ = ["ReqShim", "SGLangTierCoordinator", "SGLangTierPool", "spec_from_pools", "tiers_from_env"]
 
@@ -152,8 +153,7 @@ class SGLangTierPool:
         """Give back full pages never handed to the tree (their mapping cleared)."""
         if len(pages):
             ids = torch.as_tensor(np.asarray(pages, dtype=np.int64))
-            P = self.page_size
-            slots = (ids[:, None] * P + torch.arange(P)[None, :]).reshape(-1)
+            slots = page_tokens(ids, self.page_size)
             self.allocator.full_to_swa_index_mapping.index_fill_(0, slots, 0)
             self.allocator.full_attn_allocator.free_page_ids(ids)
             if self.loads is not None:
@@ -165,8 +165,7 @@ class SGLangTierPool:
             ids = torch.as_tensor(np.asarray(pages, dtype=np.int64))
             self.allocator.swa_attn_allocator.free_page_ids(ids)
             if self.loads is not None:
-                P = self.page_size
-                self.loads.drop(AttnKind.SWA, (ids[:, None] * P + torch.arange(P)[None, :]).reshape(-1))
+                self.loads.drop(AttnKind.SWA, page_tokens(ids, self.page_size))
 
     @staticmethod
     def held_by_all(pages: np.ndarray) -> np.ndarray:
@@ -223,15 +222,13 @@ class SGLangTierCoordinator(TierCoordinator):
             _check_host_spec(host_spec, spec)
             spec = host_spec
         super().__init__(spec, tree, SGLangTierPool(allocator), tiers)
-        self._offsets = torch.arange(spec.page_size, dtype=torch.int64)
         # set by the radix cache when SGLang's layer hooks wait for loads (else
         # host -> device copies run inside ``init_load_back``)
         self.layer_loads: LayerLoads | None = None
 
     # ============================================================ bytes
     def _slots(self, pages: np.ndarray) -> torch.Tensor:
-        p = torch.as_tensor(np.asarray(pages, dtype=np.int64))
-        return (p[:, None] * self.page_size + self._offsets[None, :]).reshape(-1)
+        return page_tokens(np.asarray(pages, dtype=np.int64), self.page_size)
 
     def copy(self, kind: AttnKind, src: Any, src_pages: np.ndarray, dst: Any, dst_pages: np.ndarray) -> None:
         """Pages of ``kind`` between SGLang's device buffers (``src`` or ``dst`` is
