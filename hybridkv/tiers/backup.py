@@ -12,6 +12,8 @@ L1: SWA pages that end a sequence or a checkpoint window are anchored (L2
 evicts unanchored SWA first, L3 receives only anchored SWA with
 ``l3_swa="anchored"``), and the window that ends a hit is anchored in L1's
 registration and in L2 and queued for L3 (:meth:`L2Backup.anchor_hit_window`).
+A finished request's earlier anchored windows that it moved past (neither
+its tail, a checkpoint nor its hit's window) become plain SWA in L2.
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ class L2Backup:
         write-through all the full KV L2 lacks, and the SWA L2 lacks (write-back:
         only where L2 holds the full KV, repair case 1).  O(pages)."""
         through = self.tiers.write_policy is WritePolicy.WRITE_THROUGH
+        self._demote_passed(req, aligned, keys)
         have_full = self.host.lookup_full(keys[:aligned]) >= 0
         if through:
             missing_full = np.flatnonzero(~have_full)
@@ -165,6 +168,18 @@ class L2Backup:
                              bool, count=idx.size)
         self.store_l2(AttnKind.SWA, pages, [k for k, m in zip(swa_keys, missing) if m],
                       self._anchored(idx, aligned) | marked, base=[keys[i] for i in idx])
+
+    def _demote_passed(self, req: Request, aligned: int, keys: list[bytes]) -> None:
+        """Anchored L2 windows inside ``req``'s pages ``[0, aligned)`` that it neither ends
+        (its tail, a checkpoint) nor hit at: the sequence has moved past them, as the
+        L1 tree moves a leaf's tail anchor when the leaf is extended.  They become
+        plain SWA (kept, but given up before full KV under pressure).  O(pages)."""
+        if not self.host.num_anchored_swa_pages or aligned <= 0:
+            return
+        keep = self._anchored(np.arange(aligned), aligned)
+        h = min(req.prefix_len // self.tree.policy.page_size, aligned)
+        keep[max(0, h - self.window_pages):h] = True
+        self.host.demote([swa_key(keys[i]) for i in np.flatnonzero(~keep).tolist()])
 
     def store_l2(self, kind: AttnKind, l1_pages: np.ndarray, keys: list[bytes],
                  anchored: np.ndarray | None, base: list[bytes] | None = None) -> None:

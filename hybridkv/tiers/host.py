@@ -17,7 +17,10 @@ Eviction (LRU within each class), cheapest loss first:
 2. full pages (LRU), each with that page's SWA entry: left alone, orphaned
    SWA (much larger than full KV per token) filled L2 with windows it could
    not serve; an anchored window was also queued for L3, so it is not lost;
-3. *anchored* SWA pages (tails and checkpoint windows).
+3. *anchored* SWA pages (tails, checkpoint windows, windows that ended a hit).
+
+The owner demotes (:meth:`demote`) anchored windows a longer sequence has moved past
+(its earlier tails): they become plain SWA, most recently used.
 
 Pages listed in ``protect`` are never evicted (a load in progress reads them).
 
@@ -70,7 +73,7 @@ class HostTier:
         # owner encodes a page with a queued L3 write before its data is reused.
         self.free_listeners: list[Callable[[AttnKind, np.ndarray], None]] = []
         self.counters = {"evicted_full_pages": 0, "evicted_swa_pages": 0, "stored_full_pages": 0,
-                         "stored_swa_pages": 0}
+                         "stored_swa_pages": 0, "demoted_swa_pages": 0}
 
     # ---------------------------------------------------------------- lookup
     def _free_full(self, pages: np.ndarray) -> None:
@@ -101,6 +104,10 @@ class HostTier:
                     (self._swa if k in self._swa else self._anchor).move_to_end(k)
         return out
 
+    def anchored_swa(self, keys: Sequence[bytes]) -> np.ndarray:
+        """bool per SWA key: held in the anchored class.  O(n)."""
+        return np.fromiter((k in self._anchor for k in keys), dtype=bool, count=len(keys))
+
     @staticmethod
     def _touch(table: OrderedDict, keys: Sequence[bytes], pages: np.ndarray) -> None:
         for k, p in zip(keys, pages.tolist()):
@@ -122,6 +129,10 @@ class HostTier:
     @property
     def num_swa_pages(self) -> int:
         return len(self._swa) + len(self._anchor)
+
+    @property
+    def num_anchored_swa_pages(self) -> int:
+        return len(self._anchor)
 
     # ------------------------------------------------------------ allocation
     def alloc(self, n_full: int, n_swa: int, protect: Iterable[int] = (),
@@ -295,6 +306,18 @@ class HostTier:
             if page is not None:
                 self._anchor[k] = page
                 moved += 1
+        return moved
+
+    def demote(self, keys: Sequence[bytes]) -> int:
+        """Move anchored SWA ``keys`` to the plain class, most recently used there
+        (absent/plain keys are ignored); returns how many moved.  O(n)."""
+        moved = 0
+        for k in keys:
+            page = self._anchor.pop(k, None)
+            if page is not None:
+                self._swa[k] = page
+                moved += 1
+        self.counters["demoted_swa_pages"] += moved
         return moved
 
     # ------------------------------------------------------------- checking

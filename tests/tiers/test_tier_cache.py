@@ -162,6 +162,42 @@ def test_repair_device_swa_backed_up_at_prefill_end():
     assert have[-SPEC.window_pages:].all()
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+@pytest.mark.parametrize("checkpoint", [0, 16])
+def test_l2_anchors_follow_the_sequence_as_it_grows(policy, checkpoint):
+    """A conversation's earlier tails stop being anchored in L2 once a later turn
+    has moved past them (the L1 tree moves a leaf's tail anchor the same way):
+    L2 keeps the latest tail, the window the latest hit ended at and the
+    checkpoints anchored, the rest becomes plain SWA, given up first."""
+    cache = make(l1_pages=60, l2_pages=400, policy=policy, checkpoint=checkpoint)
+    rng = np.random.default_rng(12)
+    turns = [rng.integers(0, 5000, 41)]
+    for _ in range(3):
+        turns.append(np.concatenate([turns[-1], rng.integers(0, 5000, 24)]))
+    for t in turns:
+        run(cache, t)
+        if policy == "write_back":  # L1 gives everything up: write-back stores it in L2
+            cache.tree.evict(full_pages=cache.tree.evictable_full_pages(),
+                             swa_pages=cache.tree.evictable_swa_pages())
+    keys = cache._page_keys(turns[-1], "default", len(turns[-1]) // 4)
+    held = cache.host.lookup_swa([swa_key(k) for k in keys]) >= 0
+    anchored = cache.host.anchored_swa([swa_key(k) for k in keys])
+    n, wp, hit = len(keys), SPEC.window_pages, (len(turns[-2]) - 1) // 4
+    want = np.zeros(n, bool)
+    want[n - wp - 1:] = True  # the last tail (with the exact-repeat page)
+    want[hit - wp:hit] = True  # the window the last hit ended at
+    if checkpoint:
+        kp = checkpoint // 4
+        for end in range(kp, n + 1, kp):
+            want[end - wp:end] = True
+    assert np.array_equal(anchored, want & held), (np.flatnonzero(anchored), np.flatnonzero(want & held))
+    assert held[hit - wp:hit].all() and held[n - wp - 1:].all()
+    assert cache.stats()["l2_demoted_swa_pages"] > 0
+    # plain SWA goes first under pressure: the kept windows survive, and the last turn still hits
+    cache.host.alloc(0, cache.host.num_swa_pages - int(anchored.sum()))
+    assert (cache.host.lookup_swa([swa_key(k) for k in keys]) >= 0)[want & held].all()
+
+
 class CountingBackend:
     """A real file backend that records touches and can drop values on read."""
 
