@@ -179,7 +179,7 @@ class L2Backup:
         keep = self._anchored(np.arange(aligned), aligned)
         h = min(req.prefix_len // self.tree.policy.page_size, aligned)
         keep[max(0, h - self.window_pages):h] = True
-        self.host.demote([swa_key(keys[i]) for i in np.flatnonzero(~keep).tolist()])
+        self.host.demote([keys[i] for i in np.flatnonzero(~keep).tolist()])
 
     def store_l2(self, kind: AttnKind, l1_pages: np.ndarray, keys: list[bytes],
                  anchored: np.ndarray | None, base: list[bytes] | None = None) -> None:

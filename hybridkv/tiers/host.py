@@ -68,6 +68,7 @@ class HostTier:
         self._swa: OrderedDict[bytes, int] = OrderedDict()       # plain SWA (evicted first)
         self._anchor: OrderedDict[bytes, int] = OrderedDict()    # tails / checkpoints (last)
         self._base: dict[bytes, bytes] = {}  # SWA key -> full-KV key of its page (for events)
+        self._anchor_of: dict[bytes, bytes] = {}  # full-KV key -> its anchored SWA key (base known)
         self.listeners: list[TierListener] = []
         # Called with (kind, int32 page ids) just before pages go back to ``pool``: the
         # owner encodes a page with a queued L3 write before its data is reused.
@@ -185,6 +186,8 @@ class HostTier:
         self._free_swa(np.array([page], dtype=np.int32))
         self.counters["evicted_swa_pages"] += 1
         base = self._base.pop(key, None)
+        if base is not None and self._anchor_of.get(base) == key:
+            del self._anchor_of[base]
         if base is not None and self.listeners:
             emit(self.listeners, TierEvent("L2", "swa_remove", (base,), (False,)))
 
@@ -237,6 +240,7 @@ class HostTier:
         self._swa.clear()
         self._anchor.clear()
         self._base.clear()
+        self._anchor_of.clear()
         if self.listeners:
             emit(self.listeners, TierEvent("L2", "remove", keys))
         return n
@@ -285,13 +289,15 @@ class HostTier:
             if k in self._swa or k in self._anchor:
                 dup.append(p)
                 if a and k in self._swa:  # promote: now known to end a window we keep
-                    self._anchor[k] = self._swa.pop(k)
+                    self._promote(k)
                 continue
             (self._anchor if a else self._swa)[k] = p
             self.counters["stored_swa_pages"] += 1
             if b is not None:
                 self._base[k] = b
                 new.append(b)
+                if a:
+                    self._anchor_of[b] = k
         if dup:
             self._free_swa(np.asarray(dup, dtype=np.int32))
         if new and self.listeners:
@@ -302,20 +308,27 @@ class HostTier:
         ignored); returns how many moved.  O(n)."""
         moved = 0
         for k in keys:
-            page = self._swa.pop(k, None)
-            if page is not None:
-                self._anchor[k] = page
+            if k in self._swa:
+                self._promote(k)
                 moved += 1
         return moved
 
-    def demote(self, keys: Sequence[bytes]) -> int:
-        """Move anchored SWA ``keys`` to the plain class, most recently used there
-        (absent/plain keys are ignored); returns how many moved.  O(n)."""
+    def _promote(self, key: bytes) -> None:
+        self._anchor[key] = self._swa.pop(key)
+        base = self._base.get(key)
+        if base is not None:
+            self._anchor_of[base] = key
+
+    def demote(self, full_keys: Sequence[bytes]) -> int:
+        """Move the anchored SWA of the pages ``full_keys`` name (full-KV keys: no SWA
+        key is hashed) to the plain class, most recently used there; pages without
+        an anchored SWA entry are ignored.  Returns how many moved.  O(n)."""
         moved = 0
-        for k in keys:
-            page = self._anchor.pop(k, None)
-            if page is not None:
-                self._swa[k] = page
+        of = self._anchor_of
+        for fk in full_keys:
+            k = of.pop(fk, None)
+            if k is not None:
+                self._swa[k] = self._anchor.pop(k)
                 moved += 1
         self.counters["demoted_swa_pages"] += moved
         return moved
@@ -329,6 +342,8 @@ class HostTier:
                           count=self.num_swa_pages)
         assert not (set(self._swa) & set(self._anchor)), "a SWA key is in both classes"
         assert set(self._base) <= set(self._swa) | set(self._anchor), "base key of a dropped SWA page"
+        assert self._anchor_of == {self._base[k]: k for k in self._anchor if k in self._base}, \
+            "anchored SWA by full key differs from the anchored class"
         assert np.unique(full).size == full.size == self.pool.full.num_used, \
             ("L2 full pages", np.unique(full).size, full.size, self.pool.full.num_used)
         assert np.unique(swa).size == swa.size == self.pool.swa.num_used, \
