@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT_RATIO = 0.8
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "adapters" / "sglang" / "tests"))
+import hicache_pick  # noqa: E402 - the harness's own rule (pure, no SGLang)
+
 DERIVED = ("hicache_default", "hicache_best")
 
 
@@ -33,12 +36,6 @@ def _parts(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     if "traces" in doc:
         return list(doc["traces"].items())
     return [(Path(doc["trace"]).name, doc)]
-
-
-def best_of(sweep: list[dict[str, Any]]) -> dict[str, Any]:
-    """The HiCache run with the most hit tokens among those that rejected nothing."""
-    eligible = [r for r in sweep if r["rejected"] == 0] or sweep
-    return max(eligible, key=lambda r: (r["hit_tokens"], -abs(r["setting"]["swa_full_tokens_ratio"] - DEFAULT_RATIO)))
 
 
 def merge(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -61,12 +58,10 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         runs = list(t["runs"].values())
         for size in sorted({r["size"] for r in runs}):
             sweep = [r for r in runs if r["size"] == size and r["system"].startswith("hicache@")]
-            default = [r for r in sweep if r["setting"]["swa_full_tokens_ratio"] == DEFAULT_RATIO
-                       and r["setting"].get("write_policy", "write_through") == "write_through"]
-            if default:
-                runs.append({**default[0], "system": "hicache_default"})
-            if sweep:
-                runs.append({**best_of(sweep), "system": "hicache_best"})
+            for system, i in (("hicache_default", hicache_pick.default_index(sweep)),
+                              ("hicache_best", hicache_pick.best_index(sweep))):
+                if i is not None:
+                    runs.append({**sweep[i], "system": system})
         out[name] = {**{k: t[k] for k in ("limit", "page_size", "host_factor", "sizes")}, "runs": runs}
     return out
 

@@ -38,12 +38,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from hicache_pick import DEFAULT_RATIO  # SGLang's --swa-full-tokens-ratio default
 from sglang_flow import Driver, Pools, prefix_hashes
 
 FULL_BYTES_PER_TOKEN = 51_200    # MiMo-V2.5-Pro: 10 full layers x 8 KV heads x (192 + 128) x 2 B
 SWA_BYTES_PER_TOKEN = 307_200    # 60 SWA layers, same heads
 WINDOW = 128
-DEFAULT_RATIO = 0.8              # SGLang's --swa-full-tokens-ratio default
 RATIOS = (0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0)  # SGLang accepts (0, 1]
 SYSTEMS = ("hybridkv", "unified")  # unified: the ratio sweep, unified_default and unified_best
 ROOMY_BOUND_SHARE = 0.83         # 31.8% / 38.3%: full-KV LRU vs prefix bound at 594 GB

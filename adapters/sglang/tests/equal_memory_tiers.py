@@ -39,11 +39,12 @@ from typing import Any
 import numpy as np
 
 import equal_memory as em
+import hicache_pick
 
 __all__ = ["HICACHE_POLICIES", "HOST_FACTOR", "TierRow", "run_hybridkv_tiers", "tiers_rows"]
 
 HOST_FACTOR = 2.0  # host bytes / device bytes: HiCache's default --hicache-ratio
-HICACHE_POLICIES = ("write_through", "write_back")  # SGLang's --hicache-write-policy (default first)
+HICACHE_POLICIES = (hicache_pick.DEFAULT_POLICY, "write_back")  # SGLang's --hicache-write-policy (default first)
 
 
 @dataclass
@@ -174,15 +175,11 @@ def tiers_rows(prompts: Sequence[np.ndarray], sizes: dict[str, dict], *, host_fa
                                      h["hit_tokens"], h["l1_hit_tokens"], h["l2_hit_tokens"], h["input_tokens"],
                                      h["requests"], h["rejected"], h["hits_verified"], 0.0, page_size))
                 _say(progress, sweep[-1])
-        default = next((x for x in sweep if x.setting["swa_full_tokens_ratio"] == em.DEFAULT_RATIO
-                        and x.setting["write_policy"] == HICACHE_POLICIES[0]), None)
-        if default is not None:  # a write-back-only sweep has no default row
-            rows.append(TierRow(**{**default.__dict__, "system": "hicache_default"}))
-        if not sweep:
-            continue
-        eligible = [x for x in sweep if x.rejected == 0] or sweep
-        best = max(eligible, key=lambda x: (x.hit_tokens, -abs(x.setting["swa_full_tokens_ratio"] - em.DEFAULT_RATIO)))
-        rows.append(TierRow(**{**best.__dict__, "system": "hicache_best"}))
+        runs = [x.__dict__ for x in sweep]
+        for system, i in (("hicache_default", hicache_pick.default_index(runs)),  # none in a write-back-only sweep
+                          ("hicache_best", hicache_pick.best_index(runs))):
+            if i is not None:
+                rows.append(TierRow(**{**runs[i], "system": system}))
         rows.extend(sweep)
     return rows
 
