@@ -177,7 +177,7 @@ class L2Backup:
         if not self.host.num_anchored_swa_pages or aligned <= 0:
             return
         keep = self._anchored(np.arange(aligned), aligned)
-        h = min(req.prefix_len // self.tree.policy.page_size, aligned)
+        h = min(req.extra.get("hit_pages", req.prefix_len // self.tree.policy.page_size), aligned)
         keep[max(0, h - self.window_pages):h] = True
         self.host.demote([keys[i] for i in np.flatnonzero(~keep).tolist()])
 

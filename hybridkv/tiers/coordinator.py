@@ -201,6 +201,7 @@ class TierCoordinator:
         per["l3_hit_tokens"] = int(np.count_nonzero(src >= PageOrigin.L3)) * P
         per["l3_preexisting_hit_tokens"] = int(np.count_nonzero(src == PageOrigin.L3_PREEXISTING)) * P
         req.extra["tiers"] = per
+        req.extra["hit_pages"] = h  # its window stays anchored in L2 at finish (a host's shim may lack prefix_len)
         if not h:
             return
         with self.mutex:
