@@ -14,6 +14,7 @@ import pytest
 from hybridkv.spec import AttnKind, ModelSpec
 from hybridkv.tiers.host import HostTier
 from hybridkv.tiers.manager import TierManager
+from hybridkv.tiers.payload import swa_key
 from hybridkv.tiers.storage import open_backend
 
 SPEC = ModelSpec.preset("mimo-v2.5-pro")
@@ -39,6 +40,33 @@ def test_host_tier_evicts_plain_swa_then_full_then_anchored():
     host.check_invariants()
     with pytest.raises(ValueError, match="budget_bytes"):
         HostTier(spec, 0)
+
+
+def test_host_tier_demote_moves_anchored_windows_by_full_key_and_eviction_forgets_them():
+    spec = ModelSpec.preset("mimo-v2.5", page_size=4)
+    fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
+    host = HostTier(spec, 4 * fpb + 4 * spb)
+    full = [bytes([i]) * 16 for i in range(4)]
+    swa = [swa_key(k) for k in full]
+    f, s = host.alloc(4, 4)
+    host.insert_full(full, f)
+    host.insert_swa(swa, s, np.array([True, True, False, True]), full)
+    assert host.anchored_swa(swa).tolist() == [True, True, False, True]
+    # plain, absent and unknown keys are ignored; the moved ones become plain, most recent
+    assert host.demote([full[0], full[2], b"x" * 16]) == 1
+    assert host.anchored_swa(swa).tolist() == [False, True, False, True]
+    assert host.stats()["demoted_swa_pages"] == 1
+    host.check_invariants()
+    assert host.anchor([swa[0]]) == 1 and host.anchored_swa(swa)[0]  # promoted back: demotable again
+    host.check_invariants()
+    # an anchored window that goes with its full page is forgotten by key as well
+    assert host.discard([full[3]]) == 1 and not host.anchored_swa(swa)[3]
+    host.check_invariants()
+    assert host.demote([full[3]]) == 0
+    assert host.demote(full) == 2 and host.stats()["anchored_swa_pages"] == 0
+    host.check_invariants()
+    host.clear()
+    host.check_invariants()
 
 
 class SlowBackend:
