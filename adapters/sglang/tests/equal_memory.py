@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+import hicache_pick
 from hicache_pick import DEFAULT_RATIO  # SGLang's --swa-full-tokens-ratio default
 from sglang_flow import Driver, Pools, prefix_hashes
 
@@ -258,10 +259,11 @@ def equal_memory(prompts: Sequence[np.ndarray], sizes: dict[str, dict], *, ratio
             if swa <= WINDOW + 1:  # SGLang refuses such a pool (validate_swa_pool_size)
                 continue
             sweep.append(record(size, kv_bytes, f"unified@{r}", r, full, swa))
-        default = next(x for x in sweep if x.swa_ratio == DEFAULT_RATIO)
-        rows.append(Row(**{**asdict(default), "system": "unified_default"}))
-        eligible = [x for x in sweep if x.rejected == 0] or sweep
-        best = max(eligible, key=lambda x: (x.hit_tokens, -abs(x.swa_ratio - DEFAULT_RATIO)))
-        rows.append(Row(**{**asdict(best), "system": "unified_best"}))
+        runs = [{"setting": {"swa_full_tokens_ratio": x.swa_ratio}, "rejected": x.rejected,
+                 "hit_tokens": x.hit_tokens} for x in sweep]
+        default, best = hicache_pick.default_index(runs), hicache_pick.best_index(runs)
+        assert default is not None and best is not None, "SGLang's default ratio was not swept"
+        rows.append(Row(**{**asdict(sweep[default]), "system": "unified_default"}))
+        rows.append(Row(**{**asdict(sweep[best]), "system": "unified_best"}))
         rows.extend(x for x in sweep)
     return rows

@@ -1,9 +1,10 @@
-"""Which HiCache run of a sweep is "default" and which is "best" (pure: no SGLang).
+"""Which run of an SGLang ratio sweep is "default" and which is "best" (pure: no SGLang).
 
-One rule for the harness that runs the sweep (``equal_memory_tiers.tiers_rows``)
-and for the script that merges sweeps run in parts
-(``benchmarks/peers/merge_tiers.py``).  A run is a mapping with ``setting``
-(``swa_full_tokens_ratio``, ``write_policy``), ``rejected`` and ``hit_tokens``.
+One rule for the harnesses that run the sweeps (``equal_memory.equal_memory`` for
+``UnifiedRadixCache``, ``equal_memory_tiers.tiers_rows`` for HiCache) and for the
+script that merges sweeps run in parts (``benchmarks/peers/merge_tiers.py``).  A run
+is a mapping with ``setting`` (``swa_full_tokens_ratio``, ``write_policy``),
+``rejected`` and ``hit_tokens``.
 """
 
 from __future__ import annotations
