@@ -109,15 +109,22 @@ class RequestPages:
 
     @staticmethod
     def _place(req: Request, full: np.ndarray, swa: np.ndarray) -> None:
-        """Append freshly allocated pages to ``req`` (page arrays double when full)."""
+        """Append freshly allocated pages to ``req`` (page arrays double when full);
+        every side group holds its page of a fresh SWA id.  O(pages)."""
         lo = req.n_pages
         hi = lo + len(full)
+        side = req.side_pages
         if hi > req.full_pages.size:
             size = max(hi, 2 * req.full_pages.size)
+            grow = np.full(size - req.swa_pages.size, NO_PAGE, np.int32)
             req.full_pages = np.concatenate([req.full_pages, np.empty(size - req.full_pages.size, np.int32)])
-            req.swa_pages = np.concatenate([req.swa_pages, np.full(size - req.swa_pages.size, NO_PAGE, np.int32)])
+            req.swa_pages = np.concatenate([req.swa_pages, grow])
+            if side is not None:
+                side = req.side_pages = [np.concatenate([s, grow]) for s in side]
         req.full_pages[lo:hi] = full
         req.swa_pages[lo:hi] = swa
+        for s in side or ():
+            s[lo:hi] = swa
         req.n_pages = hi
 
     def _release_range(self, req: Request) -> tuple[int, int]:
@@ -156,9 +163,11 @@ class RequestPages:
             else:
                 gone = np.concatenate([swa[a:b] for a, b in runs])
             count = gone.size
-            self.pool.free_swa_trusted(gone)  # the request's own pages
+            self.pool.free_swa_trusted(gone)  # the request's own pages, with the side groups'
             for a, b in runs:
                 swa[a:b] = NO_PAGE
+                for s in req.side_pages or ():
+                    s[a:b] = NO_PAGE
             self.counters["released_swa_pages"] += count
         if self.pool.groups:  # after the lead's release: the groups follow its windows
             self.release_groups(req, cut)
@@ -181,7 +190,7 @@ class RequestPages:
             first = max(req.tree_pages, req.raw_match_len // self.page_size + wl - 1)
             req.group_marks = [first] * len(self.pool.groups)
         swa = req.swa_pages
-        for gi, group in enumerate(self.pool.groups):
+        for gi, (group, side) in enumerate(zip(self.pool.groups, req.side_pages)):
             wg = group.window_pages
             lo = req.group_marks[gi]
             hi = final - wg + 1  # page i is decided once every end in (i, i + wg] is
@@ -189,10 +198,12 @@ class RequestPages:
                 continue
             base = max(0, lo + 1 - wl)
             needed = group_keeps(swa[base:hi - 1 + wg] >= 0, lo, hi, wl, wg, base)
-            ids = swa[lo:hi]
-            gone = ids[~needed & (ids >= 0)]
+            ids = side[lo:hi]  # a view: the request's own page ids of the group
+            drop = ~needed & (ids >= 0)
+            gone = ids[drop]
             if gone.size:
                 self.counters["released_group_pages"] += self.pool.release_group_trusted(group, gone)
+                ids[drop] = NO_PAGE
             req.group_marks[gi] = hi
 
     def step_grow(self, pending: list, ok: np.ndarray, errors: dict, nums: list, grew: list,
@@ -228,16 +239,28 @@ class RequestPages:
     def check_ownership(self) -> None:
         """Every used page is owned exactly once (by a tree node or a live request),
         and each live request's page bookkeeping is consistent.  O(n)."""
-        owned_full = [n.full for n in self.tree.iter_nodes()]
-        owned_swa = [n.swa[n.swa >= 0] for n in self.tree.iter_nodes()]
+        nodes = list(self.tree.iter_nodes())
+        owned_full = [n.full for n in nodes]
+        owned_swa = [n.swa[n.swa >= 0] for n in nodes]
+        # each side group holds storage for exactly the ids its owners list for it
+        owned_side = [[n.side[g] for n in nodes] for g in range(len(self.pool.groups))]
         for req in self.live.values():
             owned_full.append(req.full_pages[req.tree_pages:req.n_pages])
             s = req.swa_pages[req.tree_pages:req.n_pages]
             owned_swa.append(s[s >= 0])
+            assert (req.side_pages is None) == (not self.pool.groups), req
+            for g, side in enumerate(req.side_pages or ()):
+                own = side[req.tree_pages:req.n_pages]
+                assert ((own == NO_PAGE) | (own == s)).all(), ("side group page ids", req)
+                owned_side[g].append(own)
             # release relies on this: pages past the release mark were never released
             assert (req.swa_pages[max(req.release_mark, req.tree_pages):req.n_pages] >= 0).all(), req
             assert req.tree_pages <= req.n_pages
             assert req.computed <= req.allocated <= min(req.n_tokens, req.n_pages * self.page_size)
+        for group, ids in zip(self.pool.groups, owned_side):
+            held = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+            held = held[held >= 0]
+            assert held.size == group.used and group.holds(held).all(), ("side group ownership", group.group.name)
         full = np.concatenate(owned_full) if owned_full else np.zeros(0, np.int32)
         swa = np.concatenate(owned_swa) if owned_swa else np.zeros(0, np.int32)
         assert np.unique(full).size == full.size == self.pool.full.num_used, \

@@ -48,6 +48,7 @@ from .lifecycle import Lifecycle, TierHooks
 from .pools import DualPool
 from .radix import MatchResult, TreeConfig, WindowSafeTree
 from .radix.node import NO_PAGE
+from .radix.tree import parts_side
 from .request import Request
 from .spec import ModelSpec
 from .step import StepBatch, build_batch, check_distinct, step_counts, step_tokens
@@ -169,10 +170,12 @@ class HybridKVCache:
         ids = handle.ids  # the pinned window, as Python ints (None: nothing locked)
         if ids:
             swa[n - len(ids):n] = ids
+        side = self._side_window(hit.parts, full.size, n, len(ids) if ids else 0) if self.pool.groups else None
         length = safe * self.page_size
         raw_length = raw_pages * self.page_size
         req = Request(rid if rid is not None else next(_rids), namespace, buf, n_tokens, length,
-                      raw_length, full, swa, n, handle, computed=length, n_pages=n, last_release=length)
+                      raw_length, full, swa, n, handle, computed=length, n_pages=n, last_release=length,
+                      side_pages=side)
         self._live[id(req)] = req
         c = self.counters
         c["requests"] += 1
@@ -180,6 +183,16 @@ class HybridKVCache:
         c["raw_match_tokens"] += raw_length
         c["input_tokens"] += len(tokens)
         return req
+
+    def _side_window(self, parts: list, size: int, n: int, w: int) -> list[np.ndarray]:
+        """Each side group's page ids for a new request of ``size`` page slots
+        whose hit is ``n`` pages: its pinned window (the last ``w`` pages of the
+        hit, as the lead's) from the tree's nodes, ``NO_PAGE`` elsewhere.  O(n x groups)."""
+        out = [np.full(size, NO_PAGE, dtype=np.int32) for _ in self.pool.groups]
+        if w:
+            for s, got in zip(out, parts_side(parts, len(out))):
+                s[n - w:n] = got[n - w:n]
+        return out
 
     # ============================================================ allocation
     def append_tokens(self, req: Request, tokens: object) -> None:
@@ -288,9 +301,10 @@ class HybridKVCache:
         if cache and aligned > req.tree_pages:
             if self.pool.groups:
                 self.pages.release_groups(req, aligned)
+            side = None if req.side_pages is None else [s[:aligned] for s in req.side_pages]
             res = self.lifecycle.insert(req.handle, req.tree_pages, req.token_buffer[:aligned * P],
                                         req.full_pages[:aligned], req.swa_pages[:aligned], req.namespace,
-                                        mark=req.prompt_len // P)
+                                        mark=req.prompt_len // P, side=side)
             assert res is not None, "a request's lock ends where its tree pages do while it is live"
             new_pages = res.new_pages
         rest_full = req.full_pages[aligned:req.n_pages]

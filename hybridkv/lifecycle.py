@@ -171,21 +171,22 @@ class Lifecycle:
 
     # ------------------------------------------------- checkpoint, finish
     def insert(self, handle: LockHandle, held_pages: int, tokens: np.ndarray, full: np.ndarray,
-               swa: np.ndarray, namespace: str, *, mark: int = -1, continued: bool = False
-               ) -> InsertResult | None:
+               swa: np.ndarray, namespace: str, *, mark: int = -1, continued: bool = False,
+               side: list[np.ndarray] | None = None) -> InsertResult | None:
         """Cache the request's pages ``[0, len(full))`` (``tokens`` spells them),
         starting at the node its lock holds (``held_pages`` pages long; pages
         before it are the tree's own and skipped); the tree takes the pages it
         keeps and frees its duplicates.  ``mark``: the page where the prompt
         ends (output after it); ``continued``: a later chunk of one prompt, not
-        a reuse.  None when the lock no longer ends at ``held_pages`` (cannot
+        a reuse; ``side``: each side group's page ids beside ``swa`` (a host
+        whose pool has side groups, see :attr:`TreeNode.side`).  None when the lock no longer ends at ``held_pages`` (cannot
         happen while locked: nothing is freed that the tree did not take).
         O(depth + new pages)."""
         start = handle.node
         if not self.lock_ends_at(handle, held_pages):
             return None
         return self.tree.insert_tokens(tokens, full, swa, namespace, start=start, owned=True, mark=mark,
-                                       continued=continued)
+                                       continued=continued, side=side)
 
     def lock_ends_at(self, handle: LockHandle, pages: int) -> bool:
         """The request's lock holds an alive node ending at page ``pages`` (or

@@ -22,15 +22,19 @@ class Request:
     ``token_buffer``, a buffer the cache doubles when full, so decode appends
     are amortised O(1).
     ``allocated`` is the end of the slots handed out (``commit`` may not pass it).
+    ``side_pages``: with several sliding groups, one int32 array per side group
+    beside ``swa_pages`` (the group's page id where it holds its page, ``NO_PAGE``
+    where not; see :attr:`~hybridkv.radix.node.TreeNode.side`); None with one window.
     """
 
     __slots__ = ("rid", "namespace", "token_buffer", "n_tokens", "prefix_len", "raw_match_len", "full_pages",
-                 "swa_pages", "tree_pages", "handle", "computed", "n_pages", "allocated", "last_release", "prompt_len",
+                 "swa_pages", "side_pages", "tree_pages", "handle", "computed", "n_pages", "allocated", "last_release", "prompt_len",
                  "release_mark", "group_marks", "finished", "extra", "__weakref__")
 
     def __init__(self, rid: Any, namespace: str, buf: np.ndarray, n_tokens: int, prefix_len: int,
                  raw_match_len: int, full_pages: np.ndarray, swa_pages: np.ndarray, tree_pages: int,
-                 handle: LockHandle, computed: int = 0, n_pages: int = 0, last_release: int = 0) -> None:
+                 handle: LockHandle, computed: int = 0, n_pages: int = 0, last_release: int = 0,
+                 side_pages: list[np.ndarray] | None = None) -> None:
         self.rid = rid
         self.namespace = namespace
         # the request owns its tokens (``buf``, a copy with room to grow, made by the
@@ -42,6 +46,7 @@ class Request:
         self.raw_match_len = raw_match_len
         self.full_pages = full_pages
         self.swa_pages = swa_pages
+        self.side_pages = side_pages
         self.tree_pages = tree_pages
         self.handle = handle
         self.computed = computed

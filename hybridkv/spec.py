@@ -194,8 +194,9 @@ class ModelSpec:
     @property
     def sliding_groups(self) -> tuple[KVGroupSpec, ...]:
         """The sliding-window groups, smallest window first; the last (largest
-        window) is the *lead* group, whose pages are the SWA page ids the tree
-        and requests hold (every other group's pages are held per id beside it)."""
+        window) is the *lead* group; the tree's nodes and the requests hold a
+        page id per group (the lead's SWA ids, and each other group's beside
+        them: :attr:`~hybridkv.radix.node.TreeNode.side`)."""
         return tuple(g for g in self.groups if g.sliding)
 
     def group_page_bytes(self, group: KVGroupSpec) -> int:

@@ -254,11 +254,6 @@ class DualPool:
             self._arena.release_group(group.index, got)
         return int(got.size)
 
-    def group_bytes(self, pages: np.ndarray) -> int:
-        """Bytes the groups beside the lead still hold for SWA ``pages`` (what
-        freeing them returns beyond ``lead_page_bytes`` each).  O(n x groups)."""
-        return sum(int(np.count_nonzero(g.holds(pages))) * g.page_bytes for g in self.groups)
-
     def held_by_all(self, pages: np.ndarray) -> np.ndarray:
         """bool per SWA id of ``pages`` (``-1``: not held): every sliding group
         holds its KV (what a tier may copy); ``pages >= 0`` with one sliding group.

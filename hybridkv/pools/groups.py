@@ -1,14 +1,18 @@
 """Pages of the sliding-window groups beside the lead group.
 
 A model with several sliding windows (:attr:`~hybridkv.spec.ModelSpec.sliding_groups`)
-keeps one SWA page id per page of a sequence, as a model with one window does:
-the tree and requests hold those ids, and the *lead* group (the largest window)
-owns them (:class:`~hybridkv.pools.allocator.PageAllocator`).  Every other
-sliding group holds its own KV for an id only while it needs it: a group with a
-smaller window gives its pages back sooner (a request releases them more than
-its window behind its end, see :mod:`hybridkv.allocation`), and all of them go
-when the id is freed.  :class:`GroupPages` is that per-group allocator: which
-ids the group still holds storage for, and how many.
+holds a page id per KV group in its tree nodes and requests: the full page id,
+the lead SWA page id (the *lead* group, the largest window, allocates them:
+:class:`~hybridkv.pools.allocator.PageAllocator`), and one id per other sliding
+group (:attr:`~hybridkv.radix.node.TreeNode.side`,
+:attr:`~hybridkv.request.Request.side_pages`).  A side group's page shares the
+lead's row of arena blocks (its own columns), so its id is the lead's id where
+it holds the page and ``-1`` where it does not: a group with a smaller window
+gives its pages back sooner (a request releases them more than its window
+behind its end, see :mod:`hybridkv.allocation`), and all of them go when the
+lead's id is freed.  :class:`GroupPages` is the group's storage allocator: which
+ids it holds storage for, and how many; the owners (nodes, requests) list the
+same ids (checked by ``HybridKVCache.check_invariants``).
 
 Invariant: a group holds only ids the lead group has allocated.
 """

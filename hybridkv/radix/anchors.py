@@ -32,15 +32,15 @@ class WindowAnchors:
         policy: the tree's :class:`~hybridkv.radix.policy.RetentionPolicy`
             (window, checkpoints, branch points, the predicted window's place).
         page_size: tokens per page.
-        groups: the sliding groups beside the lead one (a pool of a
-            several-window model; each has ``holds(ids)`` and ``window_pages``):
-            a hit needs each of their windows too.
+        group_windows: the windows, in pages, of the sliding groups beside the
+            lead one (a several-window model; their page ids are the nodes'
+            ``side`` arrays, in this order): a hit needs each of their windows too.
     """
 
-    def __init__(self, policy: RetentionPolicy, page_size: int, groups: tuple = ()) -> None:
+    def __init__(self, policy: RetentionPolicy, page_size: int, group_windows: tuple[int, ...] = ()) -> None:
         self.policy = policy
         self.page_size = page_size
-        self.groups = groups
+        self.group_windows = group_windows
 
     def anchor_window(self, node: TreeNode, delta: int, end: int | None = None) -> None:
         """Add ``delta`` to the anchor count of the ``window_pages`` pages ending at
@@ -147,10 +147,10 @@ class WindowAnchors:
             take = k if k < need else need
             if take and min(n.swa[k - take:k].tolist()) < 0:
                 safe = window_safe_pages([n.swa[:k] for n, k in path], self.policy.window_pages)
-                return self.groups_safe(path, safe) if self.groups else safe
+                return self.groups_safe(path, safe) if self.group_windows else safe
             need -= take
             i -= 1
-        return self.groups_safe(path, total) if self.groups else total
+        return self.groups_safe(path, total) if self.group_windows else total
 
     def groups_safe(self, path: list[tuple[TreeNode, int]], limit: int) -> int:
         """Largest end ``<= limit`` pages (safe for the lead group) where every other
@@ -158,8 +158,9 @@ class WindowAnchors:
         if limit == 0:
             return 0
         ids = np.concatenate([n.swa[:k] for n, k in path])[:limit]
-        masks = [ids >= 0] + [g.holds(ids) for g in self.groups]
-        wps = [self.policy.window_pages] + [g.window_pages for g in self.groups]
+        masks = [ids >= 0] + [np.concatenate([n.side[g][:k] for n, k in path])[:limit] >= 0
+                              for g in range(len(self.group_windows))]
+        wps = [self.policy.window_pages, *self.group_windows]
         return groups_safe_pages(masks, wps, limit)
 
     def check(self, nodes: list[TreeNode]) -> None:

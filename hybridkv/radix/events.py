@@ -51,17 +51,17 @@ class TreeEvents:
 
     Args:
         page_size: tokens per page (events are in tokens).
-        held_by_all: with several sliding groups, which SWA page ids every group
-            still holds (bool per id); None: a page is held where its id is valid.
+
+    With several sliding groups an event counts a page's SWA as held where
+    every group holds its page there (the node's ``swa`` and ``side`` ids).
 
     Attributes: ``listeners`` (callables taking a :class:`TreeEvent`),
     ``errors`` (listener exceptions caught), ``queue`` (events held while an
     update runs, None outside one; written only by :func:`deliver_after`).
     """
 
-    def __init__(self, page_size: int, held_by_all: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+    def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.held_by_all = held_by_all
         self.listeners: list[Callable[[TreeEvent], None]] = []
         self.errors = 0
         self.queue: list[TreeEvent] | None = None
@@ -80,9 +80,9 @@ class TreeEvents:
         tokens = np.concatenate(parts[::-1]) if parts else EMPTY
         hi = node.n_pages if hi is None else hi
         end = node.start + hi * self.page_size
-        ids = node.swa[lo:hi]
-        # with several sliding groups a page counts where every group holds it
-        held = self.held_by_all(ids) if self.held_by_all is not None else ids >= 0
+        held = node.swa[lo:hi] >= 0
+        for side in node.side or ():  # with several sliding groups: where every group holds it
+            held &= side[lo:hi] >= 0
         event = TreeEvent(kind, node.namespace, node.start + lo * self.page_size, end, tokens[:end], held)
         if self.queue is not None:
             self.queue.append(event)

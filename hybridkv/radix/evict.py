@@ -63,8 +63,9 @@ class Eviction:
         policy: the retention policy (window, branch points).
         mode: :class:`~hybridkv.radix.types.SwaEviction`.
         page_size, full_page_bytes, swa_page_bytes: the page geometry.
-        group_bytes: with several sliding groups, the bytes SWA page ids free
-            in the groups still holding them (None: one group).
+        side_bytes: with several sliding groups, the bytes of one page of each
+            side group (``TreeNode.side``); an SWA page freed also frees the
+            side groups' pages its node still holds there.  ``()``: one group.
 
     Attributes: ``evicted_full_pages`` / ``evicted_swa_pages`` (totals).
     """
@@ -72,7 +73,7 @@ class Eviction:
     def __init__(self, index: EvictableIndex, anchors: WindowAnchors, ranking: Ranking, pins: SwaPins,
                  divergence: DivergenceModel, events: TreeEvents, policy: RetentionPolicy, *,
                  mode: SwaEviction, page_size: int, full_page_bytes: int, swa_page_bytes: int,
-                 group_bytes: Callable[[np.ndarray], int] | None = None) -> None:
+                 side_bytes: tuple[int, ...] = ()) -> None:
         self.index = index
         self.anchors = anchors
         self.ranking = ranking
@@ -89,7 +90,8 @@ class Eviction:
         self.page_size = page_size
         self.full_page_bytes = full_page_bytes
         self.swa_page_bytes = swa_page_bytes
-        self.group_bytes = group_bytes
+        self.side_bytes = side_bytes
+        self._side_freed = 0  # bytes of side-group pages freed by the eviction under way
         self.evicted_full_pages = 0
         self.evicted_swa_pages = 0
         self._dead: list[TreeNode] = []  # leaves left without a held tail window: no hit can end in them
@@ -127,16 +129,12 @@ class Eviction:
         nf = ns = 0
         fb, sb = self.full_page_bytes, self.swa_page_bytes
         # several sliding groups: an SWA page frees the lead's bytes and those of the
-        # groups still holding it (the pool counts them); else every page frees sb
-        group_bytes = 0
-        counted = 0
+        # side groups its node still holds there (counted as they go); else sb each
+        self._side_freed = 0
         while True:
             short_full = full_pages - nf
             short_swa = swa_pages - ns
-            if self.group_bytes is not None and counted < len(freed_s):
-                group_bytes += self.group_bytes(np.concatenate(freed_s[counted:]))
-                counted = len(freed_s)
-            short_bytes = nbytes - (nf * fb + ns * sb + group_bytes)
+            short_bytes = nbytes - (nf * fb + ns * sb + self._side_freed)
             if short_full <= 0 and short_swa <= 0 and short_bytes <= 0:
                 break
             got = (0, 0)
@@ -219,6 +217,8 @@ class Eviction:
         gone_full = node.full[keep:]
         swa = node.swa[keep:]
         swa = swa[swa >= 0]
+        if node.side is not None:
+            self._side_freed += self._side_bytes_of(node.side, slice(keep, None))
         freed_f.append(gone_full)
         if swa.size:
             freed_s.append(swa)
@@ -236,6 +236,8 @@ class Eviction:
             node.key = node.key[:keep * size]
             node.full = node.full[:keep]
             node.swa = node.swa[:keep]
+            if node.side is not None:
+                node.side = [s[:keep] for s in node.side]
             node.anchor = node.anchor[:keep].copy()
             node.swa_valid -= int(swa.size)
             anchors.reanchor(node)
@@ -315,11 +317,19 @@ class Eviction:
         freed_s.append(node.swa[drop])
         node.swa = node.swa.copy()
         node.swa[drop] = NO_PAGE
+        if node.side is not None:  # the side groups' pages go with the lead's
+            self._side_freed += self._side_bytes_of(node.side, drop)
+            node.side = [np.where(drop, NO_PAGE, s).astype(np.int32) for s in node.side]
         node.swa_valid -= count
         self.index.uncount(0, count)
         if self.events.listeners:
             self.events.emit("swa_remove", node)
         return count
+
+    def _side_bytes_of(self, side: list[np.ndarray], where: object) -> int:
+        """Bytes of the side-group pages held at ``where`` (a slice or mask) of a
+        node's ``side`` arrays.  O(pages x groups)."""
+        return sum(int(np.count_nonzero(s[where] >= 0)) * b for s, b in zip(side, self.side_bytes))
 
     def watch_points(self, node: TreeNode) -> None:
         """``node`` holds predicted windows now (``node.points``): file it with them.  O(log n)."""

@@ -1,7 +1,9 @@
 """Tree nodes and the window-safe length computation.
 
-A node owns a page-aligned run of tokens and, per page, one full page id and
-one SWA page id (``-1`` where the SWA KV is not held).  Validity is per page,
+A node owns a page-aligned run of tokens and, per page, one page id per KV
+group: the full page id, the lead SWA page id (the sliding group with the
+largest window) and, on a model with several sliding windows, one id per other
+sliding group (``side``); ``-1`` where the group's KV is not held.  Validity is per page,
 which is per token when ``page_size == 1``: a page is the smallest unit the
 pools can hold or free.
 """
@@ -14,9 +16,10 @@ import numpy as np
 
 from ..window import safe_pages
 
-__all__ = ["TreeNode", "node_array", "window_safe_pages", "NO_PAGE"]
+__all__ = ["TreeNode", "node_array", "window_safe_pages", "NO_PAGE", "parts_pages", "parts_side"]
 
 NO_PAGE = -1
+EMPTY = np.zeros(0, dtype=np.int32)
 _ids = itertools.count(1)
 
 
@@ -33,7 +36,7 @@ def node_array(part: np.ndarray, owned: bool) -> np.ndarray:
 class TreeNode:
     """One edge of the radix tree.
 
-    Fields, by owner: structure (``key``, ``full``, ``swa``, ``swa_valid``,
+    Fields, by owner: structure (``key``, ``full``, ``swa``, ``side``, ``swa_valid``,
     ``children``, ``parent``, ``start``, ``namespace``, ``nid``), locking
     (``lock``), recency (``last_access``), retention (``anchor``, ``ends``,
     ``branched``, ``points``, ``mark``: :mod:`~hybridkv.radix.retention`) and the
@@ -43,7 +46,14 @@ class TreeNode:
     Attributes:
         key: int32 token ids, ``len(key) == n_pages * page_size``.
         full: int32 full page ids, one per page.
-        swa: int32 SWA page ids, one per page, ``NO_PAGE`` where not held.
+        swa: int32 SWA page ids of the lead sliding group, one per page,
+            ``NO_PAGE`` where not held.
+        side: None with one sliding window; else one int32 array per other
+            sliding group (the pool's ``groups`` order), one id per page:
+            the group's page id where it holds its KV, ``NO_PAGE`` where it
+            does not (it gave the page back, or the lead's is gone).  A side
+            group's page shares the lead's row of blocks, so its id is the
+            lead's id where held (``side[g][i] in (swa[i], NO_PAGE)``).
         start: position of the node's first token in its sequence.
         lock: requests holding this node's full KV (path lock: a lock on a
             node also counts on all its ancestors, so ``parent.lock >= lock``).
@@ -75,15 +85,17 @@ class TreeNode:
             the evicted child whose sequence it carries on).
     """
 
-    __slots__ = ("key", "full", "swa", "children", "parent", "start", "last_access",
+    __slots__ = ("key", "full", "swa", "side", "children", "parent", "start", "last_access",
                  "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "branched", "points", "mark", "seg", "returns", "gap", "vcls",
                  "since")
 
     def __init__(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
-                 parent: "TreeNode | None", start: int, namespace: str, tick: int) -> None:
+                 parent: "TreeNode | None", start: int, namespace: str, tick: int,
+                 side: list[np.ndarray] | None = None) -> None:
         self.key = key
         self.full = full
         self.swa = swa
+        self.side = side
         self.children: dict[bytes, TreeNode] = {}
         self.parent = parent
         self.start = start
@@ -149,3 +161,26 @@ def window_safe_pages(segments: list[np.ndarray], window_pages: int) -> int:
     if tail_ok:
         return total
     return safe_pages(np.concatenate(segments) >= 0, window_pages)
+
+
+def parts_pages(parts: list[tuple[TreeNode, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The full and SWA page ids of a match's ``(node, pages taken)`` parts
+    (:meth:`~hybridkv.radix.tree.WindowSafeTree.match_parts`), as copies: the caller may write into
+    them, the nodes' arrays are the tree's.  O(pages)."""
+    if len(parts) == 1:
+        n, take = parts[0]
+        return n.full[:take].copy(), n.swa[:take].copy()
+    if parts:
+        return (np.concatenate([n.full[:take] for n, take in parts]),
+                np.concatenate([n.swa[:take] for n, take in parts]))
+    return EMPTY, EMPTY
+
+
+def parts_side(parts: list[tuple[TreeNode, int]], groups: int) -> list[np.ndarray] | None:
+    """The side groups' page ids of a match's ``(node, pages taken)`` parts, one
+    int32 array per side group (copies); None when the tree has none.  O(pages x groups)."""
+    if not groups:
+        return None
+    if not parts:
+        return [EMPTY] * groups
+    return [np.concatenate([n.side[g][:take] for n, take in parts]) for g in range(groups)]

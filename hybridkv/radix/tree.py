@@ -42,7 +42,7 @@ from .divergence import DivergenceModel
 from .events import TreeEvents, deliver_after
 from .evict import Eviction
 from .learning import MatchLearning
-from .node import NO_PAGE, TreeNode, node_array
+from .node import NO_PAGE, TreeNode, node_array, parts_pages, parts_side
 from .pins import PathLocks, SwaPins
 from .policy import RetentionPolicy
 from .rankings import Ranking, make_ranking
@@ -50,20 +50,8 @@ from .types import (EMPTY, RANKINGS, SWA_EVICTIONS, InsertResult, LockHandle, Ma
                     TreeConfig, TreeEvent, pool_lacks)
 
 __all__ = ["TreeConfig", "TreeEvent", "WindowSafeTree", "MatchResult", "LockHandle", "InsertResult",
-           "PagePool", "RANKINGS", "SWA_EVICTIONS", "as_token_array", "parts_pages"]
-
-
-def parts_pages(parts: list[tuple[TreeNode, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """The full and SWA page ids of a match's ``(node, pages taken)`` parts
-    (:meth:`WindowSafeTree.match_parts`), as copies: the caller may write into
-    them, the nodes' arrays are the tree's.  O(pages)."""
-    if len(parts) == 1:
-        n, take = parts[0]
-        return n.full[:take].copy(), n.swa[:take].copy()
-    if parts:
-        return (np.concatenate([n.full[:take] for n, take in parts]),
-                np.concatenate([n.swa[:take] for n, take in parts]))
-    return EMPTY, EMPTY
+           "PagePool", "RANKINGS", "SWA_EVICTIONS", "as_token_array", "parts_pages",
+           "parts_side"]
 
 
 class WindowSafeTree:
@@ -88,9 +76,11 @@ class WindowSafeTree:
             raise TypeError(f"pool must implement hybridkv.radix.PagePool; {type(pool).__name__} lacks {lacks}")
         self.config = config
         self.pool = pool
-        # sliding groups beside the lead one (a pool of a several-window model): a
-        # hit needs each of their windows too (see WindowAnchors.safe_pages)
+        # sliding groups beside the lead one (a pool of a several-window model): each
+        # node holds a page id per group (``TreeNode.side``), and a hit needs each
+        # group's window too (see WindowAnchors.safe_pages)
         self.groups: tuple[SideGroup, ...] = tuple(pool.groups)
+        self.n_side = len(self.groups)
         self.page_size = config.page_size
         self.full_page_bytes = full_page_bytes
         self.swa_page_bytes = swa_page_bytes
@@ -106,17 +96,14 @@ class WindowSafeTree:
         self.num_nodes = 0
         self.full_pages_cached = 0
         self.swa_pages_cached = 0
-        # with several sliding groups a page counts (in events, in bytes freed) where
-        # every group still holds it: the pool knows
-        held_by_all = pool.held_by_all if self.groups else None
-        self.events = TreeEvents(self.page_size, held_by_all)
-        self.anchors = WindowAnchors(self.policy, self.page_size, self.groups)
+        self.events = TreeEvents(self.page_size)
+        self.anchors = WindowAnchors(self.policy, self.page_size, tuple(g.window_pages for g in self.groups))
         self.learning = MatchLearning(self.policy, self.divergence, ranking, self.page_size, swa_page_bytes,
                                       now=self._now, node_count=lambda: self.num_nodes)
         self.eviction = Eviction(self, self.anchors, ranking, self.pins, self.divergence, self.events, self.policy,
                                  mode=config.swa_eviction, page_size=self.page_size, full_page_bytes=full_page_bytes,
                                  swa_page_bytes=swa_page_bytes,
-                                 group_bytes=pool.group_bytes if self.groups else None)
+                                 side_bytes=tuple(g.page_bytes for g in self.groups))
         self.locks = PathLocks(self.pins, self.anchors, self.eviction, self.policy)
         # Called with (kind, int32 page ids) just before the tree gives pages back to
         # ``pool`` (an eviction, a duplicate of an insert): the pages still hold their
@@ -282,7 +269,7 @@ class WindowSafeTree:
         safe, raw_pages, parts, node = self.match_parts(key, namespace, max_len, split=split, touch=touch)
         full, swa = parts_pages(parts)
         size = self.page_size
-        return MatchResult(safe * size, raw_pages * size, full, swa, node)
+        return MatchResult(safe * size, raw_pages * size, full, swa, node, parts_side(parts, self.n_side))
 
     def match_parts(self, key: np.ndarray, namespace: str, max_len: int | None = None, *, split: bool = False,
                     touch: bool = True) -> tuple[int, int, list[tuple[TreeNode, int]], TreeNode | None]:
@@ -331,8 +318,10 @@ class WindowSafeTree:
         cut = pages * self.page_size
         parent = node.parent
         assert parent is not None
+        side = node.side
         upper = TreeNode(node.key[:cut], node.full[:pages], node.swa[:pages], parent,
-                         node.start, node.namespace, node.last_access)
+                         node.start, node.namespace, node.last_access,
+                         None if side is None else [s[:pages] for s in side])
         upper.lock = node.lock
         self.ranking.node_split(upper, node)
         upper.anchor = node.anchor[:pages].copy()  # per-page counts: windows stay where they were
@@ -349,6 +338,8 @@ class WindowSafeTree:
         node.key = node.key[cut:]
         node.full = node.full[pages:]
         node.swa = node.swa[pages:]
+        if side is not None:
+            node.side = [s[pages:] for s in side]
         node.swa_valid -= upper.swa_valid
         node.start += cut
         parent.children[upper.key[:self.page_size].tobytes()] = upper
@@ -397,12 +388,14 @@ class WindowSafeTree:
             # allocated in its pool and listed once (else a later free corrupts the pool)
             self.pool.check_taken("full", full, "full_pages")
             self.pool.check_taken("swa", swa[swa >= 0], "swa_pages")
-        return self.insert_tokens(key, full, swa, namespace, mark=mark)
+        # each side group's page ids: the caller's SWA ids where the group holds them
+        side = [np.where(g.holds(swa), swa, NO_PAGE).astype(np.int32) for g in self.groups] or None
+        return self.insert_tokens(key, full, swa, namespace, mark=mark, side=side)
 
     @deliver_after
     def insert_tokens(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray, namespace: str, *,
                 start: TreeNode | None = None, owned: bool = False, mark: int = -1,
-                continued: bool = False) -> InsertResult:
+                continued: bool = False, side: list[np.ndarray] | None = None) -> InsertResult:
         """:meth:`insert` for internal callers: no validation.
 
         ``start``, when given, is an alive node of ``namespace`` whose path spells
@@ -418,8 +411,11 @@ class WindowSafeTree:
         (or its counted match) ended, e.g. the next chunk of a prompt cached
         while it is prefilled: the path to it gets recency, not one more use
         (a prompt of many chunks is not "reused" by its own chunks).
+        ``side``: with side groups (``self.groups``), the caller's page ids of each,
+        aligned with ``full`` (``NO_PAGE`` where a group does not hold its page).
         Runtime complexity: O(depth + pages after start) plus numpy work.
         """
+        assert (side is None) == (not self.groups), "side page ids are given exactly when the pool has side groups"
         size = self.page_size
         n = len(key) // size
         root = self._roots.get(namespace) or self.root(namespace)
@@ -453,6 +449,8 @@ class WindowSafeTree:
             if got:
                 child.swa = child.swa.copy()
                 child.swa[adopt] = ours_s[adopt]
+                if side is not None:  # the side groups' pages come with the lead's
+                    child.side = [np.where(adopt, s[pi:pi + k], c) for s, c in zip(side, child.side)]
                 child.swa_valid += got
                 self.swa_pages_cached += got
                 adopted += got
@@ -465,7 +463,7 @@ class WindowSafeTree:
             pi += k
         new_pages = n - pi
         if new_pages:
-            node = self._add_leaf(node, root, key, full, swa, pi, n, namespace, now, owned, mark)
+            node = self._add_leaf(node, root, key, full, swa, pi, n, namespace, now, owned, mark, side)
         if drop_full:
             self.return_full_pages(drop_full[0] if len(drop_full) == 1 else np.concatenate(drop_full))
         if drop_swa:
@@ -473,7 +471,8 @@ class WindowSafeTree:
         return InsertResult(node if node is not root else None, new_pages, adopted)
 
     def _add_leaf(self, node: TreeNode, root: TreeNode, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
-                  pi: int, n: int, namespace: str, now: int, owned: bool, mark: int) -> TreeNode:
+                  pi: int, n: int, namespace: str, now: int, owned: bool, mark: int,
+                  side: list[np.ndarray] | None) -> TreeNode:
         """:meth:`insert_tokens`' new leaf under ``node``: pages ``[pi, n)`` of ``key``
         with their ``full`` / ``swa`` ids, filed with the ranking, anchored (tail,
         checkpoints, a predicted window) and announced.  Returns the leaf.  O(pages)."""
@@ -482,7 +481,8 @@ class WindowSafeTree:
         was_leaf = not node.children
         leaf = TreeNode(node_array(key[pi * size:], owned), node_array(full[pi:], owned),
                         node_array(swa[pi:], owned),
-                        node, pi * size, namespace, now)
+                        node, pi * size, namespace, now,
+                        None if side is None else [node_array(s[pi:], owned) for s in side])
         if pi < mark < n:
             leaf.mark = mark
         elif mark == pi and node is not root:  # the prompt ended where the new pages start
@@ -565,6 +565,9 @@ class WindowSafeTree:
                     assert first == child.key[:size].tobytes()
                     assert len(child.key) == child.n_pages * size > 0
                     assert len(child.swa) == child.n_pages
+                    assert (child.side is None) == (not self.groups), child
+                    for s in child.side or ():  # a side group's id is the lead's where it holds one
+                        assert len(s) == child.n_pages and ((s == NO_PAGE) | (s == child.swa)).all(), child
                     assert child.start == node.start + (len(node.key) if node.parent is not None else 0)
                     stack.append(child)
                 if node.parent is None:

@@ -16,12 +16,11 @@ import numpy as np
 from .._validate import check_int
 from ..modes import EvictionRanking, SwaEviction
 from ..spec import window_pages
-from .node import TreeNode
+from .node import EMPTY, TreeNode
 
 __all__ = ["TreeConfig", "TreeEvent", "MatchResult", "LockHandle", "InsertResult", "PagePool", "SideGroup",
            "OneWindowPool", "pool_lacks", "RANKINGS", "SWA_EVICTIONS", "EMPTY", "EvictionRanking", "SwaEviction"]
 
-EMPTY = np.zeros(0, dtype=np.int32)
 
 
 RANKINGS = tuple(m.value for m in EvictionRanking)  # TreeConfig.ranking, as strings
@@ -29,12 +28,19 @@ SWA_EVICTIONS = tuple(m.value for m in SwaEviction)  # TreeConfig.swa_eviction, 
 
 
 class SideGroup(Protocol):
-    """A sliding-window group beside the lead one (a several-window model): it
-    keys its pages by the lead SWA page id and holds a subset of them."""
+    """A sliding-window group beside the lead one (a several-window model).  Its
+    page of a sequence shares the lead's row of blocks, so its page id is the
+    lead's SWA page id where it holds one; tree nodes and requests keep those ids
+    per group (``TreeNode.side``), the pool keeps the group's storage."""
 
     @property
     def window_pages(self) -> int:
         """Its window, in pages."""
+        ...
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one of its pages costs."""
         ...
 
     def holds(self, pages: np.ndarray) -> np.ndarray:
@@ -63,14 +69,6 @@ class PagePool(Protocol):
         whatever the side groups hold under those ids."""
         ...
 
-    def held_by_all(self, pages: np.ndarray) -> np.ndarray:
-        """Bool per SWA page id (``NO_PAGE`` allowed): every group holds it."""
-        ...
-
-    def group_bytes(self, pages: np.ndarray) -> int:
-        """Bytes the side groups free with these SWA page ids."""
-        ...
-
     def check_taken(self, kind: str, pages: np.ndarray, name: str) -> None:
         """Raise ValueError naming ``name`` unless every one of ``pages`` (of
         ``kind``, ``"full"`` or ``"swa"``) is allocated and listed once; the
@@ -79,8 +77,8 @@ class PagePool(Protocol):
 
 
 class OneWindowPool:
-    """The group calls of :class:`PagePool` for a host with one sliding window
-    (no side groups), and no ownership check: a host pool that keeps its own
+    """:class:`PagePool` for a host with one sliding window (no side groups),
+    and no ownership check: a host pool that keeps its own
     references (vLLM's block pool, SGLang's allocator) subclasses it and
     implements ``free_full_trusted`` / ``free_swa_trusted``."""
 
@@ -92,20 +90,12 @@ class OneWindowPool:
     def free_swa_trusted(self, pages: np.ndarray) -> None:
         raise NotImplementedError
 
-    def held_by_all(self, pages: np.ndarray) -> np.ndarray:
-        """One window: a page is held where it has an id."""
-        return np.asarray(pages) >= 0
-
-    def group_bytes(self, pages: np.ndarray) -> int:
-        """No side groups: nothing beyond the lead page."""
-        return 0
-
     def check_taken(self, kind: str, pages: np.ndarray, name: str) -> None:
         """The host's allocator owns the check (its references); nothing here."""
 
 
 #: the members of :class:`PagePool`, in its order
-POOL_MEMBERS = ("groups", "free_full_trusted", "free_swa_trusted", "held_by_all", "group_bytes", "check_taken")
+POOL_MEMBERS = ("groups", "free_full_trusted", "free_swa_trusted", "check_taken")
 
 
 def pool_lacks(pool: object) -> list[str]:
@@ -176,7 +166,9 @@ class MatchResult:
     ``full_pages[i]`` / ``swa_pages[i]`` are the pages of ``[0, length)``
     (``swa_pages`` is ``NO_PAGE`` where the tree holds no SWA).  ``node`` is
     the node ending exactly at ``length`` when the match was split, else the
-    deepest node the hit touches.
+    deepest node the hit touches.  ``side_pages``: with several sliding groups,
+    each side group's page ids of ``[0, length)`` (``NO_PAGE`` where it holds
+    none); None with one window.
     """
 
     length: int
@@ -184,6 +176,7 @@ class MatchResult:
     full_pages: np.ndarray
     swa_pages: np.ndarray
     node: TreeNode | None
+    side_pages: list[np.ndarray] | None = None
 
 
 class LockHandle:

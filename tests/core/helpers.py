@@ -46,11 +46,5 @@ class RecordingPool:
     free_full_trusted = free_full
     free_swa_trusted = free_swa
 
-    def held_by_all(self, pages):
-        return np.asarray(pages) >= 0
-
-    def group_bytes(self, pages):
-        return 0
-
     def check_taken(self, kind, pages, name):
         pass

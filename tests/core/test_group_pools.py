@@ -97,18 +97,46 @@ def test_one_window_models_have_no_group_beside_the_lead() -> None:
 
 
 def test_a_hit_needs_every_groups_window() -> None:
-    """Take the small group's pages of the tail window away: the lead still holds
-    its window, but the hit may not end there any more."""
+    """Take the small group's page of the tail window away (from its owner, the
+    node, and from the pool): the lead still holds its window, but the hit may
+    not end there any more."""
     cache = _cache()
     _run(cache, PROMPT)
     probe = np.r_[PROMPT, 5]
     node = cache.match(probe).node
-    held = node.swa[node.swa >= 0]
+    last = int(np.flatnonzero(node.side[0] >= 0)[-1])
     assert cache.match(probe).length == 100
-    cache.pool.release_group(cache.pool.groups[0], held[-1:])
+    gone = node.side[0][last:last + 1].copy()
+    node.side[0] = np.where(np.arange(node.n_pages) == last, -1, node.side[0]).astype(np.int32)
+    cache.pool.release_group(cache.pool.groups[0], gone)
     got = cache.match(probe)
     assert got.raw_length == 100 and got.length < 100
     cache.check_invariants()
+
+
+def test_nodes_and_requests_hold_a_page_id_per_group() -> None:
+    """The side group's page ids live in the tree's nodes and the requests (its
+    id is the lead's where it holds the page, -1 where it gave it back); the
+    pool holds storage for exactly those ids, and a release behind the owner's
+    back is caught by the invariants."""
+    cache = _cache()
+    req = cache.begin(PROMPT)
+    cache.allocate(req, 100)
+    cache.commit(req, 100)
+    small = cache.pool.groups[0]
+    side = req.side_pages[0][:req.n_pages]
+    assert ((side == -1) | (side == req.swa_pages[:req.n_pages])).all()
+    assert np.count_nonzero(side >= 0) == small.used <= np.count_nonzero(req.swa_pages[:req.n_pages] >= 0)
+    cache.finish(req)
+    nodes = list(cache.tree.iter_nodes())
+    in_tree = np.concatenate([n.side[0] for n in nodes])
+    assert np.count_nonzero(in_tree >= 0) == small.used
+    hit = cache.match(np.r_[PROMPT, 5])
+    assert hit.side_pages is not None and len(hit.side_pages[0]) == len(hit.swa_pages)
+    cache.check_invariants()
+    cache.pool.release_group(small, in_tree[in_tree >= 0][-1:])  # the owner still lists it
+    with pytest.raises(AssertionError, match="side group ownership"):
+        cache.check_invariants()
 
 
 def test_dense_retention_keeps_every_group() -> None:
