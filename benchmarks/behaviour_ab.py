@@ -12,9 +12,10 @@ each checkout this script runs, in fresh processes with that checkout first on
   counters;
 - ``hybridkv verify`` plain and with ``--l2-gb 1 --l3 file://<fresh dir>``
   (mismatch count, prompts, hit tokens);
-- a model with two sliding windows (``--hf-config``, :data:`_TWO_WINDOWS`: 48
-  layers, every 6th full, the others alternating 128- and 512-token windows):
-  the conversation replay (first 3,000 requests) at 8 and 30 GB, and ``verify``.
+- a model with two sliding windows (``--hf-config configs/pro-two-window.json``:
+  MiMo-V2.5-Pro's shapes, every other sliding layer at a 64-token window; the
+  side group's path): the conversation replay (first 3,000 requests) at 30 and
+  59 GB, and ``verify``.
 
 It then prints one table: each case's hit rate for both checkouts and the
 counters that differ (none, when behaviour is unchanged), and exits 1 if any
@@ -43,25 +44,20 @@ _WEKA = str(_TRACES / "weka")
 _REPLAY = ["replay", "--systems", "hybridkv", "--no-references", "--no-progress", "--json"]
 
 
-# A model with several sliding windows (the side groups' path): 48 layers, every
-# 6th full attention, the others alternating 128- and 512-token windows.
-_TWO_WINDOWS = {"model_type": "two-window", "num_hidden_layers": 48, "num_attention_heads": 32,
-                "num_key_value_heads": 8, "hidden_size": 4096, "head_dim": 128,
-                "layer_types": ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(48)],
-                "sliding_window": [None if i % 6 == 5 else (128 if i % 2 else 512) for i in range(48)]}
+_TWO_WINDOWS = str(Path(__file__).resolve().parent / "configs" / "pro-two-window.json")
 
 
 def _cases() -> dict[str, list[str]]:
-    """Case name -> ``hybridkv`` arguments ({l3} is replaced by a fresh directory URL,
-    {hf2w} by the path of :data:`_TWO_WINDOWS` written as a config.json)."""
+    """Case name -> ``hybridkv`` arguments ({l3} is replaced by a fresh directory URL)."""
     cases = {f"conv-{gb}": [*_REPLAY, _CONV, "--budgets", str(gb)] for gb in (30, 59, 150, 300, 594)}
     cases.update({f"weka-{gb}": [*_REPLAY, _WEKA, "--budgets", str(gb)] for gb in (59, 594)})
     cases["tiers-59"] = [*_REPLAY, _CONV, "--budgets", "59", "--limit", "3000", "--l2-gb", "1", "--l3", "{l3}"]
     cases["verify"] = ["verify", "--json", "--no-progress"]
     cases["verify-tiers"] = ["verify", "--json", "--no-progress", "--l2-gb", "1", "--l3", "{l3}"]
-    for gb in (8, 30):
-        cases[f"two-windows-{gb}"] = [*_REPLAY, _CONV, "--budgets", str(gb), "--limit", "3000", "--hf-config", "{hf2w}"]
-    cases["verify-two-windows"] = ["verify", "--json", "--no-progress", "--hf-config", "{hf2w}"]
+    for gb in (30, 59):
+        cases[f"two-windows-{gb}"] = [*_REPLAY, _CONV, "--budgets", str(gb), "--limit", "3000",
+                                      "--hf-config", _TWO_WINDOWS]
+    cases["verify-two-windows"] = ["verify", "--json", "--no-progress", "--hf-config", _TWO_WINDOWS]
     return cases
 
 
@@ -86,9 +82,7 @@ def _flatten(obj, prefix: str = "") -> dict[str, object]:
 
 def _run(root: str, name: str, argv: list[str]) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
-        hf2w = Path(tmp) / "config.json"
-        hf2w.write_text(json.dumps(_TWO_WINDOWS))
-        argv = [a.replace("{l3}", f"file://{tmp}/l3").replace("{hf2w}", str(hf2w)) for a in argv]
+        argv = [a.replace("{l3}", f"file://{tmp}/l3") for a in argv]
         env = dict(os.environ, PYTHONPATH=root)
         res = subprocess.run([sys.executable, "-m", "hybridkv", *argv], capture_output=True, text=True,
                              env=env, cwd=tmp)
