@@ -12,7 +12,17 @@ import numpy as np
 
 from .radix import LockHandle
 
-__all__ = ["Request"]
+__all__ = ["Request", "swa_held"]
+
+
+def swa_held(swa_pages: np.ndarray, side_pages: list[np.ndarray] | None, pages: int) -> np.ndarray:
+    """bool per page ``[0, pages)`` of a request: every sliding group holds its page
+    there (the lead's ``swa_pages`` and each side group's ``side_pages``; what a
+    tier may copy).  O(pages x groups)."""
+    held = swa_pages[:pages] >= 0
+    for side in side_pages or ():
+        held &= side[:pages] >= 0
+    return held
 
 
 class Request:

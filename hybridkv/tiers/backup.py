@@ -26,7 +26,7 @@ import numpy as np
 
 from ..pools import DualPool
 from ..radix import WindowSafeTree
-from ..request import Request
+from ..request import Request, swa_held
 from ..modes import L3Swa, WritePolicy
 from ..spec import AttnKind
 from .config import TierConfig
@@ -152,7 +152,7 @@ class L2Backup:
             self.store_l2(AttnKind.FULL, req.full_pages[missing_full], [keys[i] for i in missing_full], None)
             have_full[:] = True
         # a tier copies an SWA page only where every sliding group still holds its KV
-        idx = np.flatnonzero(self.pool.held_by_all(req.swa_pages[:aligned]))
+        idx = np.flatnonzero(swa_held(req.swa_pages, req.side_pages, aligned))
         if not through:
             idx = idx[have_full[idx]]
         if idx.size == 0:

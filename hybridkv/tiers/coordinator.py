@@ -33,7 +33,7 @@ import torch
 
 from .._validate import as_token_array
 from ..lifecycle import TierPlan
-from ..radix.node import NO_PAGE, TreeNode
+from ..radix.node import NO_PAGE, TreeNode, parts_side
 from ..spec import AttnKind, ModelSpec
 from ..transfer import prepare_copy
 from .backup import L2Backup
@@ -238,20 +238,24 @@ class TierCoordinator:
             return self.reads.start(keys, res.full > PageOrigin.NONE, res.swa > PageOrigin.NONE)
 
     def _l1_path(self, tokens: np.ndarray, namespace: str, limit: int
-                 ) -> tuple[np.ndarray, np.ndarray, TreeNode | None]:
-        """Full and SWA page ids of the raw (not window-safe) L1 token match."""
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, TreeNode | None]:
+        """Full and SWA page ids of the raw (not window-safe) L1 token match, and
+        where every sliding group holds its page (the nodes' ``swa`` and ``side`` ids)."""
         _, path = self.tree.walk(tokens, namespace, limit)
         if not path:
-            return _EMPTY, _EMPTY, None
+            return _EMPTY, _EMPTY, np.zeros(0, dtype=bool), None
         full = np.concatenate([nd.full[:k] for nd, k in path])
         swa = np.concatenate([nd.swa[:k] for nd, k in path])
-        return full, swa, path[-1][0]
+        held = swa >= 0
+        for side in parts_side(path, self.tree.n_side) or ():
+            held &= side >= 0
+        return full, swa, held, path[-1][0]
 
     def resident(self, tokens: np.ndarray, namespace: str, keys: list[bytes]) -> Residency:
         """Where the pages of ``keys`` are in L1 and L2 (under the mutex).  O(pages)."""
         n = len(keys)
         full = np.zeros(n, dtype=np.int8)
-        l1_full, l1_swa, deepest = self._l1_path(tokens, namespace, n * self.page_size)
+        l1_full, l1_swa, l1_held, deepest = self._l1_path(tokens, namespace, n * self.page_size)
         n1 = len(l1_full)
         full[:n1] = PageOrigin.L1
         l2_full = np.full(n, -1, dtype=np.int64)
@@ -259,7 +263,7 @@ class TierCoordinator:
         full[n1:][l2_full[n1:] >= 0] = PageOrigin.L2
         swa = np.zeros(n, dtype=np.int8)
         # an L1 SWA page counts where every sliding group holds it (what a tier copies)
-        swa[:n1][self.pool.held_by_all(l1_swa)] = PageOrigin.L1
+        swa[:n1][l1_held] = PageOrigin.L1
         need = np.flatnonzero(swa == PageOrigin.NONE)
         l2_swa = np.full(n, -1, dtype=np.int64)
         if need.size:

@@ -183,6 +183,7 @@ class ReqShim:
     tree_pages: int = 0
     full_pages: np.ndarray = field(default_factory=lambda: _EMPTY)
     swa_pages: np.ndarray = field(default_factory=lambda: _EMPTY)
+    side_pages: None = None  # one sliding window: no side groups
     prefix_len: int = 0
     extra: dict = field(default_factory=dict)
 
