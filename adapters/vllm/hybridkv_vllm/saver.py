@@ -21,6 +21,10 @@ until the worker lists it in ``finished_sending``.  Both parts run in the
 thread; the request is reported finished as soon as its copy-out is done
 (before the store), which is when vLLM may reuse the blocks.
 
+A job may also name anchored L2 windows a finished request moved past
+(``demote``): the thread makes them plain first, at the point of its sequence
+of L2 stores where the scheduler's mirror does (even for a job it drops).
+
 The queue is bounded in bytes (``save_queue_mb``): a prefill save that does
 not fit is dropped (counted; a best-effort cache only misses later).  A
 finish save is never dropped without releasing its blocks.
@@ -236,6 +240,8 @@ class SaveThread:
             self.backend.touch(task.touch)  # a backend fault is counted there, never raised
             self._count(touch_keys=len(task.touch))
             return
+        # first, as the scheduler's mirror does (and even if the copy-out below fails)
+        demoted = self.l2.demote(task.demote) if task.demote and self.l2 is not None else 0
         if task.finish:
             for gi, (ids, _) in task.groups.items():
                 if ids:
@@ -244,7 +250,6 @@ class SaveThread:
                 self._released.add(task.req_id)
                 self._progress += 1
                 self._lock.notify_all()
-        demoted = self.l2.demote(task.demote) if task.demote and self.l2 is not None else 0
         stored = skipped = in_l2 = 0
         for gi, (_, keys) in task.groups.items():
             rows = task.rows.get(gi)
