@@ -19,8 +19,9 @@ Eviction (LRU within each class), cheapest loss first:
    not serve; an anchored window was also queued for L3, so it is not lost;
 3. *anchored* SWA pages (tails, checkpoint windows, windows that ended a hit).
 
-The owner demotes (:meth:`demote`) anchored windows a longer sequence has moved past
-(its earlier tails): they become plain SWA, most recently used.
+The owner demotes (:meth:`demote` by full-KV key, :meth:`demote_swa` by SWA key)
+anchored windows a longer sequence has moved past (its earlier tails): they become
+plain SWA, most recently used.
 
 Pages listed in ``protect`` are never evicted (a load in progress reads them).
 
@@ -330,6 +331,24 @@ class HostTier:
             if k is not None:
                 self._swa[k] = self._anchor.pop(k)
                 moved += 1
+        self.counters["demoted_swa_pages"] += moved
+        return moved
+
+    def demote_swa(self, keys: Sequence[bytes]) -> int:
+        """Move anchored SWA entries named by their SWA ``keys`` to the plain class,
+        most recently used there (for an owner whose SWA keys have no full-KV key:
+        :meth:`demote` names pages by theirs); plain and absent keys are ignored.
+        Returns how many moved.  O(n)."""
+        moved = 0
+        for k in keys:
+            page = self._anchor.pop(k, None)
+            if page is None:
+                continue
+            self._swa[k] = page
+            base = self._base.get(k)
+            if base is not None and self._anchor_of.get(base) == k:
+                del self._anchor_of[base]
+            moved += 1
         self.counters["demoted_swa_pages"] += moved
         return moved
 

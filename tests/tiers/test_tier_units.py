@@ -69,6 +69,29 @@ def test_host_tier_demote_moves_anchored_windows_by_full_key_and_eviction_forget
     host.check_invariants()
 
 
+def test_host_tier_demote_swa_moves_anchored_windows_by_swa_key():
+    """Demoting by SWA key (an owner without full-KV keys for its SWA pages): anchored
+    entries become plain and most recently used there (evicted after older plain SWA),
+    plain and absent keys are ignored, a based entry leaves the full-key index."""
+    spec = ModelSpec.preset("mimo-v2.5", page_size=4)
+    spb = spec.bytes_per_page("swa")
+    host = HostTier(spec, 4 * spb)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    _, s = host.alloc(0, 4)
+    host.insert_swa(keys[:3], s[:3], np.array([False, True, True]))
+    host.insert_swa(keys[3:], s[3:], np.array([True]), [b"f" * 16])
+    assert host.demote_swa([keys[0], keys[1], b"x" * 16]) == 1
+    assert host.anchored_swa(keys).tolist() == [False, False, True, True]
+    assert host.stats()["demoted_swa_pages"] == 1
+    host.check_invariants()
+    assert host.demote_swa([keys[3]]) == 1 and host.demote([b"f" * 16]) == 0  # by either key, once
+    host.check_invariants()
+    got = host.alloc(0, 1)  # evicts the least recently used plain entry
+    assert got is not None and (host.lookup_swa(keys) >= 0).tolist() == [False, True, True, True]
+    host.free(*got)
+    host.check_invariants()
+
+
 class SlowBackend:
     """A file backend whose reads take ``delay`` seconds (a slow server)."""
 

@@ -416,32 +416,38 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta.saves.extend(self._pending_saves)
         self._pending_saves.clear()
         for job in meta.saves:  # visible to lookups from the next step on
-            self._tiers.on_save(job.groups)
+            self._tiers.on_save(job.groups, job.demote)
         self._claimed.clear()
         meta.idle = not (meta.loads or meta.saves or meta.touches or scheduler_output.total_num_scheduled_tokens)
         return meta
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        """Queue the decode-time pages (and the final SWA window) for saving.
-
-        Returns ``(True, None)`` when a save was queued: vLLM then keeps the
-        blocks until the worker lists the request in ``finished_sending``.
-        """
+        """Queue the decode-time pages (and the final SWA window) for saving, and the demotion of
+        the anchored L2 windows the request moved past (inside its pages up to its tail, the last
+        hit end it saved, neither that tail, a checkpoint nor its hit's end: as the core's L2).
+        Returns ``(True, None)`` when a save was queued: vLLM then keeps the blocks until the
+        worker lists the request in ``finished_sending``."""
         st = self._reqs.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
-        if st is None or not self.cfg.save_on_finish or not any(block_ids):
+        if st is None:
             return False, None
         computed = min(request.num_computed_tokens, len(request.all_token_ids))
-        if computed < min(g.block_size for g in self.groups):
-            return False, None
-        job = self._save_job(st, block_ids, computed, True, self._null_block_id())
+        save = self.cfg.save_on_finish and any(block_ids) and computed >= min(g.block_size for g in self.groups)
+        job = self._save_job(st, block_ids, computed, True, self._null_block_id()) if save else None
+        if job is not None:
+            job.finish = True
+        unit, tail = self.unit, st.saved_tokens // self.unit * self.unit
+        ends = checkpoint_ends(0, tail, unit, self.cfg.checkpoint_interval, self.cfg.checkpoints_per_doubling)
+        demote = self._tiers.passed(self._keys(st, tail), tail, ends + [tail, st.hit_tokens or st.local_tokens])
+        if demote:  # a job without pages carries it alone (vLLM need not hold the blocks)
+            job = job or PageJob(request.request_id)
+            job.demote = demote
         if job is None:
             return False, None
-        job.finish = True
         self._pending_saves.append(job)
-        return True, None
+        return job.finish, None
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -537,7 +543,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not meta.saves:
             return
         for job in meta.saves:
-            self._saver.submit(job.req_id, job.groups, job.finish)
+            self._saver.submit(job.req_id, job.groups, job.finish, job.demote)
         if not self.cfg.async_save:
             self._saver.drain(None)
 

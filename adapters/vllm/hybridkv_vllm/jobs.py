@@ -22,6 +22,9 @@ class PageJob:
     req_id: str
     groups: dict[int, tuple[list[int], list[bytes]]] = field(default_factory=dict)
     finish: bool = False  # a finish save: report the request in finished_sending
+    # SWA keys whose anchored L2 windows the finished request moved past: made plain
+    # before this job's pages are stored (worker L2 and scheduler mirror alike)
+    demote: list[bytes] = field(default_factory=list)
 
     def num_pages(self) -> int:
         return sum(len(b) for b, _ in self.groups.values())

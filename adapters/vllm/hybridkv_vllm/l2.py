@@ -2,7 +2,11 @@
 
 Index, budget and eviction are hybridkv's :class:`~hybridkv.tiers.host.HostTier`
 (chained page keys, full pages and SWA pages with their own validity, plain SWA
-evicted before full, tail/checkpoint SWA windows last).  The HostTier runs in
+evicted before full, tail/checkpoint SWA windows last).  Every saved SWA window
+enters anchored; when a request finishes, the scheduler names the anchored windows
+its sequence moved past (neither its tail, a checkpoint nor its hit's window) and
+both the worker's L2 and the scheduler's mirror demote them to plain SWA at the
+same point of their sequence of stores (the save job that carries them).  The HostTier runs in
 accounting mode (``device="meta"``); the page bytes live here, in one uint8
 row per host page, because a vLLM page is an opaque ``page_bytes`` blob (all
 layers of one KV-cache group for one block) rather than hybridkv's
@@ -93,11 +97,22 @@ class HostPageIndex:
         pages = got[1] if swa else got[0]
         sel = [keys[i] for i in todo.tolist()]
         if swa:
-            # Only tail and checkpoint windows are ever saved: all are anchors.
+            # Only windows a hit can end at are saved (tails, checkpoints, hit windows):
+            # all enter as anchors; those a sequence moved past are demoted later.
             self.tier.insert_swa(sel, pages, np.ones(todo.size, dtype=bool))
         else:
             self.tier.insert_full(sel, pages)
         return todo, pages
+
+    def anchored(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The SWA ``keys`` held in the anchored class.  O(n)."""
+        return [k for k, a in zip(keys, self.tier.anchored_swa(keys).tolist()) if a]
+
+    def demote(self, keys: Sequence[bytes]) -> int:
+        """Make the anchored SWA pages of ``keys`` plain (evicted before full pages; a
+        finished request's sequence moved past their windows); others are ignored.
+        Returns pages moved.  O(n)."""
+        return self.tier.demote_swa(keys)
 
 
 class HostPageCache:
@@ -165,6 +180,11 @@ class HostPageCache:
         self._rows[kind].index_copy_(0, torch.as_tensor(pages, dtype=torch.long),
                                      rows.index_select(0, torch.as_tensor(todo, dtype=torch.long)))
         return int(todo.size)
+
+    def demote(self, keys: Sequence[bytes]) -> int:
+        """:meth:`HostPageIndex.demote` under the lock."""
+        with self._lock:
+            return self.index.demote(keys)
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -23,6 +23,7 @@ __all__ = [
     "GroupInfo",
     "checkpoint_ends",
     "pages_to_save",
+    "passed_pages",
     "swa_first_page",
     "window_safe_pages",
     "window_safe_tokens",
@@ -192,3 +193,21 @@ def pages_to_save(group: GroupInfo, saved_pages: int, end_pages: int, page_size:
     for e in ends:
         pages.update(range(swa_first_page(e, page_size, group.window), e))
     return sorted(pages)
+
+
+def passed_pages(group: GroupInfo, end_pages: int, page_size: int, kept_ends: Sequence[int]) -> list[int]:
+    """SWA pages of ``group`` in ``[0, end_pages)`` that no kept window covers.
+
+    A finished request keeps the windows it ends (its tail, its checkpoints) and
+    the one its hit ended at (``kept_ends``, in pages of this group); its other
+    windows in L2 are ones the sequence moved past (:meth:`.l2.HostPageIndex.demote`).
+    Full groups have no windows (empty).  Sorted; O(end_pages + kept windows).
+    """
+    if not group.is_swa or end_pages <= 0:
+        return []
+    assert group.window is not None
+    keep = np.zeros(end_pages, dtype=bool)
+    for e in kept_ends:
+        if e > 0:  # a window past end_pages keeps its part inside
+            keep[swa_first_page(int(e), page_size, group.window):int(e)] = True
+    return np.flatnonzero(~keep).tolist()

@@ -21,6 +21,10 @@ until the worker lists it in ``finished_sending``.  Both parts run in the
 thread; the request is reported finished as soon as its copy-out is done
 (before the store), which is when vLLM may reuse the blocks.
 
+A job may also name anchored L2 windows a finished request moved past
+(``demote``): the thread makes them plain first, at the point of its sequence
+of L2 stores where the scheduler's mirror does (even for a job it drops).
+
 The queue is bounded in bytes (``save_queue_mb``): a prefill save that does
 not fit is dropped (counted; a best-effort cache only misses later).  A
 finish save is never dropped without releasing its blocks.
@@ -57,6 +61,7 @@ class SaveTask:
     finish: bool = False
     rows: dict[int, torch.Tensor] = field(default_factory=dict)
     touch: list[bytes] = field(default_factory=list)  # a touch task: keys to keep alive in L3
+    demote: list[bytes] = field(default_factory=list)  # L2 anchored windows made plain first
     nbytes: int = 0
     t_submit: float = 0.0
 
@@ -94,35 +99,40 @@ class SaveThread:
 
     # ------------------------------------------------------------ execute thread
     def submit(self, req_id: str, groups: dict[int, tuple[list[int], list[bytes]]],
-               finish: bool) -> bool:
+               finish: bool, demote: list[bytes] | None = None) -> bool:
         """Queue one job; prefill jobs (``finish=False``) are copied out now.
 
+        ``demote``: SWA keys whose anchored L2 windows become plain before the
+        job's stores (the scheduler's mirror does the same at the same point).
         Returns ``False`` when the job was dropped (queue full or stopped);
         a dropped finish job is released at once (its blocks go back to vLLM).
+        A dropped job's demotion still runs (it costs no queue bytes).
         """
-        task = SaveTask(req_id, groups, finish, t_submit=time.perf_counter())
+        task = SaveTask(req_id, groups, finish, demote=list(demote or ()), t_submit=time.perf_counter())
         pages = sum(len(ids) for ids, _ in groups.values())
         nbytes = sum(len(ids) * self.buffers[gi].page_bytes for gi, (ids, _) in groups.items())
         with self._lock:
-            full = self._stopped or (self._queued_bytes + nbytes > self.max_bytes
+            full = self._stopped or (nbytes > 0 and self._queued_bytes + nbytes > self.max_bytes
                                      and self._pending > 0)
             if full:
                 if finish:
                     self._released.add(req_id)
                 self._count(save_dropped=pages)
-                return False
+                if self._stopped or not task.demote:
+                    return False
+                task.groups, task.finish, nbytes = {}, False, 0  # the demotion alone goes on
             self._queued_bytes += nbytes
             self._pending += 1
-            for _, ks in groups.values():
+            for _, ks in task.groups.values():
                 for k in ks:
                     self._keys[k] = self._keys.get(k, 0) + 1
         task.nbytes = nbytes
-        if not finish:
-            for gi, (ids, _) in groups.items():
+        if not task.finish:
+            for gi, (ids, _) in task.groups.items():
                 if ids:
                     task.rows[gi] = gather_host(self.buffers[gi], ids)
         self._q.put(task)
-        return True
+        return not full
 
     def touch(self, keys: list[bytes]) -> None:
         """Queue an L3 touch of ``keys`` (behind the saves queued before it)."""
@@ -230,6 +240,8 @@ class SaveThread:
             self.backend.touch(task.touch)  # a backend fault is counted there, never raised
             self._count(touch_keys=len(task.touch))
             return
+        # first, as the scheduler's mirror does (and even if the copy-out below fails)
+        demoted = self.l2.demote(task.demote) if task.demote and self.l2 is not None else 0
         if task.finish:
             for gi, (ids, _) in task.groups.items():
                 if ids:
@@ -247,8 +259,8 @@ class SaveThread:
             stored, skipped, in_l2 = stored + s, skipped + k, in_l2 + h
         task.rows.clear()
         self._count(save_pages=stored, save_pages_l2=in_l2, save_skipped=skipped,
-                    finish_saves=int(task.finish))
+                    finish_saves=int(task.finish), l2_demoted_pages=demoted)
         self._record(event="save", req=task.req_id, stored=stored, skipped=skipped,
-                     stored_l2=in_l2, finish=task.finish,
+                     stored_l2=in_l2, demoted_l2=demoted, finish=task.finish,
                      queued_ms=round((t0 - task.t_submit) * 1e3, 3),
                      store_ms=round((time.perf_counter() - t0) * 1e3, 3))

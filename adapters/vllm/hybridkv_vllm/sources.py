@@ -18,7 +18,8 @@ for a file or NIXL-POSIX store; a remote store (Redis, Mooncake) is what vLLM's
 The scheduler runs in another process than the worker's L2, so it keeps a mirror of
 the L2's index (:class:`.l2.HostPageIndex`: same budget, same eviction) and applies
 to it what the worker's L2 sees, in the worker's order: a load touches the pages L2
-holds and copies in the rest (read from L3); a save stores its pages.  The split is
+holds and copies in the rest (read from L3); a save stores its pages, after making
+plain the anchored windows it names (a finished request moved past them).  The split is
 the worker's own while the two see the same operations; a save the worker drops
 (full queue) or a failed load makes it an estimate.  Either way the counts add up to
 the hit, as vLLM requires.
@@ -34,7 +35,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from hybridkv.tiers.index import StoreIndex
 
 from .l2 import HostPageIndex
-from .plan import GroupInfo
+from .plan import GroupInfo, passed_pages
 
 __all__ = ["TierView", "l3_source"]
 
@@ -160,13 +161,36 @@ class TierView:
         out = {CacheHitSource.HOST: n - disk, self.l3: disk}
         return {k: v for k, v in out.items() if v}
 
-    def on_save(self, groups: dict[int, tuple[list[int], list[bytes]]]) -> None:
+    def passed(self, keys: dict[int, list[bytes]], end: int, kept_ends: Sequence[int]) -> list[bytes]:
+        """SWA keys of the anchored windows in the L2 mirror that a request finished at
+        ``end`` tokens moved past: each sliding group's pages before ``end`` outside
+        the windows ending at ``kept_ends`` (tokens: its tail, checkpoints, hit end;
+        :func:`.plan.passed_pages`).  ``keys``: per group index, at least ``end``
+        tokens' worth.  Reads the mirror only.  O(pages before ``end``)."""
+        if self.l2 is None or not self.l2.tier.num_anchored_swa_pages or end <= 0:
+            return []
+        out: list[bytes] = []
+        for gi, ks in keys.items():
+            g = self.groups[gi]
+            if g.is_swa:
+                bs = g.block_size
+                idx = passed_pages(g, end // bs, bs, [e // bs for e in kept_ends])
+                out += self.l2.anchored([ks[i] for i in idx])
+        return out
+
+    def on_save(self, groups: dict[int, tuple[list[int], list[bytes]]],
+                demote: Sequence[bytes] = ()) -> None:
         """A save job's pages (per group index: block ids and keys) go into L2, as the
-        worker stores them, and count as queued for L3.  O(pages)."""
+        worker stores them, and count as queued for L3; first the job's ``demote``
+        keys (anchored SWA windows a finished request moved past) become plain in
+        the mirror, as the worker's save thread does before the job's stores.
+        O(pages + demoted keys)."""
         for _, keys in groups.values():
             self.store.queued(keys)
         if self.l2 is None:
             return
+        if demote:
+            self.l2.demote(demote)
         for gi, (_, keys) in groups.items():
             if keys:
                 self.l2.admit(self.groups[gi].is_swa, keys)

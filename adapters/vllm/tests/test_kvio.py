@@ -230,3 +230,29 @@ def test_save_thread_touches_l3_keys_behind_queued_saves(tmp_path) -> None:
     assert st.stop(5)
     st.touch(keys)  # stopped: nothing queued, nothing raised
     assert st.pending() == 0
+
+
+def test_save_thread_demotes_before_storing_even_when_the_job_is_dropped(tmp_path) -> None:
+    """A job's demotion runs on the save thread before its stores; a job dropped for a
+    full queue still demotes (the scheduler's mirror did), storing nothing."""
+    from hybridkv_vllm.saver import SaveThread
+
+    be = open_backend(f"file:{tmp_path / 'l3'}")
+    gb = GroupBuffers(_caches(seed=12), ["a", "b"], 10)
+    l2 = HostPageCache(gb.page_bytes, 8 * gb.page_bytes, 64)
+    counts: dict[str, int] = {}
+    st = SaveThread(be, {0: gb}, l2, {0: True}, 2 * gb.page_bytes,
+                    lambda **kw: [counts.__setitem__(k, counts.get(k, 0) + v) for k, v in kw.items()],
+                    lambda **ev: None)
+    keys = page_keys(as_np_tokens(list(range(192))), 32, namespace="t", fingerprint="f")
+    assert st.submit("r1", {0: ([1, 2], keys[:2])}, finish=False) and st.drain(5)
+    assert l2.tier.anchored_swa(keys[:2]).tolist() == [True, True]
+    assert st.submit("r2", {}, finish=False, demote=keys[:1]) and st.drain(5)
+    assert l2.tier.anchored_swa(keys[:2]).tolist() == [False, True] and counts["l2_demoted_pages"] == 1
+    st._pending += 1  # a task in flight: a job over the queue bound is dropped
+    assert not st.submit("r3", {0: ([3, 4, 5], keys[2:5])}, finish=True, demote=keys[1:2])
+    st._pending -= 1
+    assert st.drain(5) and st.pop_released() == {"r3"}
+    assert l2.tier.anchored_swa(keys[:2]).tolist() == [False, False] and counts["save_dropped"] == 3
+    assert (l2.lookup(True, keys[2:5]) < 0).all() and counts["l2_demoted_pages"] == 2
+    assert st.stop(5)

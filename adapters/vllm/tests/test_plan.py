@@ -8,6 +8,7 @@ from hybridkv_vllm.config import ConnectorConfig
 from hybridkv_vllm.plan import (
     GroupInfo,
     pages_to_save,
+    passed_pages,
     swa_first_page,
     window_safe_pages,
     window_safe_tokens,
@@ -152,3 +153,11 @@ def test_config_new_keys() -> None:
         ConnectorConfig.from_extra({"checkpoints_per_doubling": 0})
     with pytest.raises(ValueError, match="save_queue_mb"):
         ConnectorConfig.from_extra({"save_queue_mb": 0})
+
+
+def test_passed_pages_leave_out_the_kept_windows() -> None:
+    # window 64 tokens at 32-token pages: a window is the 2 pages before its end
+    assert passed_pages(SWA, 10, 32, [10, 6]) == [0, 1, 2, 3, 6, 7]
+    assert passed_pages(SWA, 10, 32, [0]) == list(range(10))  # no hit: nothing kept
+    assert passed_pages(SWA, 10, 32, [11, 1]) == [1, 2, 3, 4, 5, 6, 7, 8]  # past the end: its part inside
+    assert passed_pages(SWA, 0, 32, [4]) == [] and passed_pages(FULL, 10, 32, []) == []

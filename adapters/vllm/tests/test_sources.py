@@ -138,3 +138,26 @@ def test_a_hit_touches_its_store_keys_at_most_once_per_interval():
     assert got == full + swa[10:12]
     assert view.touches({0: full, 1: swa}, 384, interval_s=30.0) == []  # touched just now
     assert view.touches({0: _keys("unknown", 2)}, 128, interval_s=0.0) == []  # not in the store
+
+
+def test_the_mirror_demotes_as_the_worker_does_before_the_jobs_stores():
+    """A save job's demotion runs first on both sides: the windows it names become plain
+    (given up first, before full pages) in the worker's L2 and the mirror alike;
+    ``passed`` names only what the mirror holds anchored, outside the kept windows."""
+    budget = 8 * PAGE
+    worker, mirror = HostPageCache(PAGE, budget, 64), HostPageIndex(PAGE, budget, 64)
+    src = TierView([FULL, SWA], mirror, S.DISK)
+    swa = _keys("s", 8)
+    src.on_save({1: ([0] * 6, swa[:6])})
+    worker.store(True, swa[:6], torch.zeros((6, PAGE), dtype=torch.uint8))
+    # a request ending at 256 tokens (page 8), hit at 128: pages 2-3 and 6-7 are kept
+    demote = src.passed({0: _keys("f", 4), 1: swa}, 256, [256, 128])
+    assert demote == swa[:2] + swa[4:6]  # 6 and 7 are not held
+    src.on_save({0: ([0, 0], _keys("f", 2))}, demote)
+    assert worker.demote(demote) == 4
+    worker.store(False, _keys("f", 2), torch.zeros((2, PAGE), dtype=torch.uint8))
+    for tier in (worker.tier, mirror.tier):
+        assert tier.anchored_swa(swa[:6]).tolist() == [False, False, True, True, False, False]
+    assert list(worker.tier._swa) == list(mirror.tier._swa) == demote  # same LRU order
+    assert src.passed({1: swa}, 256, [256, 128]) == []  # nothing anchored is left to demote
+    assert TierView([FULL, SWA], None, S.DISK).passed({1: swa}, 256, []) == []  # no L2

@@ -1,0 +1,199 @@
+"""The connector's L2 demotes the anchored SWA windows a conversation moved past.
+
+Through vLLM's real scheduler with hybridkv's prefix cache and connector (the
+served stack's scheduler side) and a worker-role connector in the same process
+(its save thread and host L2 store real page bytes; no model: blocks hold
+zeros), several conversations are replayed turn by turn, each turn decoding a
+few tokens.  After every turn the worker's L2 and the scheduler's mirror of it
+hold the same keys, in the same classes and the same LRU order; at the end only
+the windows each conversation's last turn ends (its tail, its checkpoints) or
+hit at are anchored -- with the demotion switched off, every earlier turn's
+tail and prompt-end window stays anchored too.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+
+import tiers_vllm as tv  # noqa: E402
+import tiers_vllm_connector as tc  # noqa: E402
+from hybridkv_vllm.plan import checkpoint_ends, passed_pages  # noqa: E402
+from hybridkv_vllm.sources import TierView  # noqa: E402
+
+from hybridkv.spec import AttnKind, KVShape, ModelSpec  # noqa: E402
+
+PAGE = 64
+WINDOW = 128
+SPEC = ModelSpec("tiny-hybrid", (AttnKind.FULL, AttnKind.SWA), WINDOW, full=KVShape(1, 128, 128),
+                 swa=KVShape(1, 128, 128), page_size=PAGE)
+PAGE_BYTES = PAGE * 512  # one layer's page (bf16 K + V, 1 head of 128)
+CHECKPOINT = 512  # tokens: a retention checkpoint every 8 pages
+TURNS = 5
+MAX_LEN = 2048
+
+
+def _classes(tier: Any) -> tuple[list[bytes], list[bytes], list[bytes]]:
+    """A HostTier's full, plain SWA and anchored SWA keys, least recently used first."""
+    return list(tier._full), list(tier._swa), list(tier._anchor)
+
+
+def _worker(vc: Any, sched: Any) -> Any:
+    """A worker-role connector over zero KV tensors of the scheduler's blocks."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from hybridkv_vllm.connector import HybridKVConnector
+
+    cfg = sched.kv_cache_config
+    w = HybridKVConnector(vc, KVConnectorRole.WORKER, cfg)
+    kv = {name: torch.zeros((cfg.num_blocks, g.kv_cache_spec.page_size_bytes), dtype=torch.uint8)
+          for g in cfg.kv_cache_groups for name in g.layer_names}
+    w.register_kv_caches(kv)
+    return w
+
+
+def _step(sched: Any, worker: Any) -> int:
+    """One engine step with the worker connector doing the step's loads and saves."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    so = sched.schedule()
+    worker.bind_connector_metadata(so.kv_connector_metadata)
+    worker.start_load_kv(None)
+    worker.wait_for_save()  # async_save false: stored before the step ends
+    sent, recv = worker.get_finished(set())
+    worker.clear_connector_metadata()
+    req_ids = list(so.num_scheduled_tokens)
+    sampled = [[tv.SAMPLED_TOKEN] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens
+               else [] for r in req_ids]
+    stats = worker.get_kv_connector_stats()  # collected before the worker's report, as vLLM does
+    kv_out = KVConnectorOutput(finished_recving=recv, finished_sending=sent, kv_connector_stats=stats,
+                               kv_connector_worker_meta=worker.build_connector_worker_meta())
+    sched.update_from_output(so, ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                                   sampled_token_ids=sampled, kv_connector_output=kv_out))
+    return so.total_num_scheduled_tokens
+
+
+def _run(request: Any, sched: Any, worker: Any) -> None:
+    sched.add_request(request)
+    for _ in range(10_000):
+        if not (sched.has_requests() or sched.connector.has_pending_push_work()):
+            return
+        _step(sched, worker)
+    raise AssertionError(("the request did not finish", sched.has_requests(), len(sched.waiting), len(sched.running),
+                          sched.connector._pending_saves, sched.connector._worker_saves.busy(), request.status,
+                          request.num_computed_tokens, request.num_tokens))
+
+
+def _kept(conn: Any, tokens: list[int], ns: str, tail: int, hit: int) -> set[bytes]:
+    """SWA keys of the windows a turn ending at ``tail`` keeps: its tail, its checkpoints
+    and its hit's window."""
+    from hybridkv_vllm.jobs import ReqState
+
+    class _Req:  # what the connector reads of a request to key it
+        all_token_ids = tokens
+
+    st = ReqState(_Req(), ns)  # type: ignore[arg-type]
+    keys = conn._keys(st, tail)
+    ends = [*checkpoint_ends(0, tail, conn.unit, CHECKPOINT), tail, hit]
+    out: set[bytes] = set()
+    for g in conn.groups:
+        if g.is_swa:
+            passed = set(passed_pages(g, tail // g.block_size, g.block_size, [e // g.block_size for e in ends]))
+            out |= {k for i, k in enumerate(keys[g.index]) if i not in passed}
+    return out
+
+
+def _conversations(sched: Any, worker: Any, n_conv: int, seed: int) -> dict[str, Any]:
+    """Replay ``n_conv`` conversations of :data:`TURNS` turns, interleaved; after every
+    turn the worker's L2 and the mirror agree.  Returns the last turn of each."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name(sched.vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(sched.hash_block_size, hash_fn)
+    rnd = random.Random(seed)
+    history = {f"c{c}": [rnd.randrange(4, 30000) for _ in range(rnd.randrange(100, 300))] for c in range(n_conv)}
+    mirror, l2 = sched.connector._tiers.l2, worker._l2
+    last: dict[str, Any] = {}
+    for turn in range(TURNS):
+        for conv, toks in history.items():
+            out = rnd.randrange(40, 100)
+            req = Request(f"{conv}-t{turn}", list(toks), SamplingParams(max_tokens=out, ignore_eos=True),
+                          None, block_hasher=hasher)
+            st = sched.connector._state(req)  # kept after the finish pops it: the hit it got
+            _run(req, sched, worker)
+            assert _classes(l2.tier) == _classes(mirror.tier), (conv, turn)
+            last[conv] = (req, st)
+            history[conv] = list(req.all_token_ids) + [rnd.randrange(4, 30000) for _ in range(rnd.randrange(60, 200))]
+    return last
+
+
+@pytest.fixture()
+def stack(tmp_path: Path):  # noqa: ANN201
+    def build(device_pages: int, host_pages: int) -> tuple[Any, Any]:
+        vc = tc._config(tv._model_dir(tmp_path, MAX_LEN), MAX_LEN, 8192, host_pages * PAGE_BYTES,
+                        tmp_path / "l3")
+        vc.kv_transfer_config.kv_connector_extra_config["checkpoint_interval"] = CHECKPOINT
+        sched = tc._scheduler(vc, tv.layer_specs(tv.preset_meta(SPEC)), device_pages * PAGE_BYTES)
+        made.append(sched)
+        return sched, _worker(vc, sched)
+
+    made: list[Any] = []
+    yield build
+    for s in made:
+        s.shutdown()
+
+
+def test_l2_keeps_only_the_last_turns_windows_anchored_on_worker_and_mirror(stack) -> None:  # noqa: ANN001
+    sched, worker = stack(device_pages=400, host_pages=4000)
+    conn = sched.connector
+    last = _conversations(sched, worker, n_conv=2, seed=3)
+    tier = worker._l2.tier
+    _, plain, anchored = _classes(tier)
+    kept: set[bytes] = set()
+    for req, st in last.values():
+        tail = st.saved_tokens // conn.unit * conn.unit
+        assert tail >= req.num_prompt_tokens // conn.unit * conn.unit  # decoded past the prompt
+        kept |= _kept(conn, list(req.all_token_ids), st.namespace, tail, st.hit_tokens or st.local_tokens)
+        ends = _kept(conn, list(req.all_token_ids), st.namespace, tail, 0)  # tail and checkpoints
+        assert ends & (set(plain) | set(anchored)) <= set(anchored)  # held ones stay anchored
+    assert set(anchored) <= kept, "a window the sequence moved past is still anchored"
+    assert plain, "earlier turns' tails should be plain SWA now"
+    assert tier.stats()["demoted_swa_pages"] > 0
+    assert worker.stats["l2_demoted_pages"] == tier.stats()["demoted_swa_pages"]
+    assert sched.connector._tiers.l2.tier.stats()["demoted_swa_pages"] == tier.stats()["demoted_swa_pages"]
+
+
+def test_without_the_demotion_earlier_windows_stay_anchored(stack, monkeypatch) -> None:  # noqa: ANN001
+    """The check above fails with the demotion off: the earlier turns' windows stay anchors."""
+    monkeypatch.setattr(TierView, "passed", lambda self, keys, end, kept_ends: [])
+    sched, worker = stack(device_pages=400, host_pages=4000)
+    conn = sched.connector
+    last = _conversations(sched, worker, n_conv=1, seed=3)
+    _, plain, anchored = _classes(worker._l2.tier)
+    (req, st), = last.values()
+    kept = _kept(conn, list(req.all_token_ids), st.namespace, st.saved_tokens // conn.unit * conn.unit,
+                 st.hit_tokens or st.local_tokens)
+    assert not plain and not set(anchored) <= kept
+
+
+def test_worker_and_mirror_agree_under_eviction(stack) -> None:  # noqa: ANN001
+    """A small device (turns come back from L2/L3) and a small L2 (it evicts): after every
+    turn the worker's L2 and the mirror hold the same keys in the same order."""
+    sched, worker = stack(device_pages=70, host_pages=48)
+    _conversations(sched, worker, n_conv=3, seed=5)
+    stats = worker._l2.tier.stats()
+    assert stats["demoted_swa_pages"] > 0 and stats["evicted_full_pages"] + stats["evicted_swa_pages"] > 0
+    assert worker.stats["load_pages_l2"] + worker.stats["load_pages_l3"] > 0
+    assert stats == sched.connector._tiers.l2.tier.stats()
