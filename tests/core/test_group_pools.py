@@ -214,3 +214,30 @@ def test_group_keeps_is_the_rule_page_by_page(held, lead, group, lo, span) -> No
     got = group_keeps(mask[base:], lo, hi, lead, group, base)
     want = [any(mask[max(0, end - lead):end].all() for end in range(i + 1, i + group + 1)) for i in range(lo, hi)]
     assert got.tolist() == want
+
+
+def test_three_windows_give_each_side_group_its_own_page_ids() -> None:
+    """Two groups beside the lead (windows 4 and 8 tokens, lead 16): each keeps its
+    own ids in the nodes and requests, gives back more the smaller its window, and
+    a hit needs each one's window (taking one page of either group's tail window
+    away from its owner ends the hit earlier)."""
+    from hybridkv import KVShape, ModelSpec
+
+    spec = ModelSpec("tiny-three-window", ["full", "swa", "swa", "swa"], 16, full=KVShape(2, 8, 6),
+                     swa=KVShape(4, 8, 6), dtype="float64", page_size=4, layer_windows=(0, 4, 8, 16))
+    probe = np.r_[PROMPT, 5]
+    for g in (0, 1):
+        cache = _cache(spec)
+        assert [x.window_pages for x in cache.pool.groups] == [1, 2]
+        _run(cache, PROMPT)
+        cache.check_invariants()
+        tiny, small = cache.pool.groups
+        assert 0 < tiny.used < small.used < cache.pool.swa.used
+        node = cache.match(probe).node
+        assert cache.match(probe).length == 100
+        last = int(np.flatnonzero(node.side[g] >= 0)[-1])
+        gone = node.side[g][last:last + 1].copy()
+        node.side[g] = np.where(np.arange(node.n_pages) == last, -1, node.side[g]).astype(np.int32)
+        cache.pool.release_group(cache.pool.groups[g], gone)
+        assert cache.match(probe).length < 100
+        cache.check_invariants()
