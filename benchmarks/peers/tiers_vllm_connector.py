@@ -135,13 +135,15 @@ def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], dev
             tv.replay_into(sched, vc, seqs, totals, _drain)
             view = getattr(sched.connector, "_tiers", None)  # (an older connector has no record)
             record = view.store.stats() if tiers and view is not None else {}
+            # what the L2 (the scheduler's mirror of it) holds at the end, by class
+            l2 = view.l2.tier.stats() if tiers and view is not None and view.l2 is not None else {}
         finally:
             sched.shutdown()
     out = tv._row(CONNECTOR_SYSTEMS[1] if tiers else CONNECTOR_SYSTEMS[0], totals, device_bytes,
                   host_bytes if tiers else 0)
     out.update({"num_gpu_blocks": sched.kv_cache_config.num_blocks, "block_size": sched.block_size,
                 "kv_cache_groups": len(sched.kv_cache_config.kv_cache_groups), "steps": totals["steps"],
-                "store_record": record, "wall_s": round(time.perf_counter() - t0, 1),
+                "store_record": record, "l2_end": l2, "wall_s": round(time.perf_counter() - t0, 1),
                 "version": f"{tv._vllm_version(False, False).split(' Scheduler')[0]} {SCHEDULER_CLS}"
                            + (" + HybridKVConnector" if tiers else "")})
     return out

@@ -87,7 +87,7 @@ from .kvio import GroupBuffers, as_np_tokens, load_pages
 from .l2 import HostPageCache, HostPageIndex
 from .logs import logger, route_core_logs
 from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
-from .plan import checkpoint_ends, pages_to_save, window_safe_tokens
+from .plan import checkpoint_ends, full_bases, pages_to_save, window_safe_tokens
 from .progress import IDLE_WAIT_S, SavesBusy, SavesWatch, WorkerSaves
 from .saver import SaveThread
 from .sources import TierView, l3_source
@@ -125,7 +125,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.cfg = ConnectorConfig.from_extra(extra)
-        self.groups = groups_from_config(kv_cache_config)
+        self.groups = sorted(groups_from_config(kv_cache_config), key=lambda g: g.is_swa)  # full first (L2 pairs)
         # A hit must end on a block boundary of every group: the lcm (vLLM's
         # scheduler block size for mixed groups, and what it aligns local hits to).
         self.unit = math.lcm(*(g.block_size for g in self.groups))
@@ -167,9 +167,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
         self._saver: SaveThread | None = None
-        # vLLM calls shutdown() on both roles at a clean exit; if a path skips
-        # it (e.g. an interpreter exit without engine teardown) the totals are
-        # still written once.
+        # vLLM calls shutdown() on both roles at a clean exit; if a path skips it (e.g. an
+        # interpreter exit without engine teardown) the totals are still written once.
         atexit.register(_shutdown_at_exit, weakref.ref(self))
         self._record(event="init", unit=self.unit, l2_gb=self.cfg.l2_gb,
                      groups=[[g.index, g.window, g.block_size] for g in self.groups])
@@ -288,10 +287,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if max_tokens <= num_computed_tokens:
             return 0, False
         keys = self._keys(st, max_tokens)
-        # Pages below the engine's own hit are never read (window_safe_tokens
-        # starts there); pages this engine already handed to its workers'
-        # save threads count as present (the worker's load waits for their
-        # store, see SaveThread.wait_keys).
+        # Pages below the engine's own hit are never read (window_safe_tokens starts there);
+        # pages this engine already handed to its workers' save threads count as present
+        # (the worker's load waits for their store, see SaveThread.wait_keys).
         los = {g.index: min(len(keys[g.index]), num_computed_tokens // g.block_size) for g in self.groups}
         held = self._tiers.present({gi: keys[gi][lo:] for gi, lo in los.items()})
         present = [np.concatenate([np.ones(los[g.index], dtype=bool), held[g.index]]) for g in self.groups]
@@ -333,7 +331,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             sel = [i for i in range(lo, min(hi, len(blk))) if not blk[i].is_null]
             pages[g.index] = (sel, [keys[g.index][i] for i in sel])
             job.groups[g.index] = ([blk[i].block_id for i in sel], pages[g.index][1])
-        st.hit_sources = self._tiers.on_load(pages, start, end)
+            job.bases[g.index] = full_bases(self.groups, keys, g.index, sel)
+        st.hit_sources = self._tiers.on_load(pages, start, end, job.bases)
         self._pending_loads[request.request_id] = job
         self._loading[request.request_id] = {gi: list(ks) for gi, (_, ks) in job.groups.items()}
         st.saved_tokens = max(st.saved_tokens, end)  # these pages are in storage already
@@ -381,6 +380,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             sel = [i for i in sel if not self._tiers.saved_or_queued(ks[i]) and ks[i] not in self._claimed]
             if sel:
                 job.groups[g.index] = ([ids[i] for i in sel], [ks[i] for i in sel])
+                job.bases[g.index] = full_bases(self.groups, keys, g.index, sel)
                 self._claimed.update(ks[i] for i in sel)
         st.saved_tokens = max(st.saved_tokens, end_tokens)
         return job if job.groups else None
@@ -416,7 +416,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta.saves.extend(self._pending_saves)
         self._pending_saves.clear()
         for job in meta.saves:  # visible to lookups from the next step on
-            self._tiers.on_save(job.groups, job.demote)
+            self._tiers.on_save(job.groups, job.demote, job.bases)
         self._claimed.clear()
         meta.idle = not (meta.loads or meta.saves or meta.touches or scheduler_output.total_num_scheduled_tokens)
         return meta
@@ -508,7 +508,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             for gi, (ids, keys) in job.groups.items():
                 if ok and ids:
                     ok, a, b = load_pages(self.backend, self._buffers[gi], keys, ids,
-                                          self._l2, swa[gi])
+                                          self._l2, swa[gi], job.bases.get(gi))
                     l2_pages, l3_pages = l2_pages + a, l3_pages + b
             if ok:
                 self._count(load_pages=job.num_pages(), load_pages_l2=l2_pages,
@@ -543,7 +543,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not meta.saves:
             return
         for job in meta.saves:
-            self._saver.submit(job.req_id, job.groups, job.finish, job.demote)
+            self._saver.submit(job.req_id, job.groups, job.finish, job.demote, job.bases)
         if not self.cfg.async_save:
             self._saver.drain(None)
 

@@ -25,6 +25,9 @@ class PageJob:
     # SWA keys whose anchored L2 windows the finished request moved past: made plain
     # before this job's pages are stored (worker L2 and scheduler mirror alike)
     demote: list[bytes] = field(default_factory=list)
+    # per sliding group index: the full key each of its pages goes with in L2
+    # (:func:`.plan.full_bases`; ``None``: none)
+    bases: dict[int, list[bytes | None] | None] = field(default_factory=dict)
 
     def num_pages(self) -> int:
         return sum(len(b) for b, _ in self.groups.values())

@@ -22,6 +22,7 @@ from hybridkv.window import groups_safe_pages, held_windows
 __all__ = [
     "GroupInfo",
     "checkpoint_ends",
+    "full_bases",
     "pages_to_save",
     "passed_pages",
     "swa_first_page",
@@ -48,6 +49,22 @@ class GroupInfo:
     @property
     def is_swa(self) -> bool:
         return self.window is not None
+
+
+def full_bases(groups: Sequence[GroupInfo], keys: dict[int, list[bytes]], gi: int,
+               pages: Sequence[int]) -> list[bytes | None] | None:
+    """Per page ``pages[j]`` of sliding group ``gi``, the key of the page of the
+    model's first full-attention group that holds its last token (the full KV its
+    window's hit needs; L2 drops the window with it), ``None`` where ``keys`` do not
+    reach that far.  ``None`` for a full group or a model without one.  O(len(pages)).
+    """
+    by = {g.index: g for g in groups}
+    full = next((g for g in groups if not g.is_swa), None)
+    if full is None or not by[gi].is_swa:
+        return None
+    fks, bs, fbs = keys.get(full.index, []), by[gi].block_size, full.block_size
+    idx = [((int(i) + 1) * bs - 1) // fbs for i in pages]
+    return [fks[j] if j < len(fks) else None for j in idx]
 
 
 def swa_first_page(end_pages: int, page_size: int, window: int) -> int:

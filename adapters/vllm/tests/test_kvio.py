@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hybridkv_vllm.kvio import GroupBuffers, as_np_tokens, load_pages, save_pages
 from hybridkv_vllm.l2 import HostPageCache
@@ -256,3 +257,24 @@ def test_save_thread_demotes_before_storing_even_when_the_job_is_dropped(tmp_pat
     assert l2.tier.anchored_swa(keys[:2]).tolist() == [False, False] and counts["save_dropped"] == 3
     assert (l2.lookup(True, keys[2:5]) < 0).all() and counts["l2_demoted_pages"] == 2
     assert st.stop(5)
+
+
+@pytest.mark.parametrize("pairing", [True, False])
+def test_l2_window_leaves_with_its_base_full_page(monkeypatch, pairing: bool) -> None:
+    """An SWA page stored with a base full key leaves L2 when that full page does, and
+    enters plain (not anchored) when L2 lacks its base; with ``pairing`` off it stays
+    anchored and outlives its base (what the connector did before)."""
+    from hybridkv_vllm.l2 import HostPageIndex
+
+    monkeypatch.setattr(HostPageIndex, "pairing", pairing)
+    idx = HostPageIndex(64, 4 * 64, 8)  # four pages in all
+    full = [b"f0", b"f1"]
+    assert idx.admit(False, full)[0].tolist() == [0, 1]
+    todo, _ = idx.admit(True, [b"s0", b"sx"], [b"f0", b"absent"])
+    assert todo.tolist() == [0, 1] and idx.base_of(b"s0") == b"f0"
+    assert idx.tier.anchored_swa([b"s0", b"sx"]).tolist() == [True, not pairing]
+    idx.tier.discard([b"f0"])  # e.g. a failed read of f0: its window goes too
+    assert (idx.held(True, [b"s0"]).tolist() == [not pairing]
+            and idx.tier.counters["dropped_paired_swa_pages"] == int(pairing))
+    assert (idx.base_of(b"s0") is None) == pairing  # the pairing maps forget a dropped page
+    assert idx.tier.stats()["swa_pages"] == 2 - int(pairing)

@@ -197,3 +197,37 @@ def test_worker_and_mirror_agree_under_eviction(stack) -> None:  # noqa: ANN001
     assert stats["demoted_swa_pages"] > 0 and stats["evicted_full_pages"] + stats["evicted_swa_pages"] > 0
     assert worker.stats["load_pages_l2"] + worker.stats["load_pages_l3"] > 0
     assert stats == sched.connector._tiers.l2.tier.stats()
+
+
+def _orphans(worker: Any) -> tuple[list[bytes], list[bytes]]:
+    """The worker L2's anchored SWA keys that name a base full page, and those of them
+    whose base full page L2 no longer holds."""
+    idx = worker._l2.index
+    anchored = [k for k in _classes(idx.tier)[2] if idx.base_of(k) is not None]
+    return anchored, [k for k in anchored if idx.base_of(k) not in idx.tier]
+
+
+def test_windows_leave_l2_with_their_full_page(stack) -> None:  # noqa: ANN001
+    """A small L2 that evicts full pages: the windows based on an evicted full page go
+    with it (no anchored window outlives the full KV its hit needs), on the worker and
+    the mirror alike."""
+    sched, worker = stack(device_pages=70, host_pages=48)
+    _conversations(sched, worker, n_conv=3, seed=5)
+    tier = worker._l2.index.tier
+    anchored, orphaned = _orphans(worker)
+    assert anchored and not orphaned
+    assert tier.counters["dropped_paired_swa_pages"] > 0
+    assert tier.stats() == sched.connector._tiers.l2.tier.stats()
+
+
+def test_without_the_pairing_windows_outlive_their_full_page(stack, monkeypatch) -> None:  # noqa: ANN001
+    """The check above fails with the pairing off: anchored windows stay in L2 after
+    their full page left it."""
+    from hybridkv_vllm.l2 import HostPageIndex
+
+    monkeypatch.setattr(HostPageIndex, "pairing", False)
+    sched, worker = stack(device_pages=70, host_pages=48)
+    _conversations(sched, worker, n_conv=3, seed=5)
+    _, orphaned = _orphans(worker)
+    assert orphaned
+    assert worker._l2.index.tier.counters["dropped_paired_swa_pages"] == 0
