@@ -63,6 +63,8 @@ def full_bases(groups: Sequence[GroupInfo], keys: dict[int, list[bytes]], gi: in
     if full is None or not by[gi].is_swa:
         return None
     fks, bs, fbs = keys.get(full.index, []), by[gi].block_size, full.block_size
+    if not (bs and fbs):  # a block size 0 is the caller's one page size for every group
+        bs = fbs = 1
     idx = [((int(i) + 1) * bs - 1) // fbs for i in pages]
     return [fks[j] if j < len(fks) else None for j in idx]
 

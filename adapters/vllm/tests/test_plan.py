@@ -7,6 +7,7 @@ import pytest
 from hybridkv_vllm.config import ConnectorConfig
 from hybridkv_vllm.plan import (
     GroupInfo,
+    full_bases,
     pages_to_save,
     passed_pages,
     swa_first_page,
@@ -161,3 +162,16 @@ def test_passed_pages_leave_out_the_kept_windows() -> None:
     assert passed_pages(SWA, 10, 32, [0]) == list(range(10))  # no hit: nothing kept
     assert passed_pages(SWA, 10, 32, [11, 1]) == [1, 2, 3, 4, 5, 6, 7, 8]  # past the end: its part inside
     assert passed_pages(SWA, 0, 32, [4]) == [] and passed_pages(FULL, 10, 32, []) == []
+
+
+def test_full_bases_name_the_full_page_holding_each_windows_last_token() -> None:
+    """MiMo-V2's layout (full blocks of 64, SWA blocks of 32): SWA page i ends at token
+    32 (i + 1) - 1, inside full page (32 (i + 1) - 1) // 64; past the full keys: None;
+    a full group or a model without one: None; block size 0 (one page size): same index."""
+    full, swa = GroupInfo(0, None, ("f",), 64), GroupInfo(1, 128, ("s",), 32)
+    keys = {0: [b"F0", b"F1"], 1: [b"S%d" % i for i in range(6)]}
+    assert full_bases([full, swa], keys, 1, [0, 1, 2, 3, 4]) == [b"F0", b"F0", b"F1", b"F1", None]
+    assert full_bases([full, swa], keys, 0, [0, 1]) is None
+    assert full_bases([swa], keys, 1, [0]) is None
+    one = [GroupInfo(0, None, ("f",)), GroupInfo(1, 128, ("s",))]
+    assert full_bases(one, keys, 1, [1, 2]) == [b"F1", None]
