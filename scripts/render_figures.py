@@ -536,7 +536,7 @@ def render_vllm_server(load: Loader) -> str:
             if name not in r["metrics"]:
                 return None
             mm = r["metrics"][name]
-            return (f"{mm.get('vllm:hybridkv_load_pages_l2_total', 0):,.0f} / "
+            return (f"{mm.get('vllm:hybridkv_load_pages_l2_total', 0):,.0f} + "
                     f"{mm.get('vllm:hybridkv_load_pages_l3_total', 0):,.0f}")
         return f
 
@@ -549,7 +549,7 @@ def render_vllm_server(load: Loader) -> str:
             ("`base2`, restarted, no connector", "base2", None, None),
             ("`hkv2`, restarted on the filled L3", "hkv2", None, "base2")]
     lines = ["| server | concurrent TTFT, empty L3 (ms) | multi-turn TTFT (ms) | `hybridkv_hit_tokens` (`/metrics`) "
-             "| pages loaded L2 / L3 | outputs = no connector |", "|---|---|---|---|---|---|"]
+             "| pages loaded, L2 + L3 | outputs = no connector |", "|---|---|---|---|---|---|"]
     for label, name, cbase, mbase in rows:
         if not any(name in r["ttft_ms"] for r in runs):
             continue
