@@ -14,6 +14,10 @@ args=("$@")
 status=0
 for v in 3.10 3.12 3.13; do
     py=$(command -v "python$v" || true)
+    # a pyenv shim is on PATH for every version pyenv has, but runs only the selected ones
+    if [ -n "$py" ] && ! "$py" -c "" 2>/dev/null; then
+        py=""
+    fi
     if [ -z "$py" ] && command -v pyenv >/dev/null; then
         root=$(pyenv root)
         py=$(ls -d "$root"/versions/"$v".*/bin/python 2>/dev/null | sort -V | tail -n 1)
