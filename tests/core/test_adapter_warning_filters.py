@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import builtins
 import re
-import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest's own dependency has the same API
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 ADAPTERS = ("vllm", "sglang")
