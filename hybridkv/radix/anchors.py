@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..window import groups_safe_pages
-from .node import TreeNode, window_safe_pages
+from .node import TreeNode, parts_side, window_safe_pages
 from .policy import RetentionPolicy
 from .types import EMPTY
 
@@ -158,8 +158,7 @@ class WindowAnchors:
         if limit == 0:
             return 0
         ids = np.concatenate([n.swa[:k] for n, k in path])[:limit]
-        masks = [ids >= 0] + [np.concatenate([n.side[g][:k] for n, k in path])[:limit] >= 0
-                              for g in range(len(self.group_windows))]
+        masks = [ids >= 0] + [s[:limit] >= 0 for s in parts_side(path, len(self.group_windows))]
         wps = [self.policy.window_pages, *self.group_windows]
         return groups_safe_pages(masks, wps, limit)
 
