@@ -193,7 +193,7 @@ def pages_to_save(group: GroupInfo, saved_pages: int, end_pages: int, page_size:
     multiple of ``checkpoint_pages``, 0 = none), and, when ``final`` (prompt
     end or request end), the window before ``end_pages``.  SWA KV elsewhere
     can never make a window-safe hit and is not worth its bytes.  Sorted,
-    unique page indices; O(pages returned).
+    unique page indices; O(end_pages) numpy work.
     """
     if end_pages <= 0:
         return []
@@ -208,10 +208,7 @@ def pages_to_save(group: GroupInfo, saved_pages: int, end_pages: int, page_size:
         ends = list(range(first, end_pages + 1, checkpoint_pages))
     if final and (not ends or ends[-1] != end_pages):
         ends.append(end_pages)
-    pages: set[int] = set()
-    for e in ends:
-        pages.update(range(swa_first_page(e, page_size, group.window), e))
-    return sorted(pages)
+    return np.flatnonzero(_windows_before(group, end_pages, page_size, ends)).tolist()
 
 
 def passed_pages(group: GroupInfo, end_pages: int, page_size: int, kept_ends: Sequence[int]) -> list[int]:
@@ -224,9 +221,16 @@ def passed_pages(group: GroupInfo, end_pages: int, page_size: int, kept_ends: Se
     """
     if not group.is_swa or end_pages <= 0:
         return []
+    return np.flatnonzero(~_windows_before(group, end_pages, page_size, kept_ends)).tolist()
+
+
+def _windows_before(group: GroupInfo, end_pages: int, page_size: int, ends: Sequence[int]) -> np.ndarray:
+    """``[end_pages]`` bool: the pages of SWA ``group`` inside the window before any of
+    ``ends`` (in pages of this group; a window past ``end_pages`` counts its part
+    inside).  O(end_pages + windows)."""
     assert group.window is not None
-    keep = np.zeros(end_pages, dtype=bool)
-    for e in kept_ends:
-        if e > 0:  # a window past end_pages keeps its part inside
-            keep[swa_first_page(int(e), page_size, group.window):int(e)] = True
-    return np.flatnonzero(~keep).tolist()
+    inside = np.zeros(end_pages, dtype=bool)
+    for e in ends:
+        if e > 0:
+            inside[swa_first_page(int(e), page_size, group.window):int(e)] = True
+    return inside
