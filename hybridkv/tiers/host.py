@@ -14,9 +14,11 @@ accounting-only replays).
 Eviction (LRU within each class), cheapest loss first:
 
 1. *plain* SWA pages (not a sequence tail or retention checkpoint window);
-2. full pages (LRU), each with that page's SWA entry: left alone, orphaned
-   SWA (much larger than full KV per token) filled L2 with windows it could
-   not serve; an anchored window was also queued for L3, so it is not lost;
+2. full pages (LRU), each with the SWA pages *based* on it (inserted with its
+   key as ``base_keys``: one per sliding group whose window ends in the page):
+   left alone, orphaned SWA (much larger than full KV per token) filled L2 with
+   windows it could not serve; an anchored window was also queued for L3, so it
+   is not lost (``pair_swa = False`` keeps them, for comparisons);
 3. *anchored* SWA pages (tails, checkpoint windows, windows that ended a hit).
 
 The owner demotes (:meth:`demote` by full-KV key, :meth:`demote_swa` by SWA key)
@@ -58,6 +60,9 @@ class HostTier:
             pinned when CUDA is available) or ``None`` (no buffers).
     """
 
+    #: SWA pages leave with the full page they are based on (see the module docstring)
+    pair_swa = True
+
     def __init__(self, spec: ModelSpec, budget_bytes: int, *, device: str | None = "meta") -> None:
         budget_bytes = check_int(budget_bytes, "budget_bytes")
         if budget_bytes <= 0:
@@ -68,14 +73,14 @@ class HostTier:
         self._full: OrderedDict[bytes, int] = OrderedDict()
         self._swa: OrderedDict[bytes, int] = OrderedDict()       # plain SWA (evicted first)
         self._anchor: OrderedDict[bytes, int] = OrderedDict()    # tails / checkpoints (last)
-        self._base: dict[bytes, bytes] = {}  # SWA key -> full-KV key of its page (for events)
-        self._anchor_of: dict[bytes, bytes] = {}  # full-KV key -> its anchored SWA key (base known)
+        self._base: dict[bytes, bytes] = {}  # SWA key -> full-KV key of its page (its base)
+        self._under: dict[bytes, dict[bytes, None]] = {}  # full-KV key -> SWA keys based on it
         self.listeners: list[TierListener] = []
         # Called with (kind, int32 page ids) just before pages go back to ``pool``: the
         # owner encodes a page with a queued L3 write before its data is reused.
         self.free_listeners: list[Callable[[AttnKind, np.ndarray], None]] = []
         self.counters = {"evicted_full_pages": 0, "evicted_swa_pages": 0, "stored_full_pages": 0,
-                         "stored_swa_pages": 0, "demoted_swa_pages": 0}
+                         "stored_swa_pages": 0, "demoted_swa_pages": 0, "dropped_paired_swa_pages": 0}
 
     # ---------------------------------------------------------------- lookup
     def _free_full(self, pages: np.ndarray) -> None:
@@ -187,22 +192,32 @@ class HostTier:
         self._free_swa(np.array([page], dtype=np.int32))
         self.counters["evicted_swa_pages"] += 1
         base = self._base.pop(key, None)
-        if base is not None and self._anchor_of.get(base) == key:
-            del self._anchor_of[base]
-        if base is not None and self.listeners:
+        if base is None:
+            return
+        under = self._under[base]
+        del under[key]
+        if not under:
+            del self._under[base]
+        if self.listeners:
             emit(self.listeners, TierEvent("L2", "swa_remove", (base,), (False,)))
 
     def _drop_paired_swa(self, full_key: bytes, protect_swa: set[int]) -> None:
-        """SWA of a page goes with the page's full KV: without it L2 cannot serve the
-        window, and an anchored window was also queued for L3 (it is not lost)."""
-        from .payload import swa_key
+        """The SWA pages based on a full page go with it: without its full KV L2 cannot
+        serve a window, and an anchored window was also queued for L3 (it is not lost).
+        Protected pages (a load reads them) stay.  O(pages dropped)."""
+        if not self.pair_swa or full_key not in self._under:
+            return
+        for key in list(self._under[full_key]):
+            for table in (self._swa, self._anchor):
+                page = table.get(key)
+                if page is not None and page not in protect_swa:
+                    del table[key]
+                    self._free_swa_entry(key, page)
+                    self.counters["dropped_paired_swa_pages"] += 1
 
-        key = swa_key(full_key)
-        for table in (self._swa, self._anchor):
-            page = table.get(key)
-            if page is not None and page not in protect_swa:
-                del table[key]
-                self._free_swa_entry(key, page)
+    def base_of(self, key: bytes) -> bytes | None:
+        """The full-KV key the held SWA page ``key`` was inserted with (None: none).  O(1)."""
+        return self._base.get(key)
 
     def discard(self, keys: Sequence[bytes], *, swa: bool = False) -> int:
         """Drop ``keys`` (their copy turned out unusable, e.g. a read of them failed),
@@ -241,7 +256,7 @@ class HostTier:
         self._swa.clear()
         self._anchor.clear()
         self._base.clear()
-        self._anchor_of.clear()
+        self._under.clear()
         if self.listeners:
             emit(self.listeners, TierEvent("L2", "remove", keys))
         return n
@@ -280,8 +295,9 @@ class HostTier:
                    base_keys: Sequence[bytes] | None = None) -> None:
         """Index SWA ``pages`` under SWA ``keys``; ``anchored[i]`` picks the eviction class.
 
-        ``base_keys[i]``: the full-KV key of the page (named in events; SWA
-        inserted without it is stored but not announced).  O(n).
+        ``base_keys[i]``: the full-KV key of the page its window ends in, its
+        *base* (named in events; the page leaves L2 with it).  SWA inserted
+        without one is stored but not announced, and is evicted on its own.  O(n).
         """
         dup = []
         new = []
@@ -296,9 +312,8 @@ class HostTier:
             self.counters["stored_swa_pages"] += 1
             if b is not None:
                 self._base[k] = b
+                self._under.setdefault(b, {})[k] = None
                 new.append(b)
-                if a:
-                    self._anchor_of[b] = k
         if dup:
             self._free_swa(np.asarray(dup, dtype=np.int32))
         if new and self.listeners:
@@ -316,21 +331,19 @@ class HostTier:
 
     def _promote(self, key: bytes) -> None:
         self._anchor[key] = self._swa.pop(key)
-        base = self._base.get(key)
-        if base is not None:
-            self._anchor_of[base] = key
 
     def demote(self, full_keys: Sequence[bytes]) -> int:
-        """Move the anchored SWA of the pages ``full_keys`` name (full-KV keys: no SWA
-        key is hashed) to the plain class, most recently used there; pages without
-        an anchored SWA entry are ignored.  Returns how many moved.  O(n)."""
+        """Move the anchored SWA pages based on the pages ``full_keys`` name (full-KV
+        keys: no SWA key is hashed) to the plain class, most recently used there;
+        pages without one are ignored.  Returns how many moved.  O(n)."""
         moved = 0
-        of = self._anchor_of
+        anchor = self._anchor
         for fk in full_keys:
-            k = of.pop(fk, None)
-            if k is not None:
-                self._swa[k] = self._anchor.pop(k)
-                moved += 1
+            for k in self._under.get(fk, ()):
+                page = anchor.pop(k, None)
+                if page is not None:
+                    self._swa[k] = page
+                    moved += 1
         self.counters["demoted_swa_pages"] += moved
         return moved
 
@@ -345,9 +358,6 @@ class HostTier:
             if page is None:
                 continue
             self._swa[k] = page
-            base = self._base.get(k)
-            if base is not None and self._anchor_of.get(base) == k:
-                del self._anchor_of[base]
             moved += 1
         self.counters["demoted_swa_pages"] += moved
         return moved
@@ -361,8 +371,10 @@ class HostTier:
                           count=self.num_swa_pages)
         assert not (set(self._swa) & set(self._anchor)), "a SWA key is in both classes"
         assert set(self._base) <= set(self._swa) | set(self._anchor), "base key of a dropped SWA page"
-        assert self._anchor_of == {self._base[k]: k for k in self._anchor if k in self._base}, \
-            "anchored SWA by full key differs from the anchored class"
+        under: dict[bytes, set[bytes]] = {}
+        for k, b in self._base.items():
+            under.setdefault(b, set()).add(k)
+        assert {b: set(ks) for b, ks in self._under.items()} == under, "SWA pages by base differ from their bases"
         assert np.unique(full).size == full.size == self.pool.full.num_used, \
             ("L2 full pages", np.unique(full).size, full.size, self.pool.full.num_used)
         assert np.unique(swa).size == swa.size == self.pool.swa.num_used, \

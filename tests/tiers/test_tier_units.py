@@ -92,6 +92,45 @@ def test_host_tier_demote_swa_moves_anchored_windows_by_swa_key():
     host.check_invariants()
 
 
+
+@pytest.mark.parametrize("pair", [True, False])
+def test_host_tier_swa_pages_of_several_groups_leave_with_their_base(monkeypatch, pair: bool):
+    """Two SWA pages based on one full page (two sliding groups): demoting by the full
+    key moves both; evicting or discarding the full page drops both (counted), except
+    one a load protects; with ``pair_swa`` off both outlive it (the fault the pairing
+    prevents).  Any other SWA page is untouched."""
+    monkeypatch.setattr(HostTier, "pair_swa", pair)
+    spec = ModelSpec.preset("mimo-v2.5", page_size=4)
+    fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
+    host = HostTier(spec, 2 * fpb + 4 * spb)
+    f, s = host.alloc(2, 4)
+    host.insert_full([b"F0", b"F1"], f)
+    host.insert_swa([b"a0", b"b0", b"a1", b"zz"], s, np.array([True, True, True, True]),
+                    [b"F0", b"F0", b"F1", None])
+    assert host.base_of(b"b0") == b"F0" and host.base_of(b"zz") is None
+    assert host.demote([b"F0"]) == 2 and host.anchored_swa([b"a0", b"b0", b"a1"]).tolist() == [False, False, True]
+    host.check_invariants()
+    assert host.discard([b"F0"]) == 1
+    held = (host.lookup_swa([b"a0", b"b0", b"a1", b"zz"]) >= 0).tolist()
+    assert held == [not pair, not pair, True, True]
+    assert host.stats()["dropped_paired_swa_pages"] == 2 * int(pair)
+    host.check_invariants()
+    # full eviction (room for two full pages) takes F1's window too, unless a load protects it
+    protect = host.lookup_swa([b"a1"]).tolist()
+    taken = []
+    while host.lookup_full([b"F1"]).tolist() != [-1] and len(taken) < 64:
+        got = host.alloc(1, 0, protect_swa=protect)
+        assert got is not None
+        taken.append(got)
+    assert host.lookup_full([b"F1"]).tolist() == [-1]
+    assert (host.lookup_swa([b"a1"]) >= 0).tolist() == [True]  # protected: it stays
+    for got in taken:
+        host.free(*got)
+    host.check_invariants()
+    assert host.discard([b"a1"], swa=True) == 1  # its base is gone: it leaves the pairing too
+    host.check_invariants()
+
+
 class SlowBackend:
     """A file backend whose reads take ``delay`` seconds (a slow server)."""
 

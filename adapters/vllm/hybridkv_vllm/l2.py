@@ -8,7 +8,7 @@ its sequence moved past (neither its tail, a checkpoint nor its hit's window) an
 both the worker's L2 and the scheduler's mirror demote them to plain SWA at the
 same point of their sequence of stores (the save job that carries them).
 
-A window goes with its full KV, as in hybridkv's core L2: each stored SWA page may
+A window goes with its full KV, by the core L2's own rule: each stored SWA page may
 name the full page holding its last token (its *base*, :func:`.plan.full_bases`);
 when L2 evicts or discards a full page, the SWA pages of every sliding group based
 on it leave too (a hit needs the full KV of its whole prefix: a window without it
@@ -52,18 +52,16 @@ class HostPageIndex:
     side keeps another, fed with the same stores and lookups, to tell which of a
     hit's pages the worker will read from L2 (:mod:`.sources`).  Not thread-safe.
 
-    Attributes: ``pairing`` (class default ``True``): SWA pages given a base full key
-    leave L2 with it, and enter plain when L2 lacks it; ``False`` keeps every window
-    anchored until its own eviction (the behaviour before the pairing, for
-    comparisons; the bases are still recorded: :meth:`base_of`).
+    Pairing SWA pages with their base full page is the core L2's own
+    (:attr:`HostTier.pair_swa <hybridkv.tiers.host.HostTier.pair_swa>`: set it
+    ``False`` to keep every window anchored until its own eviction, for comparisons;
+    the bases are still recorded: :meth:`base_of`).
 
     Args:
         page_bytes: bytes of one page (one block of every layer of a group); > 0, even.
         budget_bytes: host bytes for full and SWA pages together (> 0).
         window: the smallest sliding window of the model (informational for the spec).
     """
-
-    pairing = True
 
     def __init__(self, page_bytes: int, budget_bytes: int, window: int) -> None:
         if page_bytes < 4 or page_bytes % 2:
@@ -82,37 +80,10 @@ class HostPageIndex:
         self.page_bytes = int(page_bytes)
         self.budget_bytes = int(budget_bytes)
         self.tier = HostTier(spec, int(budget_bytes), device="meta")
-        # Pairing SWA pages with their base full page (insertion ordered: both sides
-        # drop a base's pages in the same order).
-        self._full_at: dict[int, bytes] = {}  # host full page -> its key
-        self._swa_at: dict[int, bytes] = {}   # host SWA page -> its key
-        self._base: dict[bytes, bytes] = {}   # SWA key -> base full key
-        self._under: dict[bytes, dict[bytes, None]] = {}  # base full key -> SWA keys
-        self.tier.counters["dropped_paired_swa_pages"] = 0
-        self.tier.free_listeners.append(self._freed)
-
-    def _freed(self, kind: AttnKind, pages: np.ndarray) -> None:
-        """HostTier frees ``pages`` (evicted, discarded): a full page takes the SWA pages
-        based on it along; an SWA page leaves the pairing maps.  O(pages + dropped)."""
-        if kind == AttnKind.FULL:
-            for p in pages.tolist():
-                under = self._under.pop(self._full_at.pop(p, b""), None)
-                if under and self.pairing:  # re-enters here (SWA) for each page it drops
-                    n = self.tier.discard(list(under), swa=True)
-                    self.tier.counters["dropped_paired_swa_pages"] += n
-            return
-        for p in pages.tolist():
-            k = self._swa_at.pop(p, None)
-            b = self._base.pop(k, None) if k is not None else None
-            under = self._under.get(b) if b is not None else None  # None: its base is leaving
-            if under is not None:
-                del under[k]
-                if not under:
-                    del self._under[b]
 
     def base_of(self, key: bytes) -> bytes | None:
         """The base full key recorded for the held SWA page ``key`` (None: none).  O(1)."""
-        return self._base.get(key)
+        return self.tier.base_of(key)
 
     def lookup(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:
         """Host page of each key, ``-1`` where absent (touches hits).  O(n)."""
@@ -146,19 +117,13 @@ class HostPageIndex:
         sel = [keys[i] for i in todo.tolist()]
         if not swa:
             self.tier.insert_full(sel, pages)
-            self._full_at.update(zip(pages.tolist(), sel))
             return todo, pages
         # Only windows a hit can end at are saved (tails, checkpoints, hit windows):
         # all enter as anchors (those a sequence moved past are demoted later), but
         # for one whose full KV L2 lacks (it would outlive it: plain).
         base = [None] * len(sel) if bases is None else [bases[i] for i in todo.tolist()]
-        anchor = [b is None or not self.pairing or b in self.tier for b in base]
-        self.tier.insert_swa(sel, pages, np.array(anchor, dtype=bool))
-        for k, p, b in zip(sel, pages.tolist(), base):
-            if b is not None:
-                self._swa_at[p] = k
-                self._base[k] = b
-                self._under.setdefault(b, {})[k] = None
+        anchor = [b is None or not self.tier.pair_swa or b in self.tier for b in base]
+        self.tier.insert_swa(sel, pages, np.array(anchor, dtype=bool), base)
         return todo, pages
 
     def anchored(self, keys: Sequence[bytes]) -> list[bytes]:

@@ -266,7 +266,9 @@ def test_l2_window_leaves_with_its_base_full_page(monkeypatch, pairing: bool) ->
     anchored and outlives its base (what the connector did before)."""
     from hybridkv_vllm.l2 import HostPageIndex
 
-    monkeypatch.setattr(HostPageIndex, "pairing", pairing)
+    from hybridkv.tiers.host import HostTier
+
+    monkeypatch.setattr(HostTier, "pair_swa", pairing)
     idx = HostPageIndex(64, 4 * 64, 8)  # four pages in all
     full = [b"f0", b"f1"]
     assert idx.admit(False, full)[0].tolist() == [0, 1]

@@ -223,9 +223,9 @@ def test_windows_leave_l2_with_their_full_page(stack) -> None:  # noqa: ANN001
 def test_without_the_pairing_windows_outlive_their_full_page(stack, monkeypatch) -> None:  # noqa: ANN001
     """The check above fails with the pairing off: anchored windows stay in L2 after
     their full page left it."""
-    from hybridkv_vllm.l2 import HostPageIndex
+    from hybridkv.tiers.host import HostTier
 
-    monkeypatch.setattr(HostPageIndex, "pairing", False)
+    monkeypatch.setattr(HostTier, "pair_swa", False)
     sched, worker = stack(device_pages=70, host_pages=48)
     _conversations(sched, worker, n_conv=3, seed=5)
     _, orphaned = _orphans(worker)
