@@ -1,4 +1,5 @@
-"""Behaviour of two checkouts of hybridkv on the same cases: every counter must match.
+"""Behaviour of two checkouts of hybridkv on the same cases: every counter must match
+(a counter only one of them has, e.g. a new one, is listed beside the verdict).
 
 A redesign that claims "behaviour unchanged" is checked here, not by eye.  For
 each checkout this script runs, in fresh processes with that checkout first on
@@ -153,10 +154,13 @@ def main() -> None:
     base, new = roots
     for n in names:
         a, b = by[(base, n)], by[(new, n)]
-        diffs = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        # a counter only one checkout has (added or removed) is listed, not compared
+        diffs = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
+        only = ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in sorted(a.keys() ^ b.keys()))
         differ += bool(diffs)
         print(f"{n:14s} {_headline(a):>16s} {_headline(b):>16s}  "
-              + ("same" if not diffs else "DIFFER: " + ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in diffs[:8])),
+              + ("same" if not diffs else "DIFFER: " + ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in diffs[:8]))
+              + (f" (only in one checkout: {only})" if only else ""),
               flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({n: {"base": by[(base, n)], "new": by[(new, n)]} for n in names},

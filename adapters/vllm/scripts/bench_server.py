@@ -10,15 +10,20 @@ is given, then, in one run:
 2. sends ``rounds`` batches of ``batch`` concurrent requests sharing a fresh
    system prompt each (the *concurrent* TTFT, empty L3), round ``r`` to every
    server, then round ``r + 1`` (never two servers at once; load drifts of
-   this shared machine hit all alike);
+   this shared machine hit all alike).  While one server is measured the
+   others are paused (``SIGSTOP`` to their process groups, ``SIGCONT`` after;
+   ``--no-pause``: left running): co-resident vLLM CPU servers on a 2-core
+   machine stalled one another's prefill by ~1 s at random, a stall that hit
+   the server without connector as often as the others (it made the
+   concurrent ratios of earlier runs measure the stall, not the connector);
 3. runs the *multi-turn* client (``convs`` conversations, ``turns`` turns,
    each turn = previous prompt + its answer + a new user message;
    conversations interleaved so they evict each other from vLLM's small KV
    cache) on ``hkv``, which fills L3, and stops it;
 4. stops them all; starts ``base2`` (no connector) and ``hkv2`` (on the
    L3 ``hkv`` filled) fresh and together, warms both alike, and replays the
-   multi-turn client on both, request by request interleaved (the *filled
-   L3* TTFT: a restarted server with and without hybridkv);
+   multi-turn client on both, request by request interleaved, the other
+   paused (the *filled L3* TTFT: a restarted server with and without hybridkv);
 5. prints JSON: median TTFT per phase and server, hit tokens from
    ``/metrics`` and per request, and whether every output equals ``base``.
 
@@ -41,7 +46,8 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,6 +157,16 @@ class Server:
             rc = self.proc.wait(10)
         self._log.close()
         return rc
+
+    def pause(self, on: bool) -> None:
+        """Stop (``on``) or continue the whole process group: a server not being
+        measured takes no CPU from the one that is.  No-op once it exited."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGSTOP if on else signal.SIGCONT)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def log_tail(self, n: int = 4000) -> str:
         try:
@@ -335,14 +351,29 @@ def read_stats(path: Path) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- bench
-def interleaved(fns: dict[str, Any], steps: int) -> dict[str, list[Any]]:
+def interleaved(fns: dict[str, Any], steps: int, servers: dict[str, Server] | None = None) -> dict[str, list[Any]]:
     """Step ``i`` of every server, then step ``i + 1``: the machine's load drifts
-    (a shared 2-core box here) hit every server alike."""
+    (a shared 2-core box here) hit every server alike.  With ``servers``, every
+    other server is paused while one runs its step (:func:`alone`)."""
     out: dict[str, list[Any]] = {n: [] for n in fns}
     for i in range(steps):
         for n, fn in fns.items():
-            out[n].append(fn(i))
+            with alone(servers or {}, n):
+                out[n].append(fn(i))
     return out
+
+
+@contextmanager
+def alone(servers: dict[str, Server], name: str) -> Iterator[None]:
+    """Every server of ``servers`` but ``name`` paused for the block (:meth:`Server.pause`)."""
+    others = [s for n, s in servers.items() if n != name]
+    for s in others:
+        s.pause(True)
+    try:
+        yield
+    finally:
+        for s in others:
+            s.pause(False)
 
 
 def multi_turn_steps(port: int, wl: Workload) -> Any:
@@ -377,6 +408,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="vLLM KV cache per server (small: conversations evict each other)")
     ap.add_argument("--sync-save", action="store_true",
                     help="also run the connector with async_save false (the old in-step saves)")
+    ap.add_argument("--no-pause", action="store_true",
+                    help="leave the servers not being measured running (not paused)")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args(argv)
 
@@ -424,11 +457,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         one = {n: (lambda i, p=s.port: run_concurrent(p, Workload(batches=[wl.batches[i]],
                                                                    max_tokens=wl.max_tokens))[0])
                for n, s in servers.items()}
-        conc = interleaved(one, len(wl.batches))
+        isolate = {} if args.no_pause else servers
+        conc = interleaved(one, len(wl.batches), isolate)
         # 2. multi-turn on the connector servers: fills their L3 (and is measured)
         for n in [n for n in servers if n != "base"]:
-            mt[n] = run_multi_turn(servers[n].port, wl)
-            result["metrics"][n] = scrape(servers[n].port, "vllm:hybridkv_")
+            with alone(isolate, n):
+                mt[n] = run_multi_turn(servers[n].port, wl)
+                result["metrics"][n] = scrape(servers[n].port, "vllm:hybridkv_")
         for s in servers.values():
             s.stop()
         # 3. restart: a fresh server without connector (base2) and a fresh one on the
@@ -446,7 +481,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for p in warm:
                 complete(s.port, p, 2)
         steps = {n: multi_turn_steps(s.port, wl) for n, s in fresh.items()}
-        interleaved({n: f for n, (f, _) in steps.items()}, len(wl.conv_starts) * args.turns)
+        interleaved({n: f for n, (f, _) in steps.items()}, len(wl.conv_starts) * args.turns,
+                    {} if args.no_pause else fresh)
         mt.update({n: r for n, (_, r) in steps.items()})
         result["metrics"]["hkv2"] = scrape(fresh["hkv2"].port, "vllm:hybridkv_")
     finally:
