@@ -105,9 +105,19 @@ class TierView:
         return out
 
     def saved_or_queued(self, key: bytes) -> bool:
-        """Whether the store holds ``key`` or this engine queued it (a save need not
-        carry it again).  O(1)."""
+        """Whether the store holds ``key`` or this engine queued it.  O(1)."""
         return self.store.state(key) is not None
+
+    def stored_everywhere(self, swa: bool, key: bytes) -> bool:
+        """Whether a save need not carry ``key`` again: the store holds it (or this
+        engine queued it) and so does L2 (the mirror; without L2, the store alone).
+        A page L2 lost but the device still holds is copied down again, as the core
+        copies down what the host lacks (repair case 1: device complete, host
+        deficient); the worker then writes it to L2 only (L3's ``exists`` skips it).
+        O(1)."""
+        if self.store.state(key) is None:
+            return False
+        return self.l2 is None or bool(self.l2.held(swa, [key])[0])
 
     def on_load_done(self, keys: dict[int, list[bytes]], ok: bool) -> None:
         """A load of ``keys`` (per group index) finished: read intact (``ok``), or failed:

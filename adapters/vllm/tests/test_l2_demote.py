@@ -231,3 +231,48 @@ def test_without_the_pairing_windows_outlive_their_full_page(stack, monkeypatch)
     _, orphaned = _orphans(worker)
     assert orphaned
     assert worker._l2.index.tier.counters["dropped_paired_swa_pages"] == 0
+
+
+def _request(sched: Any, rid: str, tokens: list[int]) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name(sched.vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(sched.hash_block_size, hash_fn)
+    return Request(rid, tokens, SamplingParams(max_tokens=8, ignore_eos=True), None, block_hasher=hasher)
+
+
+@pytest.mark.parametrize("copy_down", [True, False])
+def test_a_page_l2_lost_is_copied_down_again(stack, monkeypatch, copy_down: bool) -> None:  # noqa: ANN001
+    """Repair case 1 (device complete, host deficient) in the connector: a prompt's pages
+    L3 holds but L2 lost (cleared here, as an eviction would) are copied down to L2
+    again when a request computes or holds them; worker and mirror agree.  With the
+    old rule (a page the store holds is never saved again) L2 stays without them."""
+    if not copy_down:
+        monkeypatch.setattr(TierView, "stored_everywhere", lambda self, swa, key: self.saved_or_queued(key))
+    sched, worker = stack(device_pages=400, host_pages=4000)
+    rnd = random.Random(11)
+    prompt = [rnd.randrange(4, 30000) for _ in range(700)]
+    req_a = _request(sched, "a", list(prompt))
+    conn = sched.connector
+    ns = conn._state(req_a).namespace
+    _run(req_a, sched, worker)
+    from hybridkv_vllm.jobs import ReqState
+
+    class _Req:  # the shared prompt's whole pages (request b differs past them)
+        all_token_ids = prompt
+
+    shared = len(prompt) // conn.unit * conn.unit
+    keys = conn._keys(ReqState(_Req(), ns), shared)  # type: ignore[arg-type]
+    full_a = {k for g in conn.groups if not g.is_swa for k in keys[g.index]}
+    assert full_a and full_a <= set(_classes(worker._l2.tier)[0])
+    worker._l2.tier.clear()
+    sched.connector._tiers.l2.tier.clear()
+    _run(_request(sched, "b", prompt + [rnd.randrange(4, 30000) for _ in range(100)]), sched, worker)
+    full_b = set(_classes(worker._l2.tier)[0])
+    assert (full_a <= full_b) == copy_down and bool(full_a & full_b) == copy_down
+    assert _classes(worker._l2.tier) == _classes(sched.connector._tiers.l2.tier)
+    assert worker._l2.tier.stats() == sched.connector._tiers.l2.tier.stats()
