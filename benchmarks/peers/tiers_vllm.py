@@ -397,6 +397,8 @@ def run_hybridkv(reqs: Sequence[Any], spec: Any, device_bytes: int, host_bytes: 
     if out["hit_tokens"] != hk["hit_tokens"]:
         raise RuntimeError(f"hybridkv tier hits {out['hit_tokens']} != total {hk['hit_tokens']}")
     out.update({"rejected_requests": hk.get("rejected_requests", 0), "wall_s": round(time.perf_counter() - t0, 1)})
+    if cfg is not None and hk.get("l2"):  # what L2 holds at the end, by class (as the connector rows)
+        out["l2_end"] = hk["l2"]
     return out
 
 
