@@ -374,11 +374,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 pages = pages_to_save(g, st.saved_tokens // bs, end_tokens // bs, bs, final)
             sel = [i for i in pages if i < len(ids) and ids[i] != null_id and i not in done]
             done.update(sel if g.is_swa else ())
-            # A page another job already carries (a shared system prompt saved by
-            # the first request of a batch) is neither copied out nor stored again;
-            # one L3 holds but L2 lost is copied down again (repair case 1).
+            # Skipped: pages another job carries (a batch's shared system prompt) or that the
+            # store and L2 both hold; one only L2 lost is copied down again (repair case 1).
             ks = keys[g.index]
-            sel = [i for i in sel if not self._tiers.stored_everywhere(g.is_swa, ks[i]) and ks[i] not in self._claimed]
+            done_l23 = self._tiers.stored_everywhere(g.is_swa, [ks[i] for i in sel])
+            sel = [i for i, d in zip(sel, done_l23.tolist()) if not d and ks[i] not in self._claimed]
             if sel:
                 job.groups[g.index] = ([ids[i] for i in sel], [ks[i] for i in sel])
                 job.bases[g.index] = full_bases(self.groups, keys, g.index, sel)

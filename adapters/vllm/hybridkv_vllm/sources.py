@@ -108,16 +108,18 @@ class TierView:
         """Whether the store holds ``key`` or this engine queued it.  O(1)."""
         return self.store.state(key) is not None
 
-    def stored_everywhere(self, swa: bool, key: bytes) -> bool:
-        """Whether a save need not carry ``key`` again: the store holds it (or this
-        engine queued it) and so does L2 (the mirror; without L2, the store alone).
-        A page L2 lost but the device still holds is copied down again, as the core
-        copies down what the host lacks (repair case 1: device complete, host
-        deficient); the worker then writes it to L2 only (L3's ``exists`` skips it).
-        O(1)."""
-        if self.store.state(key) is None:
-            return False
-        return self.l2 is None or bool(self.l2.held(swa, [key])[0])
+    def stored_everywhere(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:
+        """Bool per key: whether a save need not carry it again: the store holds it (or
+        this engine queued it, :meth:`saved_or_queued`) and so does L2 (the mirror;
+        without L2, the store alone).  A page L2 lost but the device still holds is
+        copied down again, as the core copies down what the host lacks (repair case 1:
+        device complete, host deficient); the worker then writes it to L2 only (L3's
+        ``exists`` skips it).  O(n), one L2 lookup for the keys the store holds."""
+        out = np.fromiter((self.saved_or_queued(k) for k in keys), dtype=bool, count=len(keys))
+        if self.l2 is not None and out.any():
+            idx = np.flatnonzero(out)
+            out[idx] = self.l2.held(swa, [keys[i] for i in idx.tolist()])
+        return out
 
     def on_load_done(self, keys: dict[int, list[bytes]], ok: bool) -> None:
         """A load of ``keys`` (per group index) finished: read intact (``ok``), or failed:

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -111,17 +112,23 @@ def _kept(conn: Any, tokens: list[int], ns: str, tail: int, hit: int) -> set[byt
     return out
 
 
+def _hasher(sched: Any) -> Any:
+    """vLLM's block hasher for requests added to ``sched`` (its prefix-caching hash)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(sched.vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(sched.hash_block_size, hash_fn)
+
+
 def _conversations(sched: Any, worker: Any, n_conv: int, seed: int) -> dict[str, Any]:
     """Replay ``n_conv`` conversations of :data:`TURNS` turns, interleaved; after every
     turn the worker's L2 and the mirror agree.  Returns the last turn of each."""
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    hash_fn = get_hash_fn_by_name(sched.vllm_config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(sched.hash_block_size, hash_fn)
+    hasher = _hasher(sched)
     rnd = random.Random(seed)
     history = {f"c{c}": [rnd.randrange(4, 30000) for _ in range(rnd.randrange(100, 300))] for c in range(n_conv)}
     mirror, l2 = sched.connector._tiers.l2, worker._l2
@@ -235,14 +242,9 @@ def test_without_the_pairing_windows_outlive_their_full_page(stack, monkeypatch)
 
 def _request(sched: Any, rid: str, tokens: list[int]) -> Any:
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    hash_fn = get_hash_fn_by_name(sched.vllm_config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(sched.hash_block_size, hash_fn)
-    return Request(rid, tokens, SamplingParams(max_tokens=8, ignore_eos=True), None, block_hasher=hasher)
+    return Request(rid, tokens, SamplingParams(max_tokens=8, ignore_eos=True), None, block_hasher=_hasher(sched))
 
 
 @pytest.mark.parametrize("copy_down", [True, False])
@@ -252,7 +254,8 @@ def test_a_page_l2_lost_is_copied_down_again(stack, monkeypatch, copy_down: bool
     again when a request computes or holds them; worker and mirror agree.  With the
     old rule (a page the store holds is never saved again) L2 stays without them."""
     if not copy_down:
-        monkeypatch.setattr(TierView, "stored_everywhere", lambda self, swa, key: self.saved_or_queued(key))
+        monkeypatch.setattr(TierView, "stored_everywhere",
+                            lambda self, swa, keys: np.array([self.saved_or_queued(k) for k in keys], dtype=bool))
     sched, worker = stack(device_pages=400, host_pages=4000)
     rnd = random.Random(11)
     prompt = [rnd.randrange(4, 30000) for _ in range(700)]
