@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hybridkv.defaults import SWA_CHECKPOINT
+
 __all__ = ["ConnectorConfig"]
 
 
@@ -47,6 +49,13 @@ class ConnectorConfig:
             int: every multiple of it (a multiple of the hit unit); ``0``:
             tails only.
         checkpoints_per_doubling: density of the ``"auto"`` grid (> 0).
+        anchor_checkpoint: which checkpoint windows L2 keeps as anchors (evicted
+            last, as tails are): those ending on a multiple of this many tokens,
+            hybridkv's own ``swa_checkpoint`` by default, so the connector's L2
+            and the core's anchor the same windows; the other checkpoint windows
+            enter L2 plain (given up before full KV, and storing one displaces only
+            older plain windows).  ``0``: no checkpoint is an anchor.  L3 stores
+            every saved window either way.
         save_queue_mb: bound of the page bytes waiting in the worker's save
             thread; prefill saves beyond it are dropped (counted).
         async_save: store pages on the worker's save thread (default); ``False``
@@ -65,6 +74,7 @@ class ConnectorConfig:
     max_hit_tokens: int = 0
     checkpoint_interval: int | str = "auto"
     checkpoints_per_doubling: int = 4
+    anchor_checkpoint: int = SWA_CHECKPOINT
     backend_options: Mapping[str, Any] | None = None
     l2_gb: float = 1.0
     save_queue_mb: float = 256.0
@@ -99,7 +109,8 @@ class ConnectorConfig:
                 raise ValueError("kv_connector_extra_config['checkpoint_interval'] must be "
                                  "\"auto\" or an int >= 0")
             kw["checkpoint_interval"] = v
-        for name, low in (("max_hit_tokens", 0), ("checkpoints_per_doubling", 1)):
+        for name, low in (("max_hit_tokens", 0), ("checkpoints_per_doubling", 1),
+                          ("anchor_checkpoint", 0)):
             if name in extra:
                 v = extra[name]
                 if not isinstance(v, int) or isinstance(v, bool) or v < low:

@@ -28,9 +28,8 @@ manager, one block table per KV-cache group):
 * ``update_state_after_alloc`` turns the hit into per-group (block id, key)
   load lists; SWA groups get only their non-null window blocks.
 * Saves: full pages as soon as a prefill chunk completes them; SWA pages only
-  for the window before the prompt end and before the request end (the only
-  places a later hit can end).  The finish save holds the request's blocks
-  (``request_finished_all_groups`` returns ``True``) until the worker reports it.
+  for the windows a later hit can end at (prompt end, request end, checkpoints).
+  The finish save holds the request's blocks until the worker reports it.
 * Worker: ``register_kv_caches`` wraps vLLM's per-layer tensors per group
   (:class:`.kvio.GroupBuffers`); loads run in ``start_load_kv``; saves leave
   the step (:mod:`.saver`): ``wait_for_save`` copies a prefill chunk's pages
@@ -44,14 +43,9 @@ manager, one block table per KV-cache group):
   server's ``/metrics`` equals the stats file (one JSON line per event, and a
   ``shutdown`` line with the totals after the save thread drained).
 * L2: each worker keeps a host page cache (:class:`.l2.HostPageCache`, hybridkv's
-  ``HostTier`` index, ``l2_gb``).  Saves go to L2 and through to L3; loads read
-  L2 first and L3 for the rest (L3 reads fill L2).  The scheduler decides hits
-  from its record of both (it runs in another process than the worker's L2:
-  it mirrors the L2 index and keeps the store's index); a page the L2 mirror holds counts as present even when its
-  L3 write failed (a failed load takes it out of the mirror again).
-* Hit sources (``vllm:prompt_tokens_cached_by_source``): pages the worker reads
-  from L2 count as ``host``, from a file L3 as ``disk`` (:mod:`.sources`: the
-  scheduler side mirrors the worker's L2 index to tell which is which).
+  ``HostTier`` index, ``l2_gb``): saves go to L2 and through to L3, loads read L2
+  first (L3 reads fill L2).  The scheduler mirrors the L2 index (another process)
+  to decide hits and split them by source (``host`` / ``disk``: :mod:`.sources`).
 """
 
 from __future__ import annotations
@@ -87,7 +81,7 @@ from .kvio import GroupBuffers, as_np_tokens, load_pages
 from .l2 import HostPageCache, HostPageIndex
 from .logs import logger, route_core_logs
 from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
-from .plan import checkpoint_ends, full_bases, pages_to_save, window_safe_tokens
+from .plan import checkpoint_ends, full_bases, pages_to_save, window_safe_tokens, windows_before
 from .progress import IDLE_WAIT_S, SavesBusy, SavesWatch, WorkerSaves
 from .saver import SaveThread
 from .sources import TierView, l3_source
@@ -356,13 +350,16 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
         Full groups: every complete block.  SWA groups: the windows before
         checkpoints (:func:`.plan.checkpoint_ends`) and (``final``) before the
-        last hit-able end, both on the hit unit (a hit can only end there).
+        last hit-able end, both on the hit unit (a hit can only end there).  Those
+        windows enter L2 as anchors but for checkpoints off ``anchor_checkpoint`` (plain).
         """
         keys = self._keys(st, end_tokens)
         job = PageJob(st.request.request_id)
         swa_end = end_tokens // self.unit * self.unit
         ckpts = checkpoint_ends(st.saved_tokens, swa_end, self.unit,
                                 self.cfg.checkpoint_interval, self.cfg.checkpoints_per_doubling)
+        k = self.cfg.anchor_checkpoint
+        anchors = [c for c in ckpts if k and c % k == 0] + ([swa_end] if final else [])
         for g in self.groups:
             ids, bs = block_ids[g.index], g.block_size
             if g.is_swa:
@@ -383,6 +380,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 job.groups[g.index] = ([ids[i] for i in sel], [ks[i] for i in sel])
                 job.bases[g.index] = full_bases(self.groups, keys, g.index, sel)
                 self._claimed.update(ks[i] for i in sel)
+                if g.is_swa and len(anchors) < len(ckpts) + final:
+                    kept = windows_before(g, swa_end // bs, bs, [a // bs for a in anchors])
+                    job.plain += [ks[i] for i in sel if not kept[i]]
         st.saved_tokens = max(st.saved_tokens, end_tokens)
         return job if job.groups else None
 
@@ -417,7 +417,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta.saves.extend(self._pending_saves)
         self._pending_saves.clear()
         for job in meta.saves:  # visible to lookups from the next step on
-            self._tiers.on_save(job.groups, job.demote, job.bases)
+            self._tiers.on_save(job.groups, job.demote, job.bases, job.plain)
         self._claimed.clear()
         meta.idle = not (meta.loads or meta.saves or meta.touches or scheduler_output.total_num_scheduled_tokens)
         return meta
@@ -544,7 +544,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not meta.saves:
             return
         for job in meta.saves:
-            self._saver.submit(job.req_id, job.groups, job.finish, job.demote, job.bases)
+            self._saver.submit(job.req_id, job.groups, job.finish, job.demote, job.bases, job.plain)
         if not self.cfg.async_save:
             self._saver.drain(None)
 

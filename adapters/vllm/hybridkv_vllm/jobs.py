@@ -28,6 +28,9 @@ class PageJob:
     # per sliding group index: the full key each of its pages goes with in L2
     # (:func:`.plan.full_bases`; ``None``: none)
     bases: dict[int, list[bytes | None] | None] = field(default_factory=dict)
+    # SWA keys of this job that enter L2 plain: checkpoint windows L2 does not keep as
+    # anchors (:attr:`.config.ConnectorConfig.anchor_checkpoint`)
+    plain: list[bytes] = field(default_factory=list)
 
     def num_pages(self) -> int:
         return sum(len(b) for b, _ in self.groups.values())

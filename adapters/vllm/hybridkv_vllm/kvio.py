@@ -16,7 +16,7 @@ back to ``index_select`` / ``index_copy_`` per layer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -149,9 +149,11 @@ def gather_host(group: GroupBuffers, block_ids: Sequence[int]) -> torch.Tensor:
 
 def store_rows(backend: StorageBackend, keys: Sequence[bytes], rows: torch.Tensor,
                l2: HostPageCache | None = None, swa: bool = False,
-               bases: Sequence[bytes | None] | None = None) -> tuple[int, int, int]:
+               bases: Sequence[bytes | None] | None = None,
+               plain: Collection[bytes] = ()) -> tuple[int, int, int]:
     """Store host ``rows`` (from :func:`gather_host`) into L2 (when given) and L3.
-    ``bases``: the full key each SWA page goes with in L2 (:func:`.plan.full_bases`).
+    ``bases``: the full key each SWA page goes with in L2 (:func:`.plan.full_bases`);
+    ``plain``: SWA keys entering L2 plain (:meth:`.l2.HostPageIndex.admit`).
 
     L3 is written through where a key is missing (a fresh process or another
     server can only hit there); L2 keeps a host copy so this worker's next
@@ -163,7 +165,7 @@ def store_rows(backend: StorageBackend, keys: Sequence[bytes], rows: torch.Tenso
         return 0, 0, 0
     in_l2 = 0
     if l2 is not None and l2.page_bytes == rows.shape[1]:
-        in_l2 = l2.store(swa, list(keys), rows, bases)
+        in_l2 = l2.store(swa, list(keys), rows, bases, plain)
     present = backend.exists(list(keys))
     todo = [i for i, p in enumerate(present) if not p]
     if not todo:

@@ -34,7 +34,7 @@ cannot be evicted and reused between the two.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -98,33 +98,50 @@ class HostPageIndex:
         return self.tier.lookup_full(keys) >= 0
 
     def admit(self, swa: bool, keys: Sequence[bytes],
-              bases: Sequence[bytes | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+              bases: Sequence[bytes | None] | None = None,
+              plain: Collection[bytes] = ()) -> tuple[np.ndarray, np.ndarray]:
         """Index the keys not held yet (those held are touched); returns the indices
         ``i`` of ``keys`` admitted and their host pages.  When the budget cannot make
         room (everything else protected) nothing is admitted: L2 is best effort.
         ``bases`` (SWA only, parallel to ``keys``): the full key each page goes with
-        (``None``: none); a page whose base L2 does not hold enters plain.
-        Mutates the index (may evict LRU pages).  O(n + evicted)."""
+        (``None``: none); a page whose base L2 does not hold enters plain.  ``plain``
+        (SWA only): keys that enter plain whatever their base (windows L2 does not
+        keep as anchors); storing them displaces only older plain SWA, as in the
+        core's L2.  Mutates the index (may evict LRU pages).  O(n + evicted)."""
         have = self.lookup(swa, keys)
         todo = np.flatnonzero(have < 0)
         none = np.zeros(0, dtype=np.int64)
         if todo.size == 0:
             return none, none
-        got = self.tier.alloc(0 if swa else int(todo.size), int(todo.size) if swa else 0)
-        if got is None:
-            return none, none
-        pages = got[1] if swa else got[0]
-        sel = [keys[i] for i in todo.tolist()]
         if not swa:
-            self.tier.insert_full(sel, pages)
-            return todo, pages
+            got = self.tier.alloc(int(todo.size), 0)
+            if got is None:
+                return none, none
+            self.tier.insert_full([keys[i] for i in todo.tolist()], got[0])
+            return todo, got[0]
         # Only windows a hit can end at are saved (tails, checkpoints, hit windows):
-        # all enter as anchors (those a sequence moved past are demoted later), but
-        # for one whose full KV L2 lacks (it would outlive it: plain).
-        base = [None] * len(sel) if bases is None else [bases[i] for i in todo.tolist()]
-        anchor = [b is None or not self.tier.pair_swa or b in self.tier for b in base]
-        self.tier.insert_swa(sel, pages, np.array(anchor, dtype=bool), base)
-        return todo, pages
+        # they enter as anchors (those a sequence moved past are demoted later) but for
+        # those named ``plain`` and one whose full KV L2 lacks (it would outlive it).
+        base = [None] * len(keys) if bases is None else bases
+        want = np.array([k not in plain and (b is None or not self.tier.pair_swa or b in self.tier)
+                         for k, b in ((keys[i], base[i]) for i in todo.tolist())], dtype=bool)
+        idx: list[np.ndarray] = []
+        pages: list[np.ndarray] = []
+        for anchor in (True, False):  # anchors first, then plain SWA on its own terms
+            part = todo[want == anchor]
+            if part.size == 0:
+                continue
+            got = self.tier.alloc(0, int(part.size), plain_only=not anchor)
+            if got is None:
+                continue
+            sel = part.tolist()
+            self.tier.insert_swa([keys[i] for i in sel], got[1], np.full(part.size, anchor),
+                                 [base[i] for i in sel])
+            idx.append(part)
+            pages.append(got[1])
+        if not idx:
+            return none, none
+        return np.concatenate(idx), np.concatenate(pages)
 
     def anchored(self, keys: Sequence[bytes]) -> list[bytes]:
         """The SWA ``keys`` held in the anchored class.  O(n)."""
@@ -182,9 +199,9 @@ class HostPageCache:
         return hit
 
     def store(self, swa: bool, keys: Sequence[bytes], rows: torch.Tensor,
-              bases: Sequence[bytes | None] | None = None) -> int:
+              bases: Sequence[bytes | None] | None = None, plain: Collection[bytes] = ()) -> int:
         """Copy ``rows`` (``[n, page_bytes]`` uint8) in under ``keys``; returns pages stored.
-        ``bases``: as :meth:`HostPageIndex.admit`.
+        ``bases``, ``plain``: as :meth:`HostPageIndex.admit`.
 
         Keys already held are only touched.  When the budget cannot make room
         (everything else protected) nothing is stored: L2 is best effort.
@@ -194,11 +211,11 @@ class HostPageCache:
             raise ValueError(f"rows must be [{len(keys)}, {self.page_bytes}] uint8, "
                              f"got {tuple(rows.shape)}")
         with self._lock:
-            return self._store(swa, keys, rows, bases)
+            return self._store(swa, keys, rows, bases, plain)
 
     def _store(self, swa: bool, keys: Sequence[bytes], rows: torch.Tensor,
-               bases: Sequence[bytes | None] | None) -> int:
-        todo, pages = self.index.admit(swa, keys, bases)
+               bases: Sequence[bytes | None] | None, plain: Collection[bytes] = ()) -> int:
+        todo, pages = self.index.admit(swa, keys, bases, plain)
         if todo.size == 0:
             return 0
         kind = AttnKind.SWA if swa else AttnKind.FULL

@@ -28,6 +28,7 @@ __all__ = [
     "swa_first_page",
     "window_safe_pages",
     "window_safe_tokens",
+    "windows_before",
 ]
 
 
@@ -208,7 +209,7 @@ def pages_to_save(group: GroupInfo, saved_pages: int, end_pages: int, page_size:
         ends = list(range(first, end_pages + 1, checkpoint_pages))
     if final and (not ends or ends[-1] != end_pages):
         ends.append(end_pages)
-    return np.flatnonzero(_windows_before(group, end_pages, page_size, ends)).tolist()
+    return np.flatnonzero(windows_before(group, end_pages, page_size, ends)).tolist()
 
 
 def passed_pages(group: GroupInfo, end_pages: int, page_size: int, kept_ends: Sequence[int]) -> list[int]:
@@ -221,10 +222,10 @@ def passed_pages(group: GroupInfo, end_pages: int, page_size: int, kept_ends: Se
     """
     if not group.is_swa or end_pages <= 0:
         return []
-    return np.flatnonzero(~_windows_before(group, end_pages, page_size, kept_ends)).tolist()
+    return np.flatnonzero(~windows_before(group, end_pages, page_size, kept_ends)).tolist()
 
 
-def _windows_before(group: GroupInfo, end_pages: int, page_size: int, ends: Sequence[int]) -> np.ndarray:
+def windows_before(group: GroupInfo, end_pages: int, page_size: int, ends: Sequence[int]) -> np.ndarray:
     """``[end_pages]`` bool: the pages of SWA ``group`` inside the window before any of
     ``ends`` (in pages of this group; a window past ``end_pages`` counts its part
     inside).  O(end_pages + windows)."""

@@ -27,7 +27,7 @@ the hit, as vLLM requires.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -195,13 +195,15 @@ class TierView:
 
     def on_save(self, groups: dict[int, tuple[list[int], list[bytes]]],
                 demote: Sequence[bytes] = (),
-                bases: dict[int, list[bytes | None] | None] | None = None) -> None:
+                bases: dict[int, list[bytes | None] | None] | None = None,
+                plain: Collection[bytes] = ()) -> None:
         """A save job's pages (per group index: block ids and keys) go into L2, as the
         worker stores them, and count as queued for L3; first the job's ``demote``
         keys (anchored SWA windows a finished request moved past) become plain in
         the mirror, as the worker's save thread does before the job's stores
-        (``bases``: per sliding group, the full key each page goes with in L2).
-        O(pages + demoted keys)."""
+        (``bases``: per sliding group, the full key each page goes with in L2;
+        ``plain``: SWA keys entering L2 plain).  O(pages + demoted keys)."""
+        plain = frozenset(plain)
         for _, keys in groups.values():
             self.store.queued(keys)
         if self.l2 is None:
@@ -210,4 +212,4 @@ class TierView:
             self.l2.demote(demote)
         for gi, (_, keys) in groups.items():
             if keys:
-                self.l2.admit(self.groups[gi].is_swa, keys, (bases or {}).get(gi))
+                self.l2.admit(self.groups[gi].is_swa, keys, (bases or {}).get(gi), plain)

@@ -148,10 +148,10 @@ def _conversations(sched: Any, worker: Any, n_conv: int, seed: int) -> dict[str,
 
 @pytest.fixture()
 def stack(tmp_path: Path):  # noqa: ANN201
-    def build(device_pages: int, host_pages: int) -> tuple[Any, Any]:
+    def build(device_pages: int, host_pages: int, **extra: Any) -> tuple[Any, Any]:
         vc = tc._config(tv._model_dir(tmp_path, MAX_LEN), MAX_LEN, 8192, host_pages * PAGE_BYTES,
                         tmp_path / "l3")
-        vc.kv_transfer_config.kv_connector_extra_config["checkpoint_interval"] = CHECKPOINT
+        vc.kv_transfer_config.kv_connector_extra_config.update(checkpoint_interval=CHECKPOINT, **extra)
         sched = tc._scheduler(vc, tv.layer_specs(tv.preset_meta(SPEC)), device_pages * PAGE_BYTES)
         made.append(sched)
         return sched, _worker(vc, sched)
@@ -279,3 +279,36 @@ def test_a_page_l2_lost_is_copied_down_again(stack, monkeypatch, copy_down: bool
     assert (full_a <= full_b) == copy_down and bool(full_a & full_b) == copy_down
     assert _classes(worker._l2.tier) == _classes(sched.connector._tiers.l2.tier)
     assert worker._l2.tier.stats() == sched.connector._tiers.l2.tier.stats()
+
+
+@pytest.mark.parametrize("anchor_checkpoint", [CHECKPOINT, 2 * CHECKPOINT, 0])
+def test_checkpoint_windows_off_the_anchor_grid_enter_l2_plain(stack, anchor_checkpoint: int) -> None:  # noqa: ANN001
+    """L2 keeps as anchors the windows the core's L2 keeps (tails, hit windows and the
+    checkpoints on ``anchor_checkpoint``, hybridkv's ``swa_checkpoint``); the connector's
+    denser checkpoint windows enter plain (evicted before full KV), on worker and mirror
+    alike, and L3 stores them all."""
+    sched, worker = stack(device_pages=400, host_pages=4000, anchor_checkpoint=anchor_checkpoint)
+    rnd = random.Random(13)
+    prompt = [rnd.randrange(4, 30000) for _ in range(1500)]
+    req = _request(sched, "a", prompt)
+    conn = sched.connector
+    ns = conn._state(req).namespace
+    _run(req, sched, worker)
+    from hybridkv_vllm.jobs import ReqState
+
+    class _Req:
+        all_token_ids = prompt
+
+    keys = conn._keys(ReqState(_Req(), ns), 1472)  # type: ignore[arg-type]
+    _, plain, anchored = _classes(worker._l2.tier)
+    for c in (CHECKPOINT, 2 * CHECKPOINT):
+        window = {keys[g.index][i] for g in conn.groups if g.is_swa
+                  for i in range((c - WINDOW) // g.block_size, c // g.block_size)}
+        assert window and window <= set(plain) | set(anchored)  # L2 holds the checkpoint window
+        on_grid = bool(anchor_checkpoint) and c % anchor_checkpoint == 0
+        assert (window <= set(anchored)) == on_grid and (window <= set(plain)) != on_grid, c
+        assert all(worker.backend.exists(sorted(window)))  # L3 stores it either way
+    tail = {keys[g.index][i] for g in conn.groups if g.is_swa
+            for i in range((1472 - WINDOW) // g.block_size, 1472 // g.block_size)}
+    assert tail <= set(anchored)  # the prompt-end window: an anchor
+    assert _classes(worker._l2.tier) == _classes(sched.connector._tiers.l2.tier)

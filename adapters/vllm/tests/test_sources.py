@@ -82,6 +82,24 @@ def test_the_mirror_evicts_as_the_workers_l2_does():
     assert 0 < sum(held) < len(every)  # something was evicted, not everything
 
 
+
+def test_plain_windows_displace_only_plain_windows():
+    """A window named ``plain`` enters the plain class and makes room only from older plain
+    windows (as in the core's L2): with the budget full of full pages and anchors it is
+    not stored, and nothing is evicted for it; an anchor window is stored (a full page goes)."""
+    for index in (HostPageIndex(PAGE, 4 * PAGE, 64), HostPageCache(PAGE, 4 * PAGE, 64).index):
+        index.admit(False, _keys("f", 3))
+        index.admit(True, _keys("a", 1), [b"f2"])  # based on a held full page: an anchor
+        assert index.tier.num_anchored_swa_pages == 1 and index.tier.num_full_pages == 3
+        idx, _ = index.admit(True, _keys("p", 1), [b"f1"], plain=set(_keys("p", 1)))
+        assert idx.size == 0 and index.tier.num_full_pages == 3 and index.tier.num_swa_pages == 1
+        idx, _ = index.admit(True, _keys("b", 1), [b"f2"])
+        assert idx.size == 1 and index.tier.num_full_pages == 2 and index.tier.num_anchored_swa_pages == 2
+        index.demote(_keys("a", 1))  # a plain window now: the next plain one displaces it
+        idx, _ = index.admit(True, _keys("p", 1), [b"f2"], plain=set(_keys("p", 1)))
+        assert idx.size == 1 and index.anchored(_keys("p", 1)) == [] and index.held(True, _keys("a", 1)).tolist() == [False]
+
+
 class _Probe:
     def __init__(self, there: set[bytes]) -> None:
         self.there, self.asked = there, []
