@@ -3,14 +3,9 @@
 The L2 tier knows which page prefixes it holds a host copy of: full KV per
 page key and SWA KV per page (its own validity, independent of the full
 copy).  It is indexed by the chained page keys of :mod:`hybridkv.tiers.keys`
-(the same names L3 uses): a key already names its whole prefix, so "is page i
-of this prompt in L2" is one dict lookup and an L1 page can be backed up when
-the L1 tree frees it, knowing only its key.  The full pages also form a tree
-(HiCache's host tree): a page inserted with its *parent* (the key of the page
-before it, ``insert_full(..., parents)``) hangs under it, and L2 evicts only
-full pages no held page hangs under (the leaves), so a prefix other held pages
-extend is never cut out from under them (an evicted first page would make every
-page after it unreachable: a hit is a prefix).
+(the same names L3 uses), not by a second radix tree: a key already names
+its whole prefix, so "is page i of this prompt in L2" is one dict lookup and
+an L1 page can be backed up when the L1 tree frees it, knowing only its key.
 
 Memory: a :class:`~hybridkv.pools.DualPool` with one shared byte budget
 (``device="cpu"``, pinned when CUDA exists, for real KV; ``"meta"`` for
@@ -19,9 +14,7 @@ accounting-only replays).
 Eviction (LRU within each class), cheapest loss first:
 
 1. *plain* SWA pages (not a sequence tail or retention checkpoint window);
-2. full pages (the least recently used leaf; a page inserted without a parent is
-   a root, and ``leaf_first = False`` evicts the LRU page whatever hangs under it,
-   for comparisons), each with the SWA pages *based* on it (inserted with its
+2. full pages (LRU), each with the SWA pages *based* on it (inserted with its
    key as ``base_keys``: one per sliding group whose window ends in the page):
    left alone, orphaned SWA (much larger than full KV per token) filled L2 with
    windows it could not serve; an anchored window was also queued for L3, so it
@@ -44,7 +37,6 @@ serialises access with its lock.
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
 
@@ -70,8 +62,6 @@ class HostTier:
 
     #: SWA pages leave with the full page they are based on (see the module docstring)
     pair_swa = True
-    #: full pages leave leaves first (see the module docstring)
-    leaf_first = True
 
     def __init__(self, spec: ModelSpec, budget_bytes: int, *, device: str | None = "meta") -> None:
         budget_bytes = check_int(budget_bytes, "budget_bytes")
@@ -85,11 +75,6 @@ class HostTier:
         self._anchor: OrderedDict[bytes, int] = OrderedDict()    # tails / checkpoints (last)
         self._base: dict[bytes, bytes] = {}  # SWA key -> full-KV key of its page (its base)
         self._under: dict[bytes, dict[bytes, None]] = {}  # full-KV key -> SWA keys based on it
-        self._parent: dict[bytes, bytes] = {}  # held full key -> the key of the page before it
-        self._kids: dict[bytes, int] = {}      # full key -> held full pages whose parent it is
-        self._at: dict[bytes, int] = {}        # held full key -> tick of its last use
-        self._tick = 0
-        self._leaves: list[tuple[int, bytes]] = []  # heap of (tick, key), stale entries skipped
         self.listeners: list[TierListener] = []
         # Called with (kind, int32 page ids) just before pages go back to ``pool``: the
         # owner encodes a page with a queued L3 write before its data is reused.
@@ -113,7 +98,7 @@ class HostTier:
         get = self._full.get
         out = np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
         if touch:
-            self._touch_full(keys, out)
+            self._touch(self._full, keys, out)
         return out
 
     def lookup_swa(self, keys: Sequence[bytes], *, touch: bool = False) -> np.ndarray:
@@ -130,64 +115,11 @@ class HostTier:
         """bool per SWA key: held in the anchored class.  O(n)."""
         return np.fromiter((k in self._anchor for k in keys), dtype=bool, count=len(keys))
 
-    def _touch_full(self, keys: Sequence[bytes], pages: np.ndarray) -> None:
+    @staticmethod
+    def _touch(table: OrderedDict, keys: Sequence[bytes], pages: np.ndarray) -> None:
         for k, p in zip(keys, pages.tolist()):
             if p >= 0:
-                self._full.move_to_end(k)
-                self._used(k)
-
-    # ------------------------------------------------------- the full-page tree
-    def _used(self, key: bytes) -> None:
-        """Full page ``key`` was stored or read now: its last use, and (a leaf) its
-        place among the eviction candidates.  O(log n) amortised."""
-        self._tick += 1
-        self._at[key] = self._tick
-        if not self._kids.get(key):
-            heapq.heappush(self._leaves, (self._tick, key))
-            if len(self._leaves) > 2 * len(self._full) + 1024:  # drop the stale entries
-                self._leaves = [(t, k) for k, t in self._at.items() if not self._kids.get(k)]
-                heapq.heapify(self._leaves)
-
-    def _link(self, key: bytes, parent: bytes | None) -> None:
-        """Full page ``key`` (new) hangs under ``parent`` (held or not).  O(1)."""
-        if parent is not None:
-            self._parent[key] = parent
-            self._kids[parent] = self._kids.get(parent, 0) + 1
-        self._used(key)
-
-    def _unlink(self, key: bytes) -> None:
-        """Full page ``key`` left: its parent becomes a leaf when nothing else hangs
-        under it.  O(log n)."""
-        self._at.pop(key, None)
-        parent = self._parent.pop(key, None)
-        if parent is None:
-            return
-        n = self._kids[parent] - 1
-        if n:
-            self._kids[parent] = n
-            return
-        del self._kids[parent]
-        t = self._at.get(parent)
-        if t is not None:
-            heapq.heappush(self._leaves, (t, parent))
-
-    def _lru_leaf(self, protect: set[int]) -> bytes | None:
-        """The least recently used full page no held page hangs under, outside
-        ``protect`` (None: none).  O(log n) amortised plus protected leaves skipped."""
-        skipped = []
-        victim = None
-        while self._leaves:
-            t, k = heapq.heappop(self._leaves)
-            if self._at.get(k) != t or self._kids.get(k):
-                continue  # stale: used again since, gone, or no longer a leaf
-            if self._full[k] in protect:
-                skipped.append((t, k))
-                continue
-            victim = k
-            break
-        for e in skipped:
-            heapq.heappush(self._leaves, e)
-        return victim
+                table.move_to_end(k)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._full
@@ -239,18 +171,14 @@ class HostTier:
     def _evict_one(self, stage: str, protect_full: set[int], protect_swa: set[int]) -> bool:
         table = {"swa": self._swa, "full": self._full, "anchor": self._anchor}[stage]
         victim = None
-        if stage == "full" and self.leaf_first:
-            victim = self._lru_leaf(protect_full)
-        else:
-            for key, page in table.items():  # LRU first; protected pages are skipped
-                if page not in (protect_full if stage == "full" else protect_swa):
-                    victim = key
-                    break
+        for key, page in table.items():  # LRU first; protected pages are skipped
+            if page not in (protect_full if stage == "full" else protect_swa):
+                victim = key
+                break
         if victim is None:
             return False
         page = table.pop(victim)
         if stage == "full":
-            self._unlink(victim)
             self._free_full(np.array([page], dtype=np.int32))
             self.counters["evicted_full_pages"] += 1
             if self.listeners:
@@ -300,7 +228,6 @@ class HostTier:
                 page = self._full.pop(key, None)
                 if page is None:
                     continue
-                self._unlink(key)
                 self._free_full(np.array([page], dtype=np.int32))
                 self.counters["evicted_full_pages"] += 1
                 if self.listeners:
@@ -330,10 +257,6 @@ class HostTier:
         self._anchor.clear()
         self._base.clear()
         self._under.clear()
-        self._parent.clear()
-        self._kids.clear()
-        self._at.clear()
-        self._leaves.clear()
         if self.listeners:
             emit(self.listeners, TierEvent("L2", "remove", keys))
         return n
@@ -346,26 +269,19 @@ class HostTier:
             self._free_swa(swa_pages)
 
     # --------------------------------------------------------------- insert
-    def insert_full(self, keys: Sequence[bytes], pages: np.ndarray,
-                    parents: Sequence[bytes | None] | None = None) -> None:
+    def insert_full(self, keys: Sequence[bytes], pages: np.ndarray) -> None:
         """Index allocated ``pages`` (data already written) under ``keys`` (MRU).
 
-        ``parents[i]``: the key of the page before ``keys[i]`` in its sequence (None:
-        the first page, or unknown): the page hangs under it, which keeps the parent
-        from eviction while the page is held.  A key already present keeps its old
-        page (and parent) and the new one is freed.  O(n log n).
+        A key already present keeps its old page and the new one is freed.  O(n).
         """
         dup = []
         new = []
-        par = parents if parents is not None else [None] * len(keys)
-        for k, p, pk in zip(keys, np.asarray(pages).tolist(), par):
+        for k, p in zip(keys, np.asarray(pages).tolist()):
             if k in self._full:
                 dup.append(p)
                 self._full.move_to_end(k)
-                self._used(k)
             else:
                 self._full[k] = p
-                self._link(k, pk)
                 new.append(k)
                 self.counters["stored_full_pages"] += 1
         if dup:
@@ -459,11 +375,6 @@ class HostTier:
         for k, b in self._base.items():
             under.setdefault(b, set()).add(k)
         assert {b: set(ks) for b, ks in self._under.items()} == under, "SWA pages by base differ from their bases"
-        kids: dict[bytes, int] = {}
-        for k, pk in self._parent.items():
-            kids[pk] = kids.get(pk, 0) + 1
-        assert set(self._parent) <= set(self._full) and kids == self._kids, "L2 tree links differ from the pages"
-        assert set(self._at) == set(self._full), "L2 full pages and their last uses differ"
         assert np.unique(full).size == full.size == self.pool.full.num_used, \
             ("L2 full pages", np.unique(full).size, full.size, self.pool.full.num_used)
         assert np.unique(swa).size == swa.size == self.pool.swa.num_used, \

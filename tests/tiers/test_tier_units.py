@@ -93,44 +93,6 @@ def test_host_tier_demote_swa_moves_anchored_windows_by_swa_key():
 
 
 
-
-def _reachable(host: HostTier, chain: list[bytes]) -> int:
-    """How many leading pages of ``chain`` L2 holds (a hit is a prefix)."""
-    held = (host.lookup_full(chain) >= 0).tolist()
-    return held.index(False) if False in held else len(held)
-
-
-@pytest.mark.parametrize("leaf_first", [True, False])
-def test_host_tier_evicts_full_pages_leaves_first(monkeypatch, leaf_first: bool):
-    """Full pages inserted with their parents form a tree; L2 evicts the least recently
-    used page nothing hangs under, so a sequence read from its first page on (which
-    makes that page its least recent) loses its last pages, not its first, and a shared
-    prefix stays while a branch under it is held.  With ``leaf_first`` off the LRU
-    page goes whatever hangs under it: the whole sequence becomes unreachable."""
-    monkeypatch.setattr(HostTier, "leaf_first", leaf_first)
-    spec = ModelSpec.preset("mimo-v2.5", page_size=4)
-    host = HostTier(spec, 5 * spec.bytes_per_page("full"))
-    a = [b"a0", b"a1", b"a2", b"a3"]
-    host.insert_full(a, host.alloc(4, 0)[0], [None, *a[:-1]])
-    host.insert_full([b"b2"], host.alloc(1, 0)[0], [b"a1"])  # a branch after a1
-    host.lookup_full(a, touch=True)  # a hit of the whole sequence: a0 is now its least recent
-    host.check_invariants()
-    for new in (b"x", b"y"):  # two unrelated pages: two evictions
-        f, _ = host.alloc(1, 0)
-        host.insert_full([new], f)
-        host.check_invariants()
-    if leaf_first:  # b2 (the least recent leaf), then a3
-        assert _reachable(host, a) == 3 and _reachable(host, a[:2] + [b"b2"]) == 2
-    else:  # b2, then a0: a1..a3 are held but no hit reaches them
-        assert _reachable(host, a) == 0 and (host.lookup_full(a[1:]) >= 0).all()
-    assert host.stats()["evicted_full_pages"] == 2
-    # discarding a parent leaves its children held; clearing drops every link
-    host.discard([b"a1"])
-    host.check_invariants()
-    host.clear()
-    host.check_invariants()
-
-
 @pytest.mark.parametrize("pair", [True, False])
 def test_host_tier_swa_pages_of_several_groups_leave_with_their_base(monkeypatch, pair: bool):
     """Two SWA pages based on one full page (two sliding groups): demoting by the full

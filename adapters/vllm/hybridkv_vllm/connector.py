@@ -81,7 +81,7 @@ from .kvio import GroupBuffers, as_np_tokens, load_pages
 from .l2 import HostPageCache, HostPageIndex
 from .logs import logger, route_core_logs
 from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
-from .plan import checkpoint_ends, l2_parents, pages_to_save, window_safe_tokens, windows_before
+from .plan import checkpoint_ends, full_bases, pages_to_save, window_safe_tokens, windows_before
 from .progress import IDLE_WAIT_S, SavesBusy, SavesWatch, WorkerSaves
 from .saver import SaveThread
 from .sources import TierView, l3_source
@@ -325,8 +325,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             sel = [i for i in range(lo, min(hi, len(blk))) if not blk[i].is_null]
             pages[g.index] = (sel, [keys[g.index][i] for i in sel])
             job.groups[g.index] = ([blk[i].block_id for i in sel], pages[g.index][1])
-            job.parents[g.index] = l2_parents(self.groups, keys, g.index, sel)
-        st.hit_sources = self._tiers.on_load(pages, start, end, job.parents)
+            job.bases[g.index] = full_bases(self.groups, keys, g.index, sel)
+        st.hit_sources = self._tiers.on_load(pages, start, end, job.bases)
         self._pending_loads[request.request_id] = job
         self._loading[request.request_id] = {gi: list(ks) for gi, (_, ks) in job.groups.items()}
         st.saved_tokens = max(st.saved_tokens, end)  # these pages are in storage already
@@ -378,7 +378,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             sel = [i for i, d in zip(sel, done_l23.tolist()) if not d and ks[i] not in self._claimed]
             if sel:
                 job.groups[g.index] = ([ids[i] for i in sel], [ks[i] for i in sel])
-                job.parents[g.index] = l2_parents(self.groups, keys, g.index, sel)
+                job.bases[g.index] = full_bases(self.groups, keys, g.index, sel)
                 self._claimed.update(ks[i] for i in sel)
                 if g.is_swa and len(anchors) < len(ckpts) + final:
                     kept = windows_before(g, swa_end // bs, bs, [a // bs for a in anchors])
@@ -417,7 +417,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta.saves.extend(self._pending_saves)
         self._pending_saves.clear()
         for job in meta.saves:  # visible to lookups from the next step on
-            self._tiers.on_save(job.groups, job.demote, job.parents, job.plain)
+            self._tiers.on_save(job.groups, job.demote, job.bases, job.plain)
         self._claimed.clear()
         meta.idle = not (meta.loads or meta.saves or meta.touches or scheduler_output.total_num_scheduled_tokens)
         return meta
@@ -509,7 +509,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             for gi, (ids, keys) in job.groups.items():
                 if ok and ids:
                     ok, a, b = load_pages(self.backend, self._buffers[gi], keys, ids,
-                                          self._l2, swa[gi], job.parents.get(gi))
+                                          self._l2, swa[gi], job.bases.get(gi))
                     l2_pages, l3_pages = l2_pages + a, l3_pages + b
             if ok:
                 self._count(load_pages=job.num_pages(), load_pages_l2=l2_pages,
@@ -544,7 +544,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not meta.saves:
             return
         for job in meta.saves:
-            self._saver.submit(job.req_id, job.groups, job.finish, job.demote, job.parents, job.plain)
+            self._saver.submit(job.req_id, job.groups, job.finish, job.demote, job.bases, job.plain)
         if not self.cfg.async_save:
             self._saver.drain(None)
 

@@ -25,10 +25,9 @@ class PageJob:
     # SWA keys whose anchored L2 windows the finished request moved past: made plain
     # before this job's pages are stored (worker L2 and scheduler mirror alike)
     demote: list[bytes] = field(default_factory=list)
-    # per group index: the full key each of its pages hangs under in L2 (a full page:
-    # the page before it; a window: the full page holding its last token;
-    # :func:`.plan.l2_parents`; ``None``: none)
-    parents: dict[int, list[bytes | None] | None] = field(default_factory=dict)
+    # per sliding group index: the full key each of its pages goes with in L2
+    # (:func:`.plan.full_bases`; ``None``: none)
+    bases: dict[int, list[bytes | None] | None] = field(default_factory=dict)
     # SWA keys of this job that enter L2 plain: checkpoint windows L2 does not keep as
     # anchors (:attr:`.config.ConnectorConfig.anchor_checkpoint`)
     plain: list[bytes] = field(default_factory=list)

@@ -149,10 +149,10 @@ def gather_host(group: GroupBuffers, block_ids: Sequence[int]) -> torch.Tensor:
 
 def store_rows(backend: StorageBackend, keys: Sequence[bytes], rows: torch.Tensor,
                l2: HostPageCache | None = None, swa: bool = False,
-               parents: Sequence[bytes | None] | None = None,
+               bases: Sequence[bytes | None] | None = None,
                plain: Collection[bytes] = ()) -> tuple[int, int, int]:
     """Store host ``rows`` (from :func:`gather_host`) into L2 (when given) and L3.
-    ``parents``: the full key each page hangs under in L2 (:func:`.plan.l2_parents`);
+    ``bases``: the full key each SWA page goes with in L2 (:func:`.plan.full_bases`);
     ``plain``: SWA keys entering L2 plain (:meth:`.l2.HostPageIndex.admit`).
 
     L3 is written through where a key is missing (a fresh process or another
@@ -165,7 +165,7 @@ def store_rows(backend: StorageBackend, keys: Sequence[bytes], rows: torch.Tenso
         return 0, 0, 0
     in_l2 = 0
     if l2 is not None and l2.page_bytes == rows.shape[1]:
-        in_l2 = l2.store(swa, list(keys), rows, parents, plain)
+        in_l2 = l2.store(swa, list(keys), rows, bases, plain)
     present = backend.exists(list(keys))
     todo = [i for i, p in enumerate(present) if not p]
     if not todo:
@@ -186,7 +186,7 @@ def save_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[byte
 
 def load_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[bytes],
                block_ids: Sequence[int], l2: HostPageCache | None = None,
-               swa: bool = False, parents: Sequence[bytes | None] | None = None) -> tuple[bool, int, int]:
+               swa: bool = False, bases: Sequence[bytes | None] | None = None) -> tuple[bool, int, int]:
     """Read every page (L2 first, the rest from L3) into its block; all or nothing.
 
     Returns ``(ok, pages_from_l2, pages_from_l3)``.  ``ok`` is ``True`` when
@@ -218,7 +218,7 @@ def load_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[byte
         if use_l2:
             l2.store(swa, [keys[i] for i in miss.tolist()],  # type: ignore[union-attr]
                      buf.index_select(0, torch.as_tensor(miss, dtype=torch.long)),
-                     None if parents is None else [parents[i] for i in miss.tolist()])
+                     None if bases is None else [bases[i] for i in miss.tolist()])
     group.scatter(buf.view(group.dtype).view(n, group.page_elems), block_ids)
     return True, int(hit.size), int(miss.size)
 

@@ -9,7 +9,7 @@ both the worker's L2 and the scheduler's mirror demote them to plain SWA at the
 same point of their sequence of stores (the save job that carries them).
 
 A window goes with its full KV, by the core L2's own rule: each stored SWA page may
-name the full page holding its last token (its *base*, :func:`.plan.l2_parents`);
+name the full page holding its last token (its *base*, :func:`.plan.full_bases`);
 when L2 evicts or discards a full page, the SWA pages of every sliding group based
 on it leave too (a hit needs the full KV of its whole prefix: a window without it
 buys little from L2).  An SWA page whose base L2 does not hold when it is stored
@@ -98,15 +98,13 @@ class HostPageIndex:
         return self.tier.lookup_full(keys) >= 0
 
     def admit(self, swa: bool, keys: Sequence[bytes],
-              parents: Sequence[bytes | None] | None = None,
+              bases: Sequence[bytes | None] | None = None,
               plain: Collection[bytes] = ()) -> tuple[np.ndarray, np.ndarray]:
         """Index the keys not held yet (those held are touched); returns the indices
         ``i`` of ``keys`` admitted and their host pages.  When the budget cannot make
         room (everything else protected) nothing is admitted: L2 is best effort.
-        ``parents`` (parallel to ``keys``): the full key each page hangs under
-        (:func:`.plan.l2_parents`; ``None``: none): a full page's parent, which L2 does not
-        evict while the page is held; an SWA page's base, whose eviction takes the
-        window along (a window whose base L2 does not hold enters plain).  ``plain``
+        ``bases`` (SWA only, parallel to ``keys``): the full key each page goes with
+        (``None``: none); a page whose base L2 does not hold enters plain.  ``plain``
         (SWA only): keys that enter plain whatever their base (windows L2 does not
         keep as anchors); storing them displaces only older plain SWA, as in the
         core's L2.  Mutates the index (may evict LRU pages).  O(n + evicted)."""
@@ -119,13 +117,12 @@ class HostPageIndex:
             got = self.tier.alloc(int(todo.size), 0)
             if got is None:
                 return none, none
-            self.tier.insert_full([keys[i] for i in todo.tolist()], got[0],
-                                  None if parents is None else [parents[i] for i in todo.tolist()])
+            self.tier.insert_full([keys[i] for i in todo.tolist()], got[0])
             return todo, got[0]
         # Only windows a hit can end at are saved (tails, checkpoints, hit windows):
         # they enter as anchors (those a sequence moved past are demoted later) but for
         # those named ``plain`` and one whose full KV L2 lacks (it would outlive it).
-        base = [None] * len(keys) if parents is None else parents
+        base = [None] * len(keys) if bases is None else bases
         want = np.array([k not in plain and (b is None or not self.tier.pair_swa or b in self.tier)
                          for k, b in ((keys[i], base[i]) for i in todo.tolist())], dtype=bool)
         idx: list[np.ndarray] = []
@@ -202,9 +199,9 @@ class HostPageCache:
         return hit
 
     def store(self, swa: bool, keys: Sequence[bytes], rows: torch.Tensor,
-              parents: Sequence[bytes | None] | None = None, plain: Collection[bytes] = ()) -> int:
+              bases: Sequence[bytes | None] | None = None, plain: Collection[bytes] = ()) -> int:
         """Copy ``rows`` (``[n, page_bytes]`` uint8) in under ``keys``; returns pages stored.
-        ``parents``, ``plain``: as :meth:`HostPageIndex.admit`.
+        ``bases``, ``plain``: as :meth:`HostPageIndex.admit`.
 
         Keys already held are only touched.  When the budget cannot make room
         (everything else protected) nothing is stored: L2 is best effort.
@@ -214,11 +211,11 @@ class HostPageCache:
             raise ValueError(f"rows must be [{len(keys)}, {self.page_bytes}] uint8, "
                              f"got {tuple(rows.shape)}")
         with self._lock:
-            return self._store(swa, keys, rows, parents, plain)
+            return self._store(swa, keys, rows, bases, plain)
 
     def _store(self, swa: bool, keys: Sequence[bytes], rows: torch.Tensor,
-               parents: Sequence[bytes | None] | None, plain: Collection[bytes] = ()) -> int:
-        todo, pages = self.index.admit(swa, keys, parents, plain)
+               bases: Sequence[bytes | None] | None, plain: Collection[bytes] = ()) -> int:
+        todo, pages = self.index.admit(swa, keys, bases, plain)
         if todo.size == 0:
             return 0
         kind = AttnKind.SWA if swa else AttnKind.FULL

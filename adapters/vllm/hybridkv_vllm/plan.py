@@ -22,7 +22,7 @@ from hybridkv.window import groups_safe_pages, held_windows
 __all__ = [
     "GroupInfo",
     "checkpoint_ends",
-    "l2_parents",
+    "full_bases",
     "pages_to_save",
     "passed_pages",
     "swa_first_page",
@@ -52,22 +52,16 @@ class GroupInfo:
         return self.window is not None
 
 
-def l2_parents(groups: Sequence[GroupInfo], keys: dict[int, list[bytes]], gi: int,
+def full_bases(groups: Sequence[GroupInfo], keys: dict[int, list[bytes]], gi: int,
                pages: Sequence[int]) -> list[bytes | None] | None:
-    """Per page ``pages[j]`` of group ``gi``, the full page it hangs under in L2's tree
-    (:meth:`hybridkv.tiers.host.HostTier.insert_full`): for a full group, its own
-    group's page before it (``None`` for the first); for a sliding group, the page of
-    the model's first full-attention group that holds its last token (the full KV its
-    window's hit needs: L2 drops the window with it; ``None`` where ``keys`` do not
-    reach that far, and the whole answer ``None`` for a model without a full group).
-    O(len(pages)).
+    """Per page ``pages[j]`` of sliding group ``gi``, the key of the page of the
+    model's first full-attention group that holds its last token (the full KV its
+    window's hit needs; L2 drops the window with it), ``None`` where ``keys`` do not
+    reach that far.  ``None`` for a full group or a model without one.  O(len(pages)).
     """
     by = {g.index: g for g in groups}
-    if not by[gi].is_swa:
-        own = keys.get(gi, [])
-        return [own[i - 1] if 0 < i <= len(own) else None for i in pages]
     full = next((g for g in groups if not g.is_swa), None)
-    if full is None:
+    if full is None or not by[gi].is_swa:
         return None
     fks, bs, fbs = keys.get(full.index, []), by[gi].block_size, full.block_size
     if not (bs and fbs):  # a block size 0 is the caller's one page size for every group

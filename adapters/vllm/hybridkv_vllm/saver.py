@@ -62,7 +62,7 @@ class SaveTask:
     rows: dict[int, torch.Tensor] = field(default_factory=dict)
     touch: list[bytes] = field(default_factory=list)  # a touch task: keys to keep alive in L3
     demote: list[bytes] = field(default_factory=list)  # L2 anchored windows made plain first
-    parents: dict[int, list[bytes | None] | None] = field(default_factory=dict)  # per group
+    bases: dict[int, list[bytes | None] | None] = field(default_factory=dict)  # per SWA group
     plain: frozenset[bytes] = frozenset()  # SWA keys entering L2 plain
     nbytes: int = 0
     t_submit: float = 0.0
@@ -102,19 +102,19 @@ class SaveThread:
     # ------------------------------------------------------------ execute thread
     def submit(self, req_id: str, groups: dict[int, tuple[list[int], list[bytes]]],
                finish: bool, demote: list[bytes] | None = None,
-               parents: dict[int, list[bytes | None] | None] | None = None,
+               bases: dict[int, list[bytes | None] | None] | None = None,
                plain: Iterable[bytes] = ()) -> bool:
         """Queue one job; prefill jobs (``finish=False``) are copied out now.
 
         ``demote``: SWA keys whose anchored L2 windows become plain before the
         job's stores (the scheduler's mirror does the same at the same point).
-        ``parents``: per group, the full key each page hangs under in L2;
+        ``bases``: per sliding group, the full key each page goes with in L2;
         ``plain``: SWA keys that enter L2 plain (not as anchors).
         Returns ``False`` when the job was dropped (queue full or stopped);
         a dropped finish job is released at once (its blocks go back to vLLM).
         A dropped job's demotion still runs (it costs no queue bytes).
         """
-        task = SaveTask(req_id, groups, finish, demote=list(demote or ()), parents=dict(parents or {}),
+        task = SaveTask(req_id, groups, finish, demote=list(demote or ()), bases=dict(bases or {}),
                         plain=frozenset(plain), t_submit=time.perf_counter())
         pages = sum(len(ids) for ids, _ in groups.values())
         nbytes = sum(len(ids) * self.buffers[gi].page_bytes for gi, (ids, _) in groups.items())
@@ -263,7 +263,7 @@ class SaveThread:
             if rows is None or not keys:
                 continue
             s, k, h = store_rows(self.backend, keys, rows, self.l2, self.swa[gi],
-                                  task.parents.get(gi), task.plain)
+                                  task.bases.get(gi), task.plain)
             stored, skipped, in_l2 = stored + s, skipped + k, in_l2 + h
         task.rows.clear()
         self._count(save_pages=stored, save_pages_l2=in_l2, save_skipped=skipped,

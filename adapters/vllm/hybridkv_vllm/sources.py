@@ -135,11 +135,11 @@ class TierView:
                 self.l2.tier.discard(ks, swa=self.groups[gi].is_swa)
 
     def on_load(self, pages: dict[int, tuple[list[int], list[bytes]]], start: int, end: int,
-                parents: dict[int, list[bytes | None] | None] | None = None) -> dict[CacheHitSource, int]:
+                bases: dict[int, list[bytes | None] | None] | None = None) -> dict[CacheHitSource, int]:
         """A load of ``pages`` (per group index: page indices at the group's block size
         and their keys) for the hit ``[start, end)``; returns its tokens by source and
-        updates the mirror as the worker's load will (``parents``: per group, the
-        full key each page hangs under in L2).
+        updates the mirror as the worker's load will (``bases``: per sliding group, the
+        full key each page goes with in L2).
 
         A token counts as L3's when any loaded page covering it is read from L3, else
         as L2's; tokens no loaded page covers (a sliding window group's history
@@ -163,8 +163,8 @@ class TierView:
             miss = [j for j, h in enumerate(held.tolist()) if not h]
             if miss:
                 any_l3 = True
-                par = (parents or {}).get(gi)  # the worker copies L3 reads into L2
-                self.l2.admit(g.is_swa, [keys[j] for j in miss], None if par is None else [par[j] for j in miss])
+                base = (bases or {}).get(gi)  # the worker copies L3 reads into L2
+                self.l2.admit(g.is_swa, [keys[j] for j in miss], None if base is None else [base[j] for j in miss])
             for i, h in zip(idx, held.tolist()):
                 lo = max(0, i * g.block_size - start) // unit
                 hi = -(-(min(end, (i + 1) * g.block_size) - start) // unit)
@@ -195,13 +195,13 @@ class TierView:
 
     def on_save(self, groups: dict[int, tuple[list[int], list[bytes]]],
                 demote: Sequence[bytes] = (),
-                parents: dict[int, list[bytes | None] | None] | None = None,
+                bases: dict[int, list[bytes | None] | None] | None = None,
                 plain: Collection[bytes] = ()) -> None:
         """A save job's pages (per group index: block ids and keys) go into L2, as the
         worker stores them, and count as queued for L3; first the job's ``demote``
         keys (anchored SWA windows a finished request moved past) become plain in
         the mirror, as the worker's save thread does before the job's stores
-        (``parents``: per group, the full key each page hangs under in L2;
+        (``bases``: per sliding group, the full key each page goes with in L2;
         ``plain``: SWA keys entering L2 plain).  O(pages + demoted keys)."""
         plain = frozenset(plain)
         for _, keys in groups.values():
@@ -212,4 +212,4 @@ class TierView:
             self.l2.demote(demote)
         for gi, (_, keys) in groups.items():
             if keys:
-                self.l2.admit(self.groups[gi].is_swa, keys, (parents or {}).get(gi), plain)
+                self.l2.admit(self.groups[gi].is_swa, keys, (bases or {}).get(gi), plain)

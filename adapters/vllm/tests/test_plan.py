@@ -7,7 +7,7 @@ import pytest
 from hybridkv_vllm.config import ConnectorConfig
 from hybridkv_vllm.plan import (
     GroupInfo,
-    l2_parents,
+    full_bases,
     pages_to_save,
     passed_pages,
     swa_first_page,
@@ -164,16 +164,14 @@ def test_passed_pages_leave_out_the_kept_windows() -> None:
     assert passed_pages(SWA, 0, 32, [4]) == [] and passed_pages(FULL, 10, 32, []) == []
 
 
-def test_l2_parents_name_the_full_page_holding_each_windows_last_token() -> None:
+def test_full_bases_name_the_full_page_holding_each_windows_last_token() -> None:
     """MiMo-V2's layout (full blocks of 64, SWA blocks of 32): SWA page i ends at token
     32 (i + 1) - 1, inside full page (32 (i + 1) - 1) // 64; past the full keys: None;
-    a model without a full group: None; block size 0 (one page size): same index.  A
-    full page hangs under the page before it in its own group (the first under none)."""
+    a full group or a model without one: None; block size 0 (one page size): same index."""
     full, swa = GroupInfo(0, None, ("f",), 64), GroupInfo(1, 128, ("s",), 32)
     keys = {0: [b"F0", b"F1"], 1: [b"S%d" % i for i in range(6)]}
-    assert l2_parents([full, swa], keys, 1, [0, 1, 2, 3, 4]) == [b"F0", b"F0", b"F1", b"F1", None]
-    assert l2_parents([full, swa], keys, 0, [0, 1]) == [None, b"F0"]
-    assert l2_parents([full, swa], keys, 0, [1, 3]) == [b"F0", None]  # past the keys: none
-    assert l2_parents([swa], keys, 1, [0]) is None
+    assert full_bases([full, swa], keys, 1, [0, 1, 2, 3, 4]) == [b"F0", b"F0", b"F1", b"F1", None]
+    assert full_bases([full, swa], keys, 0, [0, 1]) is None
+    assert full_bases([swa], keys, 1, [0]) is None
     one = [GroupInfo(0, None, ("f",)), GroupInfo(1, 128, ("s",))]
-    assert l2_parents(one, keys, 1, [1, 2]) == [b"F1", None]
+    assert full_bases(one, keys, 1, [1, 2]) == [b"F1", None]
