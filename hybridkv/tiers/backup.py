@@ -84,7 +84,7 @@ class L2Backup:
         the tree takes them).  O(pages)."""
         lo = req.tree_pages
         for p, k in zip(req.full_pages[lo:aligned].tolist(), keys[lo:aligned]):
-            self._full_key[p] = k
+            self._name_full(p, k)
         swa = req.swa_pages[lo:aligned]
         idx = lo + np.flatnonzero(swa >= 0)
         for p, i, a in zip(req.swa_pages[idx].tolist(), idx.tolist(), self._anchored(idx, aligned).tolist()):
@@ -95,14 +95,24 @@ class L2Backup:
         """Register L1 pages loaded from L2: full page ``full_pages[j]`` holds page
         ``full_idx[j]`` of ``keys``, likewise SWA (anchored).  O(pages)."""
         for p, i in zip(full_pages.tolist(), full_idx.tolist()):
-            self._full_key[p] = keys[i]
+            self._name_full(p, keys[i])
         for p, i in zip(swa_pages.tolist(), swa_idx.tolist()):
             self._swa_key[p] = (keys[i], True)
+
+    def _name_full(self, page: int, key: bytes) -> None:
+        """L1 full page ``page`` holds ``key`` (L2 learns that L1 holds it).  O(1)."""
+        old = self._full_key.get(page)
+        if old is not None:
+            self.host.mark_l1((old,), False)
+        self._full_key[page] = key
+        self.host.mark_l1((key,), True)
 
     def unregister(self, full_pages: np.ndarray, swa_pages: np.ndarray) -> None:
         """Forget the keys of these L1 pages (a load that failed).  O(pages)."""
         for p in full_pages.tolist():
-            self._full_key.pop(p, None)
+            k = self._full_key.pop(p, None)
+            if k is not None:
+                self.host.mark_l1((k,), False)
         for p in swa_pages.tolist():
             self._swa_key.pop(p, None)
 
@@ -230,20 +240,23 @@ class L2Backup:
         self.writes.queue(kind, keys, host_pages, sel, base=base)
 
     def on_l1_free(self, kind: AttnKind, pages: np.ndarray) -> None:
-        """The L1 tree frees ``pages`` (a tree free listener): drop their keys, back
-        them up to L2 first under write-back.  Never raises.  O(pages)."""
+        """The L1 tree frees ``pages`` (a tree free listener): drop their keys, and
+        copy to L2 first those L2 lacks: under write-back every page, under
+        write-through those L2 evicted as copies of L1 pages (``l1_copies_first``;
+        repair case 1, device complete and host deficient).  Never raises.  O(pages)."""
         try:
             with self.mutex:
                 if kind is AttnKind.FULL:
                     keys = [self._full_key.pop(p, None) for p in pages.tolist()]
+                    self.host.mark_l1([k for k in keys if k is not None], False)
                     bases = anchored = None
                 else:
                     pairs = [self._swa_key.pop(p, None) for p in pages.tolist()]
                     keys = [None if x is None else swa_key(x[0]) for x in pairs]
                     bases = [None if x is None else x[0] for x in pairs]
                     anchored = np.array([bool(x and x[1]) for x in pairs], dtype=bool)
-                if self.tiers.write_policy is not WritePolicy.WRITE_BACK:
-                    return
+                if self.tiers.write_policy is not WritePolicy.WRITE_BACK and not self.host.l1_copies_first:
+                    return  # write-through keeps L2's copy (unless L2 evicted it as a copy: below)
                 sel = np.array([k is not None for k in keys], dtype=bool)
                 if kind is AttnKind.SWA and self.pool.groups:
                     sel &= self.pool.held_by_all(pages)

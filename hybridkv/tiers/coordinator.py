@@ -33,6 +33,7 @@ import torch
 
 from .._validate import as_token_array
 from ..lifecycle import TierPlan
+from ..modes import WritePolicy
 from ..radix.node import NO_PAGE, TreeNode, parts_side
 from ..spec import AttnKind, ModelSpec
 from ..transfer import prepare_copy
@@ -98,6 +99,8 @@ class TierCoordinator:
         self.spec, self.tree, self.pool, self.tiers = spec, tree, pool, tiers
         self.page_size = spec.page_size
         self.host = HostTier(spec, int(tiers.l2_bytes), device=tiers.l2_device or ("cpu" if real else "meta"))
+        # under write-through L2 copies all L1 caches: its copies of pages L1 still holds go first
+        self.host.l1_copies_first = tiers.write_policy is WritePolicy.WRITE_THROUGH
         host_buffers = self.host.pool.buffers
         self.codec: PayloadCodec = (RealPayload(spec, host_buffers)
                                     if host_buffers is not None and host_buffers.device.type == "cpu"

@@ -21,6 +21,13 @@ Eviction (LRU within each class), cheapest loss first:
    is not lost (``pair_swa = False`` keeps them, for comparisons);
 3. *anchored* SWA pages (tails, checkpoint windows, windows that ended a hit).
 
+With ``l1_copies_first`` (its owner sets it under write-through, where L2 holds a
+copy of everything L1 cached), full pages L1 also holds go before the other full
+pages (LRU among them): such a copy costs nothing while L1 keeps the page, and the
+owner copies the page down again when L1 frees it (:meth:`mark_l1` tells L2 which
+full keys L1 holds).  Otherwise L2 spends its bytes on the pages L1 has too, and L1
+keeps the sequences' first pages, so a plain LRU evicts the tails L1 lacks.
+
 The owner demotes (:meth:`demote` by full-KV key, :meth:`demote_swa` by SWA key)
 anchored windows a longer sequence has moved past (its earlier tails): they become
 plain SWA, most recently used.
@@ -75,12 +82,17 @@ class HostTier:
         self._anchor: OrderedDict[bytes, int] = OrderedDict()    # tails / checkpoints (last)
         self._base: dict[bytes, bytes] = {}  # SWA key -> full-KV key of its page (its base)
         self._under: dict[bytes, dict[bytes, None]] = {}  # full-KV key -> SWA keys based on it
+        self._l1: dict[bytes, int] = {}  # full keys L1 holds -> L1 pages holding them (mark_l1)
+        self._copies: OrderedDict[bytes, None] = OrderedDict()  # held full keys L1 holds too, LRU first
+        #: evict the full pages L1 also holds before the others (see the module docstring)
+        self.l1_copies_first = False
         self.listeners: list[TierListener] = []
         # Called with (kind, int32 page ids) just before pages go back to ``pool``: the
         # owner encodes a page with a queued L3 write before its data is reused.
         self.free_listeners: list[Callable[[AttnKind, np.ndarray], None]] = []
         self.counters = {"evicted_full_pages": 0, "evicted_swa_pages": 0, "stored_full_pages": 0,
-                         "stored_swa_pages": 0, "demoted_swa_pages": 0, "dropped_paired_swa_pages": 0}
+                         "stored_swa_pages": 0, "demoted_swa_pages": 0, "dropped_paired_swa_pages": 0,
+                         "evicted_l1_copy_pages": 0}
 
     # ---------------------------------------------------------------- lookup
     def _free_full(self, pages: np.ndarray) -> None:
@@ -99,6 +111,10 @@ class HostTier:
         out = np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
         if touch:
             self._touch(self._full, keys, out)
+            copies = self._copies
+            for k in keys if copies else ():
+                if k in copies:
+                    copies.move_to_end(k)
         return out
 
     def lookup_swa(self, keys: Sequence[bytes], *, touch: bool = False) -> np.ndarray:
@@ -157,28 +173,36 @@ class HostTier:
         if got is not None:
             return got
         pf, ps = set(int(p) for p in protect), set(int(p) for p in protect_swa)
-        for stage in ("swa",) if plain_only else ("swa", "full", "anchor"):
+        stages = ("swa", "copy", "full", "anchor") if self.l1_copies_first else ("swa", "full", "anchor")
+        for stage in ("swa",) if plain_only else stages:
             while not self.pool.can_alloc(n_full, n_swa):
                 short_full, short_swa, short_bytes = self.pool.shortfall(n_full, n_swa)
-                if stage == "full" and not (short_full or short_bytes):
+                if stage in ("copy", "full") and not (short_full or short_bytes):
                     break
-                if stage != "full" and not (short_swa or short_bytes):
+                if stage in ("swa", "anchor") and not (short_swa or short_bytes):
                     break
                 if not self._evict_one(stage, pf, ps):
                     break
         return self.pool.alloc(n_full, n_swa)
 
     def _evict_one(self, stage: str, protect_full: set[int], protect_swa: set[int]) -> bool:
-        table = {"swa": self._swa, "full": self._full, "anchor": self._anchor}[stage]
+        table = {"swa": self._swa, "full": self._full, "anchor": self._anchor}.get(stage, self._full)
         victim = None
-        for key, page in table.items():  # LRU first; protected pages are skipped
-            if page not in (protect_full if stage == "full" else protect_swa):
-                victim = key
-                break
+        if stage == "copy":  # a full page L1 also holds, LRU first
+            full = self._full
+            victim = next((k for k in self._copies if full[k] not in protect_full), None)
+        else:
+            for key, page in table.items():  # LRU first; protected pages are skipped
+                if page not in (protect_full if stage == "full" else protect_swa):
+                    victim = key
+                    break
         if victim is None:
             return False
         page = table.pop(victim)
-        if stage == "full":
+        if stage == "copy":
+            self.counters["evicted_l1_copy_pages"] += 1
+        if stage in ("copy", "full"):
+            self._copies.pop(victim, None)
             self._free_full(np.array([page], dtype=np.int32))
             self.counters["evicted_full_pages"] += 1
             if self.listeners:
@@ -215,6 +239,22 @@ class HostTier:
                     self._free_swa_entry(key, page)
                     self.counters["dropped_paired_swa_pages"] += 1
 
+    def mark_l1(self, keys: Iterable[bytes], held: bool) -> None:
+        """L1 took (``held``) or gave back one page of each full key in ``keys``: L2
+        counts per key how many L1 pages hold it, and a held L2 page whose key L1
+        holds is a copy (evicted first with ``l1_copies_first``).  O(n)."""
+        l1, copies = self._l1, self._copies
+        for k in keys:
+            if held:
+                l1[k] = l1.get(k, 0) + 1
+                if k in self._full:
+                    copies[k] = None
+            elif l1.get(k, 0) > 1:
+                l1[k] -= 1
+            else:
+                l1.pop(k, None)
+                copies.pop(k, None)
+
     def base_of(self, key: bytes) -> bytes | None:
         """The full-KV key the held SWA page ``key`` was inserted with (None: none).  O(1)."""
         return self._base.get(key)
@@ -228,6 +268,7 @@ class HostTier:
                 page = self._full.pop(key, None)
                 if page is None:
                     continue
+                self._copies.pop(key, None)
                 self._free_full(np.array([page], dtype=np.int32))
                 self.counters["evicted_full_pages"] += 1
                 if self.listeners:
@@ -257,6 +298,7 @@ class HostTier:
         self._anchor.clear()
         self._base.clear()
         self._under.clear()
+        self._copies.clear()
         if self.listeners:
             emit(self.listeners, TierEvent("L2", "remove", keys))
         return n
@@ -282,6 +324,8 @@ class HostTier:
                 self._full.move_to_end(k)
             else:
                 self._full[k] = p
+                if k in self._l1:
+                    self._copies[k] = None
                 new.append(k)
                 self.counters["stored_full_pages"] += 1
         if dup:
@@ -375,6 +419,7 @@ class HostTier:
         for k, b in self._base.items():
             under.setdefault(b, set()).add(k)
         assert {b: set(ks) for b, ks in self._under.items()} == under, "SWA pages by base differ from their bases"
+        assert set(self._copies) == {k for k in self._full if k in self._l1}, "L2 copies of L1 pages misfiled"
         assert np.unique(full).size == full.size == self.pool.full.num_used, \
             ("L2 full pages", np.unique(full).size, full.size, self.pool.full.num_used)
         assert np.unique(swa).size == swa.size == self.pool.swa.num_used, \

@@ -361,3 +361,27 @@ def test_tier_config_rejects_bad_arguments():
         TierConfig(l2_bytes=10, l3=42)
     with pytest.raises(TypeError, match="tiers"):
         TieredCache(SPEC, CacheConfig(budget_bytes=40 * (FPB + SPB)), tiers=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("copies_first", [True, False])
+def test_write_through_l2_gives_up_its_copies_of_l1_pages_first_and_gets_them_back(copies_first):
+    """Under write-through L2 holds a copy of what L1 cached; its copies of pages L1
+    still holds go first (they cost nothing while L1 keeps them), and when L1 frees
+    such a page L2 lacks, it is copied down again (repair case 1), so the prompts hit
+    from L2, content-checked, after L1 is emptied.  Without the rule L2 keeps its
+    copies and L1's frees copy nothing."""
+    cache = make(l1_pages=12, l2_pages=16)
+    host = cache.lower_tiers.host
+    host.l1_copies_first = copies_first
+    rng = np.random.default_rng(5)
+    shared = rng.integers(0, 5000, 20)
+    prompts = [np.concatenate([shared, rng.integers(0, 5000, 21)]) for _ in range(5)]
+    for p in prompts:
+        run(cache, p)
+    st = cache.stats()
+    assert (st["l2_evicted_l1_copy_pages"] > 0) == copies_first
+    down = st["l1_to_l2_full_pages"]
+    cache.tree.evict(full_pages=cache.tree.evictable_full_pages(), swa_pages=cache.tree.evictable_swa_pages())
+    cache.check_invariants()
+    assert (cache.stats()["l1_to_l2_full_pages"] > down) == copies_first
+    assert run(cache, prompts[-1])["hit"] == 40  # from L2, content-checked by run()

@@ -237,6 +237,7 @@ def test_queued_l3_writes_survive_l2_eviction_before_the_worker_encodes_them(tmp
         assert st["l2_evicted_full_pages"] > 0, st
         assert st["l3_write_pages_gone"] == 0 and st["l3_write_pages_ok"] == st["l3_writes_queued"], st
         b.tree.evict(full_pages=b.tree.evictable_full_pages(), swa_pages=b.tree.evictable_swa_pages())
+        b.clear_l2()  # (L1's pages were copied down as L1 freed them: L2 must lose them too)
         out = run(b, ps[:2])  # what L2 lost comes back from L3, right
         assert out["hit_tokens"] == 80 and b.stats()["l3_hit_tokens"] > 0
     finally:

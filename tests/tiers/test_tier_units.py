@@ -93,6 +93,29 @@ def test_host_tier_demote_swa_moves_anchored_windows_by_swa_key():
 
 
 
+
+@pytest.mark.parametrize("copies_first", [True, False])
+def test_host_tier_evicts_its_copies_of_l1_pages_first(copies_first: bool):
+    """With ``l1_copies_first`` a full page whose key L1 holds (``mark_l1``) is evicted
+    before older pages only L2 holds, and counted; a key two L1 pages hold stays a copy
+    until both are given back.  Off: plain LRU."""
+    spec = ModelSpec.preset("mimo-v2.5", page_size=4)
+    host = HostTier(spec, 3 * spec.bytes_per_page("full"))
+    host.l1_copies_first = copies_first
+    host.insert_full([b"a", b"b", b"c"], host.alloc(3, 0)[0])  # LRU first: a, b, c
+    host.mark_l1([b"b", b"c", b"c"], True)  # L1 holds b, and c twice
+    host.mark_l1([b"c"], False)
+    host.check_invariants()
+    host.insert_full([b"x"], host.alloc(1, 0)[0])  # one eviction
+    held = (host.lookup_full([b"a", b"b", b"c"]) >= 0).tolist()
+    assert held == ([True, False, True] if copies_first else [False, True, True])
+    assert host.stats()["evicted_l1_copy_pages"] == int(copies_first)
+    host.insert_full([b"y"], host.alloc(1, 0)[0])  # c: still a copy (one L1 page left)
+    assert (host.lookup_full([b"c"]) >= 0).tolist() == [not copies_first]
+    host.mark_l1([b"c", b"b"], False)
+    host.check_invariants()
+
+
 @pytest.mark.parametrize("pair", [True, False])
 def test_host_tier_swa_pages_of_several_groups_leave_with_their_base(monkeypatch, pair: bool):
     """Two SWA pages based on one full page (two sliding groups): demoting by the full
