@@ -110,11 +110,7 @@ class HostTier:
         get = self._full.get
         out = np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
         if touch:
-            self._touch(self._full, keys, out)
-            copies = self._copies
-            for k in keys if copies else ():
-                if k in copies:
-                    copies.move_to_end(k)
+            self._touch_full(keys, out)
         return out
 
     def lookup_swa(self, keys: Sequence[bytes], *, touch: bool = False) -> np.ndarray:
@@ -131,11 +127,15 @@ class HostTier:
         """bool per SWA key: held in the anchored class.  O(n)."""
         return np.fromiter((k in self._anchor for k in keys), dtype=bool, count=len(keys))
 
-    @staticmethod
-    def _touch(table: OrderedDict, keys: Sequence[bytes], pages: np.ndarray) -> None:
+    def _touch_full(self, keys: Sequence[bytes], pages: np.ndarray) -> None:
+        """The held full pages of ``keys`` become the most recently used, among the
+        copies of L1 pages too.  O(n)."""
+        full, copies = self._full, self._copies
         for k, p in zip(keys, pages.tolist()):
             if p >= 0:
-                table.move_to_end(k)
+                full.move_to_end(k)
+                if k in copies:
+                    copies.move_to_end(k)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._full

@@ -359,7 +359,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         ckpts = checkpoint_ends(st.saved_tokens, swa_end, self.unit,
                                 self.cfg.checkpoint_interval, self.cfg.checkpoints_per_doubling)
         k = self.cfg.anchor_checkpoint
-        anchors = [c for c in ckpts if k and c % k == 0] + ([swa_end] if final else [])
+        on_grid = [c for c in ckpts if k and c % k == 0]  # anchors: these and (final) swa_end
         for g in self.groups:
             ids, bs = block_ids[g.index], g.block_size
             if g.is_swa:
@@ -380,8 +380,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 job.groups[g.index] = ([ids[i] for i in sel], [ks[i] for i in sel])
                 job.bases[g.index] = full_bases(self.groups, keys, g.index, sel)
                 self._claimed.update(ks[i] for i in sel)
-                if g.is_swa and len(anchors) < len(ckpts) + final:
-                    kept = windows_before(g, swa_end // bs, bs, [a // bs for a in anchors])
+                if g.is_swa and len(on_grid) < len(ckpts):  # some checkpoint windows enter plain
+                    kept = windows_before(g, swa_end // bs, bs, [a // bs for a in on_grid + [swa_end] * final])
                     job.plain += [ks[i] for i in sel if not kept[i]]
         st.saved_tokens = max(st.saved_tokens, end_tokens)
         return job if job.groups else None
