@@ -16,7 +16,7 @@ manager, one block table per KV-cache group):
   block sizes (``self.unit``, also vLLM's scheduler block size).
 * Scheduler: ``get_num_new_matched_tokens`` hashes the prompt into hybridkv's
   chained page keys (one chain per group), finds which pages the tiers hold
-  in its one record of them (:class:`.sources.TierView`: the L2 mirror and
+  in its one record of them (:class:`.sources.TierView`: L2's index and
   the store's index of what this engine saved, read or probed; the store is
   asked ``exists`` only for keys with no answer) and returns the largest *window-safe* hit (:func:`.plan.window_safe_tokens`):
   full-attention pages for the whole prefix, SWA pages only for the window
@@ -42,10 +42,12 @@ manager, one block table per KV-cache group):
   steps until the workers' saves are counted (:mod:`.progress`), so an idle
   server's ``/metrics`` equals the stats file (one JSON line per event, and a
   ``shutdown`` line with the totals after the save thread drained).
-* L2: each worker keeps a host page cache (:class:`.l2.HostPageCache`, hybridkv's
-  ``HostTier`` index, ``l2_gb``): saves go to L2 and through to L3, loads read L2
-  first (L3 reads fill L2).  The scheduler mirrors the L2 index (another process)
-  to decide hits and split them by source (``host`` / ``disk``: :mod:`.sources`).
+* L2 (``l2_gb``): the scheduler side owns its one index (:class:`.l2.HostPageIndex`,
+  hybridkv's ``HostTier``) and names in each job the host rows to read or write;
+  each worker keeps only the rows (:class:`.l2.HostPageRows`, tagged with their
+  keys).  Saves go to L2 and through to L3, loads read L2 first (L3 reads fill
+  L2); the index decides hits and splits them by source (``host`` / ``disk``:
+  :mod:`.sources`).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ from .config import ConnectorConfig
 from .groups import fingerprints, groups_from_config
 from .jobs import HybridKVMetadata, PageJob, ReqState
 from .kvio import GroupBuffers, as_np_tokens, load_pages
-from .l2 import HostPageCache, HostPageIndex
+from .l2 import HostPageRows, l2_index
 from .logs import logger, route_core_logs
 from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
 from .plan import checkpoint_ends, full_bases, pages_to_save, window_safe_tokens, windows_before
@@ -152,12 +154,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_saves = SavesWatch()  # keeps vLLM stepping until saves are counted
         # The one record of what L2 and L3 hold: keys of save jobs sent to the workers
         # count as stored while their store may still be queued (a load waits for it).
-        self._tiers = TierView(self.groups, self._l2_mirror(kv_cache_config), l3_source(self.cfg.l3_url),
+        l2 = (l2_index(kv_cache_config, self.groups, int(self.cfg.l2_gb * (1 << 30)))
+              if role == KVConnectorRole.SCHEDULER else None)
+        self._tiers = TierView(self.groups, l2, l3_source(self.cfg.l3_url),
                                StoreIndex(self.backend.exists, bound=STORE_KEYS_MAX, absent_ttl_s=ABSENT_TTL_S))
         # worker side
         self._saves_report = WorkerSaves()
         self._buffers: dict[int, GroupBuffers] = {}
-        self._l2: HostPageCache | None = None
+        self._l2: HostPageRows | None = None
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
         self._saver: SaveThread | None = None
@@ -169,20 +173,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("HybridKVConnector role=%s l3=%s l2_gb=%s unit=%d groups=%s", role.name,
                     self.cfg.l3_url, self.cfg.l2_gb, self.unit,
                     [(g.index, g.window, g.block_size, len(g.layer_names)) for g in self.groups])
-
-    def _l2_mirror(self, kv_cache_config: KVCacheConfig) -> HostPageIndex | None:
-        """The scheduler side's mirror of a worker's L2 index (:mod:`.sources`): same
-        budget, pages of the bytes the worker's ``GroupBuffers`` will have (every layer
-        of a group, one block).  None without L2, or where the worker has none."""
-        budget = int(self.cfg.l2_gb * (1 << 30))
-        if self.role != KVConnectorRole.SCHEDULER or budget <= 0:
-            return None
-        page_bytes = {int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
-                      for g in kv_cache_config.kv_cache_groups}
-        if len(page_bytes) != 1 or budget < min(page_bytes):
-            return None
-        windows = [int(g.window) for g in self.groups if g.is_swa] or [1]
-        return HostPageIndex(page_bytes.pop(), budget, min(windows))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -326,8 +316,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             pages[g.index] = (sel, [keys[g.index][i] for i in sel])
             job.groups[g.index] = ([blk[i].block_id for i in sel], pages[g.index][1])
             job.bases[g.index] = full_bases(self.groups, keys, g.index, sel)
-        st.hit_sources = self._tiers.on_load(pages, start, end, job.bases)
-        self._pending_loads[request.request_id] = job
+        st.hit_sources, job.slots = self._tiers.on_load(pages, start, end, job.bases)
+        self._pending_loads[request.request_id] = job.for_workers()
         self._loading[request.request_id] = {gi: list(ks) for gi, (_, ks) in job.groups.items()}
         st.saved_tokens = max(st.saved_tokens, end)  # these pages are in storage already
 
@@ -417,7 +407,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta.saves.extend(self._pending_saves)
         self._pending_saves.clear()
         for job in meta.saves:  # visible to lookups from the next step on
-            self._tiers.on_save(job.groups, job.demote, job.bases, job.plain)
+            self._count(l2_demoted_pages=self._tiers.demote(job.demote))
+            job.slots = self._tiers.on_save(job.groups, job.bases, job.plain)
+        meta.saves = [job.for_workers() for job in meta.saves if job.groups]
         self._claimed.clear()
         meta.idle = not (meta.loads or meta.saves or meta.touches or scheduler_output.total_num_scheduled_tokens)
         return meta
@@ -486,9 +478,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             # host rows cannot be shared, so go without L2 rather than guess.
             logger.warning("hybridkv: groups differ in page bytes %s; L2 disabled",
                            sorted(page_bytes))
-        else:
-            windows = [int(g.window) for g in self.groups if g.is_swa] or [1]
-            self._l2 = HostPageCache(page_bytes.pop(), budget, min(windows))
+        else:  # the rows the scheduler's index of L2 assigns (same budget and page bytes)
+            self._l2 = HostPageRows(page_bytes.pop(), budget)
         self._saver = SaveThread(self.backend, self._buffers, self._l2,
                                  {g.index: g.is_swa for g in self.groups},
                                  int(self.cfg.save_queue_mb * (1 << 20)), self._count,
@@ -509,7 +500,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             for gi, (ids, keys) in job.groups.items():
                 if ok and ids:
                     ok, a, b = load_pages(self.backend, self._buffers[gi], keys, ids,
-                                          self._l2, swa[gi], job.bases.get(gi))
+                                          self._l2, swa[gi], job.slots.get(gi))
                     l2_pages, l3_pages = l2_pages + a, l3_pages + b
             if ok:
                 self._count(load_pages=job.num_pages(), load_pages_l2=l2_pages,
@@ -544,7 +535,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not meta.saves:
             return
         for job in meta.saves:
-            self._saver.submit(job.req_id, job.groups, job.finish, job.demote, job.bases, job.plain)
+            self._saver.submit(job.req_id, job.groups, job.finish, job.slots)
         if not self.cfg.async_save:
             self._saver.drain(None)
 
@@ -581,7 +572,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             if not drained:
                 logger.warning("hybridkv: %d saves still queued at shutdown are dropped",
                                self._saver.pending())
-        extra: dict[str, Any] = {"l2": self._l2.stats()} if self._l2 is not None else {}
+        index = self._tiers.l2
+        extra: dict[str, Any] = ({"l2": index.tier.stats()} if index is not None
+                                 else {"l2_rows": self._l2.stats()} if self._l2 is not None else {})
         with self._stats_lock:
             totals = dict(self.stats)
         self._record(event="shutdown", drained=drained, **extra)

@@ -22,8 +22,14 @@ class PageJob:
     req_id: str
     groups: dict[int, tuple[list[int], list[bytes]]] = field(default_factory=dict)
     finish: bool = False  # a finish save: report the request in finished_sending
+    # per group index: the L2 row of each page (parallel to its keys; -1: none), which
+    # the scheduler's index of L2 assigned (:mod:`.l2`); the workers read and write
+    # only these rows
+    slots: dict[int, list[int]] = field(default_factory=dict)
+    # The rest is the scheduler side's, used when it applies the job to L2's index
+    # (emptied before the job goes to the workers):
     # SWA keys whose anchored L2 windows the finished request moved past: made plain
-    # before this job's pages are stored (worker L2 and scheduler mirror alike)
+    # before this job's pages are stored
     demote: list[bytes] = field(default_factory=list)
     # per sliding group index: the full key each of its pages goes with in L2
     # (:func:`.plan.full_bases`; ``None``: none)
@@ -31,6 +37,11 @@ class PageJob:
     # SWA keys of this job that enter L2 plain: checkpoint windows L2 does not keep as
     # anchors (:attr:`.config.ConnectorConfig.anchor_checkpoint`)
     plain: list[bytes] = field(default_factory=list)
+
+    def for_workers(self) -> PageJob:
+        """This job as the workers get it: pages and slots, without the fields only
+        the scheduler side reads.  O(1) (shares the page lists)."""
+        return PageJob(self.req_id, self.groups, self.finish, self.slots)
 
     def num_pages(self) -> int:
         return sum(len(b) for b, _ in self.groups.values())

@@ -16,7 +16,7 @@ back to ``index_select`` / ``index_copy_`` per layer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,7 @@ from hybridkv.tiers.storage import StorageBackend
 from hybridkv.transfer import prepare_block_rows
 
 if TYPE_CHECKING:
-    from .l2 import HostPageCache
+    from .l2 import HostPageRows
 
 __all__ = ["GroupBuffers", "gather_host", "load_pages", "save_pages", "store_rows"]
 
@@ -148,12 +148,11 @@ def gather_host(group: GroupBuffers, block_ids: Sequence[int]) -> torch.Tensor:
 
 
 def store_rows(backend: StorageBackend, keys: Sequence[bytes], rows: torch.Tensor,
-               l2: HostPageCache | None = None, swa: bool = False,
-               bases: Sequence[bytes | None] | None = None,
-               plain: Collection[bytes] = ()) -> tuple[int, int, int]:
+               l2: HostPageRows | None = None, swa: bool = False,
+               slots: Sequence[int] | None = None) -> tuple[int, int, int]:
     """Store host ``rows`` (from :func:`gather_host`) into L2 (when given) and L3.
-    ``bases``: the full key each SWA page goes with in L2 (:func:`.plan.full_bases`);
-    ``plain``: SWA keys entering L2 plain (:meth:`.l2.HostPageIndex.admit`).
+    ``slots``: parallel to ``keys``, the L2 row each page goes to (the scheduler's
+    index assigned it; ``-1``: not stored in L2).
 
     L3 is written through where a key is missing (a fresh process or another
     server can only hit there); L2 keeps a host copy so this worker's next
@@ -164,8 +163,8 @@ def store_rows(backend: StorageBackend, keys: Sequence[bytes], rows: torch.Tenso
     if not keys:
         return 0, 0, 0
     in_l2 = 0
-    if l2 is not None and l2.page_bytes == rows.shape[1]:
-        in_l2 = l2.store(swa, list(keys), rows, bases, plain)
+    if l2 is not None and slots is not None and l2.page_bytes == rows.shape[1]:
+        in_l2 = l2.write(swa, slots, keys, rows)
     present = backend.exists(list(keys))
     todo = [i for i, p in enumerate(present) if not p]
     if not todo:
@@ -176,23 +175,26 @@ def store_rows(backend: StorageBackend, keys: Sequence[bytes], rows: torch.Tenso
 
 
 def save_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[bytes],
-               block_ids: Sequence[int], l2: HostPageCache | None = None,
-               swa: bool = False) -> tuple[int, int, int]:
+               block_ids: Sequence[int], l2: HostPageRows | None = None,
+               swa: bool = False, slots: Sequence[int] | None = None) -> tuple[int, int, int]:
     """:func:`gather_host` then :func:`store_rows`, synchronously (same return)."""
     if not keys:
         return 0, 0, 0
-    return store_rows(backend, keys, gather_host(group, block_ids), l2, swa)
+    return store_rows(backend, keys, gather_host(group, block_ids), l2, swa, slots)
 
 
 def load_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[bytes],
-               block_ids: Sequence[int], l2: HostPageCache | None = None,
-               swa: bool = False, bases: Sequence[bytes | None] | None = None) -> tuple[bool, int, int]:
+               block_ids: Sequence[int], l2: HostPageRows | None = None,
+               swa: bool = False, slots: Sequence[int] | None = None) -> tuple[bool, int, int]:
     """Read every page (L2 first, the rest from L3) into its block; all or nothing.
 
-    Returns ``(ok, pages_from_l2, pages_from_l3)``.  ``ok`` is ``True`` when
-    every page was read intact and scattered; on any miss nothing is written
+    ``slots``: parallel to ``keys``, the L2 row the scheduler's index assigned each
+    page (``-1``: none): a row tagged with the page's key is read from L2; any
+    other page is read from L3 and copied into its row (the index admitted it
+    there).  Returns ``(ok, pages_from_l2, pages_from_l3)``.  ``ok`` is ``True``
+    when every page was read intact and scattered; on any miss nothing is written
     (the caller reports the request as a failed load so vLLM recomputes it).
-    Pages read from L3 are copied into L2.  O(n * page bytes).
+    O(n * page bytes).
     """
     n = len(keys)
     if not n:
@@ -200,8 +202,8 @@ def load_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[byte
     # pinned beside a GPU: the copy engines read the rows straight into the blocks
     buf = torch.empty((n, group.page_bytes), dtype=torch.uint8,
                       pin_memory=group.layers[0].tensor.device.type == "cuda")
-    use_l2 = l2 is not None and l2.page_bytes == group.page_bytes
-    hit = (l2.fetch(swa, list(keys), buf) if use_l2  # type: ignore[union-attr]
+    use_l2 = l2 is not None and slots is not None and l2.page_bytes == group.page_bytes
+    hit = (l2.read(swa, slots, keys, buf) if use_l2  # type: ignore[union-attr,arg-type]
            else np.zeros(0, dtype=np.int64))
     held = np.zeros(n, dtype=bool)
     held[hit] = True
@@ -216,9 +218,9 @@ def load_pages(backend: StorageBackend, group: GroupBuffers, keys: Sequence[byte
                            "recomputes", len(bad), n)
             return False, int(hit.size), 0
         if use_l2:
-            l2.store(swa, [keys[i] for i in miss.tolist()],  # type: ignore[union-attr]
-                     buf.index_select(0, torch.as_tensor(miss, dtype=torch.long)),
-                     None if bases is None else [bases[i] for i in miss.tolist()])
+            sel = miss.tolist()
+            l2.write(swa, [slots[i] for i in sel], [keys[i] for i in sel],  # type: ignore[union-attr,index]
+                     buf.index_select(0, torch.as_tensor(miss, dtype=torch.long)))
     group.scatter(buf.view(group.dtype).view(n, group.page_elems), block_ids)
     return True, int(hit.size), int(miss.size)
 

@@ -1,22 +1,30 @@
-"""L2: a host-memory page cache in the worker, in front of the L3 backend.
+"""L2: a host-memory page cache in the worker, in front of the L3 backend, with
+one index, on the scheduler side.
 
-Index, budget and eviction are hybridkv's :class:`~hybridkv.tiers.host.HostTier`
-(chained page keys, full pages and SWA pages with their own validity, plain SWA
-evicted before full, tail/checkpoint SWA windows last).  Every saved SWA window
-enters anchored; when a request finishes, the scheduler names the anchored windows
-its sequence moved past (neither its tail, a checkpoint nor its hit's window) and
-both the worker's L2 and the scheduler's mirror demote them to plain SWA at the
-same point of their sequence of stores (the save job that carries them).
+The scheduler side owns L2's index (:class:`HostPageIndex`, hybridkv's
+:class:`~hybridkv.tiers.host.HostTier`: chained page keys, full pages and SWA
+pages with their own validity, plain SWA evicted before full, tail/checkpoint
+SWA windows last) and decides every L2 operation: which pages a save stores and
+in which host slots, which pages a load reads from L2 and from which slots, where
+the pages a load reads from L3 are copied in, which windows are demoted.  Each job
+carries its slots to the workers (:class:`.jobs.PageJob`); a worker keeps only the
+page bytes (:class:`HostPageRows`), each row tagged with its key, and keeps no
+index of its own (vLLM's own offloading manager divides the work the same way).
+So a hit's split by tier is the index's own, and L2's eviction can use what only
+the scheduler knows.
 
-A window goes with its full KV, by the core L2's own rule: each stored SWA page may
-name the full page holding its last token (its *base*, :func:`.plan.full_bases`);
-when L2 evicts or discards a full page, the SWA pages of every sliding group based
-on it leave too (a hit needs the full KV of its whole prefix: a window without it
-buys little from L2).  An SWA page whose base L2 does not hold when it is stored
-enters plain, not anchored.  The HostTier runs in
-accounting mode (``device="meta"``); the page bytes live here, in one uint8
-row per host page, because a vLLM page is an opaque ``page_bytes`` blob (all
-layers of one KV-cache group for one block) rather than hybridkv's
+Every saved SWA window enters anchored; when a request finishes, the scheduler
+names the anchored windows its sequence moved past (neither its tail, a
+checkpoint nor its hit's window) and demotes them to plain SWA before the next
+stores.  A window goes with its full KV, by the core L2's own rule: each stored
+SWA page may name the full page holding its last token (its *base*,
+:func:`.plan.full_bases`); when L2 evicts or discards a full page, the SWA pages
+of every sliding group based on it leave too (a hit needs the full KV of its
+whole prefix: a window without it buys little from L2).  An SWA page whose base
+L2 does not hold when it is stored enters plain, not anchored.  The HostTier
+runs in accounting mode (``device="meta"``); the page bytes live in the worker,
+one uint8 row per host page, because a vLLM page is an opaque ``page_bytes``
+blob (all layers of one KV-cache group for one block) rather than hybridkv's
 per-layer K/V layout.
 
 vLLM gives every KV-cache group the same page bytes (it changes block sizes to
@@ -24,17 +32,17 @@ get there), so one row size serves every group; the group identity is in the
 key (per-group fingerprint), so groups never collide.
 
 Memory: ``torch.empty`` rows (untouched rows are not resident); resident
-bytes stay within ``budget_bytes`` plus the pages HostTier has freed but the
-allocator has not reused yet.  Thread-safe: one lock serialises every call
-(the worker's execute thread loads, its save thread stores);
-:meth:`HostPageCache.fetch` looks up and copies under one hold, so a page
-cannot be evicted and reused between the two.
+bytes stay within twice ``budget_bytes`` (a full and an SWA row array) and, in
+use, within ``budget_bytes`` plus the rows the index freed that were not reused
+yet.  :class:`HostPageRows` is thread-safe (the worker's execute thread loads,
+its save thread stores); :class:`HostPageIndex` is not (the scheduler's thread).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,15 +50,20 @@ import torch
 from hybridkv.spec import AttnKind, KVShape, ModelSpec
 from hybridkv.tiers.host import HostTier
 
-__all__ = ["HostPageCache", "HostPageIndex"]
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from .plan import GroupInfo
+
+__all__ = ["HostPageIndex", "HostPageRows", "l2_index"]
 
 
 class HostPageIndex:
     """Which pages an L2 holds and what it evicts, without the page bytes.
 
-    The worker's :class:`HostPageCache` indexes its rows with one; the scheduler
-    side keeps another, fed with the same stores and lookups, to tell which of a
-    hit's pages the worker will read from L2 (:mod:`.sources`).  Not thread-safe.
+    The scheduler side keeps the one index of L2 (:mod:`.sources`); the host page
+    each key gets is the slot of the workers' :class:`HostPageRows` that holds its
+    bytes.  Not thread-safe.
 
     Pairing SWA pages with their base full page is the core L2's own
     (:attr:`HostTier.pair_swa <hybridkv.tiers.host.HostTier.pair_swa>`: set it
@@ -154,80 +167,88 @@ class HostPageIndex:
         return self.tier.demote_swa(keys)
 
 
-class HostPageCache:
-    """L2 page store for one worker: a :class:`HostPageIndex` and the page bytes.
+class HostPageRows:
+    """The worker's L2 page bytes: one uint8 row per host page, at the slots the
+    scheduler side's :class:`HostPageIndex` (the one L2 index) assigns, each row
+    tagged with the key it holds.
 
-    Args: as :class:`HostPageIndex`.
+    The worker keeps no index of its own: a save writes its rows to the slots its
+    job names, a load reads a slot only while the slot's tag is the key it asks
+    for.  A slot the scheduler reassigned before a queued write reached it, or a
+    save the worker dropped, leaves a tag that does not match, which reads as a
+    miss (the load goes to L3), never as another page's bytes.  Tag test and row
+    copy happen under one lock hold, as do row write and tag set.
+
+    Args:
+        page_bytes: bytes of one page (one block of every layer of a group); > 0.
+        budget_bytes: host bytes of the L2 (the index's budget): ``budget_bytes //
+            page_bytes`` rows for full pages and as many for SWA pages (untouched
+            rows are not resident; the index keeps the two together in budget).
     """
 
-    def __init__(self, page_bytes: int, budget_bytes: int, window: int) -> None:
-        self.index = HostPageIndex(page_bytes, budget_bytes, window)
-        self.page_bytes = self.index.page_bytes
-        self.tier = self.index.tier
-        rows = int(budget_bytes) // self.page_bytes
-        self._rows = {AttnKind.FULL: torch.empty((rows, self.page_bytes), dtype=torch.uint8),
-                      AttnKind.SWA: torch.empty((rows, self.page_bytes), dtype=torch.uint8)}
-        self._lock = threading.RLock()
+    def __init__(self, page_bytes: int, budget_bytes: int) -> None:
+        if page_bytes < 1 or budget_bytes < page_bytes:
+            raise ValueError(f"budget_bytes ({budget_bytes}) must hold at least one page "
+                             f"of {page_bytes} bytes")
+        self.page_bytes = int(page_bytes)
+        self.num_rows = int(budget_bytes) // self.page_bytes
+        self._rows = {swa: torch.empty((self.num_rows, self.page_bytes), dtype=torch.uint8)
+                      for swa in (False, True)}
+        self._tags: dict[bool, list[bytes | None]] = {swa: [None] * self.num_rows for swa in (False, True)}
+        self._lock = threading.Lock()
 
-    def lookup(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:
-        """Host page of each key, ``-1`` where absent (touches hits).  O(n)."""
-        with self._lock:
-            return self._lookup(swa, keys)
+    def _valid(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[int]:
+        if len(slots) != len(keys):
+            raise ValueError(f"slots ({len(slots)}) and keys ({len(keys)}) must be parallel")
+        return [i for i, s in enumerate(slots) if 0 <= s < self.num_rows]
 
-    def _lookup(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:
-        return self.index.lookup(swa, keys)
-
-    def read(self, swa: bool, pages: np.ndarray) -> torch.Tensor:
-        """``[n, page_bytes]`` uint8 copies of host ``pages``.  O(n * page_bytes)."""
-        kind = AttnKind.SWA if swa else AttnKind.FULL
-        with self._lock:
-            return self._rows[kind].index_select(0, torch.as_tensor(pages, dtype=torch.long))
-
-    def fetch(self, swa: bool, keys: Sequence[bytes], out: torch.Tensor) -> np.ndarray:
-        """Copy every held page into ``out[i]`` (``[n, page_bytes]`` uint8); returns the
-        indices ``i`` copied.  Lookup and copy happen under one lock hold (a
-        concurrent store cannot evict and overwrite a row in between).
+    def read(self, swa: bool, slots: Sequence[int], keys: Sequence[bytes], out: torch.Tensor) -> np.ndarray:
+        """Copy the row of each slot whose tag is its key into ``out[i]`` (``[n,
+        page_bytes]`` uint8); returns the indices ``i`` copied (the rest: misses).
         O(n * page_bytes)."""
-        kind = AttnKind.SWA if swa else AttnKind.FULL
+        sel = self._valid(slots, keys)
         with self._lock:
-            host = self._lookup(swa, keys)
-            hit = np.flatnonzero(host >= 0)
+            tags = self._tags[swa]
+            hit = np.array([i for i in sel if tags[slots[i]] == keys[i]], dtype=np.int64)
             if hit.size:
-                out.index_copy_(0, torch.as_tensor(hit, dtype=torch.long),
-                                self._rows[kind].index_select(
-                                    0, torch.as_tensor(host[hit], dtype=torch.long)))
+                src = torch.as_tensor([slots[i] for i in hit.tolist()], dtype=torch.long)
+                out.index_copy_(0, torch.as_tensor(hit, dtype=torch.long), self._rows[swa].index_select(0, src))
         return hit
 
-    def store(self, swa: bool, keys: Sequence[bytes], rows: torch.Tensor,
-              bases: Sequence[bytes | None] | None = None, plain: Collection[bytes] = ()) -> int:
-        """Copy ``rows`` (``[n, page_bytes]`` uint8) in under ``keys``; returns pages stored.
-        ``bases``, ``plain``: as :meth:`HostPageIndex.admit`.
-
-        Keys already held are only touched.  When the budget cannot make room
-        (everything else protected) nothing is stored: L2 is best effort.
-        Mutates the index (may evict LRU pages).  O(n * page_bytes + evicted).
-        """
+    def write(self, swa: bool, slots: Sequence[int], keys: Sequence[bytes], rows: torch.Tensor) -> int:
+        """Copy ``rows[i]`` (``[n, page_bytes]`` uint8) into slot ``slots[i]`` and tag it
+        ``keys[i]``, for every slot ``>= 0``; returns rows written.  O(n * page_bytes)."""
         if rows.dim() != 2 or rows.shape[1] != self.page_bytes or rows.shape[0] != len(keys):
-            raise ValueError(f"rows must be [{len(keys)}, {self.page_bytes}] uint8, "
-                             f"got {tuple(rows.shape)}")
-        with self._lock:
-            return self._store(swa, keys, rows, bases, plain)
-
-    def _store(self, swa: bool, keys: Sequence[bytes], rows: torch.Tensor,
-               bases: Sequence[bytes | None] | None, plain: Collection[bytes] = ()) -> int:
-        todo, pages = self.index.admit(swa, keys, bases, plain)
-        if todo.size == 0:
+            raise ValueError(f"rows must be [{len(keys)}, {self.page_bytes}] uint8, got {tuple(rows.shape)}")
+        sel = self._valid(slots, keys)
+        if not sel:
             return 0
-        kind = AttnKind.SWA if swa else AttnKind.FULL
-        self._rows[kind].index_copy_(0, torch.as_tensor(pages, dtype=torch.long),
-                                     rows.index_select(0, torch.as_tensor(todo, dtype=torch.long)))
-        return int(todo.size)
-
-    def demote(self, keys: Sequence[bytes]) -> int:
-        """:meth:`HostPageIndex.demote` under the lock."""
+        dst = torch.as_tensor([slots[i] for i in sel], dtype=torch.long)
         with self._lock:
-            return self.index.demote(keys)
+            self._rows[swa].index_copy_(0, dst, rows.index_select(0, torch.as_tensor(sel, dtype=torch.long)))
+            tags = self._tags[swa]
+            for i in sel:
+                tags[slots[i]] = keys[i]
+        return len(sel)
 
     def stats(self) -> dict[str, int]:
+        """Rows per kind and rows written so far (a row once written stays tagged)."""
         with self._lock:
-            return self.tier.stats()
+            return {"rows": self.num_rows,
+                    "written_full_rows": sum(t is not None for t in self._tags[False]),
+                    "written_swa_rows": sum(t is not None for t in self._tags[True])}
+
+
+def l2_index(kv_cache_config: KVCacheConfig, groups: Sequence[GroupInfo], budget_bytes: int) -> HostPageIndex | None:
+    """L2's index for the scheduler side: pages of the bytes the worker's
+    ``GroupBuffers`` will have (every layer of a group, one block).  None without
+    L2 (``budget_bytes <= 0``), or where the worker has none (groups differ in page
+    bytes, or the budget holds no page)."""
+    if budget_bytes <= 0:
+        return None
+    page_bytes = {int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
+                  for g in kv_cache_config.kv_cache_groups}
+    if len(page_bytes) != 1 or budget_bytes < min(page_bytes):
+        return None
+    windows = [int(g.window) for g in groups if g.is_swa] or [1]
+    return HostPageIndex(page_bytes.pop(), budget_bytes, min(windows))

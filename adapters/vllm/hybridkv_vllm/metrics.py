@@ -42,7 +42,7 @@ COUNTERS: dict[str, str] = {
     "save_skipped": "pages not written because L3 already held them",
     "save_dropped": "pages not saved because the save queue was full",
     "finish_saves": "end-of-request saves completed (blocks released to vLLM)",
-    "l2_demoted_pages": "anchored SWA pages of the worker's L2 made plain (evicted before full "
+    "l2_demoted_pages": "anchored SWA pages of L2 (its index, on the scheduler side) made plain (evicted before full "
                         "pages): windows a finished request's sequence moved past",
     "touch_keys": "L3 keys touched so a prefix served from the device or L2 stays in L3",
 }

@@ -21,9 +21,9 @@ until the worker lists it in ``finished_sending``.  Both parts run in the
 thread; the request is reported finished as soon as its copy-out is done
 (before the store), which is when vLLM may reuse the blocks.
 
-A job may also name anchored L2 windows a finished request moved past
-(``demote``): the thread makes them plain first, at the point of its sequence
-of L2 stores where the scheduler's mirror does (even for a job it drops).
+Each job names the L2 row of every page it stores (``slots``: the scheduler's
+index of L2 assigned them, :mod:`.l2`); the thread writes the rows there, tagged
+with their keys, and L3 through.
 
 The queue is bounded in bytes (``save_queue_mb``): a prefill save that does
 not fit is dropped (counted; a best-effort cache only misses later).  A
@@ -40,7 +40,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,9 +61,7 @@ class SaveTask:
     finish: bool = False
     rows: dict[int, torch.Tensor] = field(default_factory=dict)
     touch: list[bytes] = field(default_factory=list)  # a touch task: keys to keep alive in L3
-    demote: list[bytes] = field(default_factory=list)  # L2 anchored windows made plain first
-    bases: dict[int, list[bytes | None] | None] = field(default_factory=dict)  # per SWA group
-    plain: frozenset[bytes] = frozenset()  # SWA keys entering L2 plain
+    slots: dict[int, list[int]] = field(default_factory=dict)  # per group: L2 row of each page (-1: none)
     nbytes: int = 0
     t_submit: float = 0.0
 
@@ -74,7 +72,7 @@ class SaveThread:
     Args:
         backend: the L3 backend (thread-safe: hybridkv's backends lock inside).
         buffers: per group index, vLLM's KV tensors (:class:`.kvio.GroupBuffers`).
-        l2: the worker's host L2 (thread-safe) or ``None``.
+        l2: the worker's L2 rows (:class:`.l2.HostPageRows`, thread-safe) or ``None``.
         swa: per group index, whether it is a sliding-window group.
         max_bytes: bound of the rows queued (prefill saves beyond it are dropped).
         count: callback ``count(**increments)`` for the connector's counters.
@@ -101,21 +99,14 @@ class SaveThread:
 
     # ------------------------------------------------------------ execute thread
     def submit(self, req_id: str, groups: dict[int, tuple[list[int], list[bytes]]],
-               finish: bool, demote: list[bytes] | None = None,
-               bases: dict[int, list[bytes | None] | None] | None = None,
-               plain: Iterable[bytes] = ()) -> bool:
+               finish: bool, slots: dict[int, list[int]] | None = None) -> bool:
         """Queue one job; prefill jobs (``finish=False``) are copied out now.
 
-        ``demote``: SWA keys whose anchored L2 windows become plain before the
-        job's stores (the scheduler's mirror does the same at the same point).
-        ``bases``: per sliding group, the full key each page goes with in L2;
-        ``plain``: SWA keys that enter L2 plain (not as anchors).
+        ``slots``: per group index, the L2 row of each page (``-1``: not in L2).
         Returns ``False`` when the job was dropped (queue full or stopped);
         a dropped finish job is released at once (its blocks go back to vLLM).
-        A dropped job's demotion still runs (it costs no queue bytes).
         """
-        task = SaveTask(req_id, groups, finish, demote=list(demote or ()), bases=dict(bases or {}),
-                        plain=frozenset(plain), t_submit=time.perf_counter())
+        task = SaveTask(req_id, groups, finish, slots=dict(slots or {}), t_submit=time.perf_counter())
         pages = sum(len(ids) for ids, _ in groups.values())
         nbytes = sum(len(ids) * self.buffers[gi].page_bytes for gi, (ids, _) in groups.items())
         with self._lock:
@@ -125,9 +116,7 @@ class SaveThread:
                 if finish:
                     self._released.add(req_id)
                 self._count(save_dropped=pages)
-                if self._stopped or not task.demote:
-                    return False
-                task.groups, task.finish, nbytes = {}, False, 0  # the demotion alone goes on
+                return False
             self._queued_bytes += nbytes
             self._pending += 1
             for _, ks in task.groups.values():
@@ -247,8 +236,6 @@ class SaveThread:
             self.backend.touch(task.touch)  # a backend fault is counted there, never raised
             self._count(touch_keys=len(task.touch))
             return
-        # first, as the scheduler's mirror does (and even if the copy-out below fails)
-        demoted = self.l2.demote(task.demote) if task.demote and self.l2 is not None else 0
         if task.finish:
             for gi, (ids, _) in task.groups.items():
                 if ids:
@@ -262,13 +249,12 @@ class SaveThread:
             rows = task.rows.get(gi)
             if rows is None or not keys:
                 continue
-            s, k, h = store_rows(self.backend, keys, rows, self.l2, self.swa[gi],
-                                  task.bases.get(gi), task.plain)
+            s, k, h = store_rows(self.backend, keys, rows, self.l2, self.swa[gi], task.slots.get(gi))
             stored, skipped, in_l2 = stored + s, skipped + k, in_l2 + h
         task.rows.clear()
         self._count(save_pages=stored, save_pages_l2=in_l2, save_skipped=skipped,
-                    finish_saves=int(task.finish), l2_demoted_pages=demoted)
+                    finish_saves=int(task.finish))
         self._record(event="save", req=task.req_id, stored=stored, skipped=skipped,
-                     stored_l2=in_l2, demoted_l2=demoted, finish=task.finish,
+                     stored_l2=in_l2, finish=task.finish,
                      queued_ms=round((t0 - task.t_submit) * 1e3, 3),
                      store_ms=round((time.perf_counter() - t0) * 1e3, 3))

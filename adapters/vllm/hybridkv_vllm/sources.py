@@ -1,7 +1,7 @@
 """The scheduler side's one record of the tiers: what L2 and L3 hold, and where hits come from.
 
 :class:`TierView` answers the connector's lookups (which of a prompt's pages the
-tiers hold) from the L2 mirror below and the store's :class:`~hybridkv.tiers.index.StoreIndex`
+tiers hold) from L2's index (owned here, see below) and the store's :class:`~hybridkv.tiers.index.StoreIndex`
 (keys this engine queued for storing, keys read back or found by a probe, keys
 found absent for a short while), so a lookup probes the store (``exists``) only
 for keys it has no answer for, and a key is known in one place from its save to
@@ -15,14 +15,15 @@ hybridkv's hits come from the worker's L2 (host memory: ``host``) or from L3: ``
 for a file or NIXL-POSIX store; a remote store (Redis, Mooncake) is what vLLM's
 ``external_unspecified`` stands for, so its hits keep that label.
 
-The scheduler runs in another process than the worker's L2, so it keeps a mirror of
-the L2's index (:class:`.l2.HostPageIndex`: same budget, same eviction) and applies
-to it what the worker's L2 sees, in the worker's order: a load touches the pages L2
-holds and copies in the rest (read from L3); a save stores its pages, after making
-plain the anchored windows it names (a finished request moved past them).  The split is
-the worker's own while the two see the same operations; a save the worker drops
-(full queue) or a failed load makes it an estimate.  Either way the counts add up to
-the hit, as vLLM requires.
+The scheduler side owns L2's one index (:class:`.l2.HostPageIndex`) and decides
+every L2 operation: a load touches the pages L2 holds and admits the rest (read
+from L3), a save admits its pages after making plain the anchored windows a
+finished request moved past (:meth:`TierView.demote`), and each returns the
+host slots the workers read or write (:mod:`.l2`).  The split is the index's
+own; a save the worker drops (full queue) or a row a queued write overtook
+reads as a miss on the worker (its row's tag does not match), and the load
+goes to L3 (a failed load drops its keys from the index).  Either way the
+counts add up to the hit, as vLLM requires.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class TierView:
 
     Args:
         groups: the connector's KV-cache groups.
-        l2: a mirror of the worker's L2 index (None: no L2, every hit is L3's).
+        l2: L2's index (None: no L2, every hit is L3's).
         l3: the label of L3 hits (:func:`l3_source`).
         store: what L3 holds as far as this engine knows (default: an index that never
             probes, so only what this engine queued counts).
@@ -72,7 +73,7 @@ class TierView:
         self.store = store if store is not None else StoreIndex(None)
 
     def present(self, wanted: dict[int, list[bytes]]) -> dict[int, np.ndarray]:
-        """Per group index, a bool per key of ``wanted``: whether L2 (the mirror, not
+        """Per group index, a bool per key of ``wanted``: whether L2 (the index, not
         touched) or L3 holds it.  The keys neither L2 nor the store's record answer
         for are probed in one batched call.  O(keys) plus at most one probe."""
         out: dict[int, np.ndarray] = {}
@@ -110,8 +111,8 @@ class TierView:
 
     def stored_everywhere(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:
         """Bool per key: whether a save need not carry it again: the store holds it (or
-        this engine queued it, :meth:`saved_or_queued`) and so does L2 (the mirror;
-        without L2, the store alone).  A page L2 lost but the device still holds is
+        this engine queued it, :meth:`saved_or_queued`) and so does L2 (without L2,
+        the store alone).  A page L2 lost but the device still holds is
         copied down again, as the core copies down what the host lacks (repair case 1:
         device complete, host deficient); the worker then writes it to L2 only (L3's
         ``exists`` skips it).  O(n), one L2 lookup for the keys the store holds."""
@@ -123,7 +124,7 @@ class TierView:
 
     def on_load_done(self, keys: dict[int, list[bytes]], ok: bool) -> None:
         """A load of ``keys`` (per group index) finished: read intact (``ok``), or failed:
-        which pages it lacked is unknown, so every key leaves the L2 mirror and is
+        which pages it lacked is unknown, so every key leaves L2's index and is
         absent from L3 until stored again or probed past the TTL (a save the worker
         dropped cannot make later lookups fail again and again).  O(keys)."""
         for gi, ks in keys.items():
@@ -135,11 +136,14 @@ class TierView:
                 self.l2.tier.discard(ks, swa=self.groups[gi].is_swa)
 
     def on_load(self, pages: dict[int, tuple[list[int], list[bytes]]], start: int, end: int,
-                bases: dict[int, list[bytes | None] | None] | None = None) -> dict[CacheHitSource, int]:
+                bases: dict[int, list[bytes | None] | None] | None = None
+                ) -> tuple[dict[CacheHitSource, int], dict[int, list[int]]]:
         """A load of ``pages`` (per group index: page indices at the group's block size
-        and their keys) for the hit ``[start, end)``; returns its tokens by source and
-        updates the mirror as the worker's load will (``bases``: per sliding group, the
-        full key each page goes with in L2).
+        and their keys) for the hit ``[start, end)``: returns its tokens by source and,
+        per group, the L2 slot of each key (:mod:`.l2`): the slot L2 holds it in (the
+        worker reads it there), or the slot L2 admits it to (the worker reads it from
+        L3 and copies it in), ``-1`` for none.  ``bases``: per sliding group, the full
+        key each page goes with in L2.
 
         A token counts as L3's when any loaded page covering it is read from L3, else
         as L2's; tokens no loaded page covers (a sliding window group's history
@@ -147,24 +151,29 @@ class TierView:
         tier the load reads.  O(pages + (end - start) / smallest block)."""
         n = end - start
         if n <= 0:
-            return {}
+            return {}, {}
         if self.l2 is None:
-            return {self.l3: n}
+            return {self.l3: n}, {}
         unit = min(self.groups[g].block_size for g in pages) if pages else n
-        slots = -(-n // unit)
-        covered = np.zeros(slots, dtype=bool)
-        from_l3 = np.zeros(slots, dtype=bool)
+        slots_out: dict[int, list[int]] = {}
+        num = -(-n // unit)
+        covered = np.zeros(num, dtype=bool)
+        from_l3 = np.zeros(num, dtype=bool)
         any_l3 = False
         for gi, (idx, keys) in pages.items():
             if not keys:
                 continue
             g = self.groups[gi]
-            held = self.l2.lookup(g.is_swa, keys) >= 0
-            miss = [j for j, h in enumerate(held.tolist()) if not h]
-            if miss:
+            slots = self.l2.lookup(g.is_swa, keys)
+            held = slots >= 0
+            miss = np.flatnonzero(~held)
+            if miss.size:
                 any_l3 = True
                 base = (bases or {}).get(gi)  # the worker copies L3 reads into L2
-                self.l2.admit(g.is_swa, [keys[j] for j in miss], None if base is None else [base[j] for j in miss])
+                got, rows = self.l2.admit(g.is_swa, [keys[j] for j in miss.tolist()],
+                                          None if base is None else [base[j] for j in miss.tolist()])
+                slots[miss[got]] = rows
+            slots_out[gi] = slots.tolist()
             for i, h in zip(idx, held.tolist()):
                 lo = max(0, i * g.block_size - start) // unit
                 hi = -(-(min(end, (i + 1) * g.block_size) - start) // unit)
@@ -174,14 +183,14 @@ class TierView:
         from_l3[~covered] = any_l3
         disk = min(n, int(from_l3.sum()) * unit)
         out = {CacheHitSource.HOST: n - disk, self.l3: disk}
-        return {k: v for k, v in out.items() if v}
+        return {k: v for k, v in out.items() if v}, slots_out
 
     def passed(self, keys: dict[int, list[bytes]], end: int, kept_ends: Sequence[int]) -> list[bytes]:
-        """SWA keys of the anchored windows in the L2 mirror that a request finished at
+        """SWA keys of the anchored windows in L2 that a request finished at
         ``end`` tokens moved past: each sliding group's pages before ``end`` outside
         the windows ending at ``kept_ends`` (tokens: its tail, checkpoints, hit end;
         :func:`.plan.passed_pages`).  ``keys``: per group index, at least ``end``
-        tokens' worth.  Reads the mirror only.  O(pages before ``end``)."""
+        tokens' worth.  Reads the index only.  O(pages before ``end``)."""
         if self.l2 is None or not self.l2.tier.num_anchored_swa_pages or end <= 0:
             return []
         out: list[bytes] = []
@@ -193,23 +202,29 @@ class TierView:
                 out += self.l2.anchored([ks[i] for i in idx])
         return out
 
+    def demote(self, keys: Sequence[bytes]) -> int:
+        """Make the anchored L2 windows of ``keys`` plain (a finished request moved past
+        them, :meth:`passed`); returns pages moved.  O(n)."""
+        return self.l2.demote(keys) if self.l2 is not None and keys else 0
+
     def on_save(self, groups: dict[int, tuple[list[int], list[bytes]]],
-                demote: Sequence[bytes] = (),
                 bases: dict[int, list[bytes | None] | None] | None = None,
-                plain: Collection[bytes] = ()) -> None:
-        """A save job's pages (per group index: block ids and keys) go into L2, as the
-        worker stores them, and count as queued for L3; first the job's ``demote``
-        keys (anchored SWA windows a finished request moved past) become plain in
-        the mirror, as the worker's save thread does before the job's stores
-        (``bases``: per sliding group, the full key each page goes with in L2;
-        ``plain``: SWA keys entering L2 plain).  O(pages + demoted keys)."""
+                plain: Collection[bytes] = ()) -> dict[int, list[int]]:
+        """A save job's pages (per group index: block ids and keys) go into L2 and
+        count as queued for L3; returns per group the L2 slot the worker writes each
+        page to (``-1``: L2 holds it already, only touched, or has no room).
+        ``bases``: per sliding group, the full key each page goes with in L2;
+        ``plain``: SWA keys entering L2 plain.  O(pages)."""
         plain = frozenset(plain)
         for _, keys in groups.values():
             self.store.queued(keys)
         if self.l2 is None:
-            return
-        if demote:
-            self.l2.demote(demote)
+            return {}
+        out: dict[int, list[int]] = {}
         for gi, (_, keys) in groups.items():
             if keys:
-                self.l2.admit(self.groups[gi].is_swa, keys, (bases or {}).get(gi), plain)
+                slots = np.full(len(keys), -1, dtype=np.int64)
+                got, rows = self.l2.admit(self.groups[gi].is_swa, keys, (bases or {}).get(gi), plain)
+                slots[got] = rows
+                out[gi] = slots.tolist()
+        return out

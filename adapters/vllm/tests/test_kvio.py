@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hybridkv_vllm.kvio import GroupBuffers, as_np_tokens, load_pages, save_pages
-from hybridkv_vllm.l2 import HostPageCache
+from hybridkv_vllm.l2 import HostPageIndex, HostPageRows
 
 from hybridkv.tiers.keys import page_keys
 from hybridkv.tiers.storage import open_backend
@@ -51,32 +51,72 @@ def test_missing_page_loads_nothing(tmp_path) -> None:
     assert torch.equal(dst["a"], before)
 
 
+def _slots(index: HostPageIndex, keys: list[bytes], swa: bool = False) -> list[int]:
+    """The scheduler side's part of a save or a load: L2's index assigns each key its
+    row (held: its row; admitted: a new one; ``-1``: none), as :mod:`.sources` does."""
+    slots = index.lookup(swa, keys)
+    miss = slots < 0
+    got, rows = index.admit(swa, [k for k, m in zip(keys, miss.tolist()) if m])
+    idx = miss.nonzero()[0]
+    slots[idx[got]] = rows
+    return slots.tolist()
+
+
 def test_l2_in_front_of_l3(tmp_path) -> None:
-    """Saves land in L2 and L3; loads read L2 first, L3 for the rest, and fill L2."""
+    """Saves land in L2 (at the rows the index assigned) and L3; loads read L2 first,
+    L3 for the rest, and fill L2."""
     be = open_backend(f"file:{tmp_path / 'l3'}")
     keys = page_keys(as_np_tokens(list(range(96))), 32, namespace="t", fingerprint="f")
     src = _caches(seed=7)
     gs = GroupBuffers(src, ["a", "b"], 10)
-    l2 = HostPageCache(gs.page_bytes, 2 * gs.page_bytes, 64)  # room for 2 full pages
-    assert save_pages(be, gs, keys[:2], [1, 2], l2) == (2, 0, 2)
-    assert save_pages(be, gs, keys[2:], [3], l2) == (1, 0, 1)  # evicts the LRU page
-    assert l2.lookup(False, keys).tolist()[0] == -1 and l2.stats()["evicted_full_pages"] == 1
+    index = HostPageIndex(gs.page_bytes, 2 * gs.page_bytes, 64)  # room for 2 full pages
+    l2 = HostPageRows(gs.page_bytes, 2 * gs.page_bytes)
+    assert save_pages(be, gs, keys[:2], [1, 2], l2, slots=_slots(index, keys[:2])) == (2, 0, 2)
+    assert save_pages(be, gs, keys[2:], [3], l2, slots=_slots(index, keys[2:])) == (1, 0, 1)  # evicts LRU
+    assert index.lookup(False, keys).tolist()[0] == -1 and index.tier.stats()["evicted_full_pages"] == 1
     dst = _caches(seed=8)
     gd = GroupBuffers(dst, ["a", "b"], 10)
-    assert load_pages(be, gd, keys, [4, 5, 6], l2) == (True, 2, 1)  # page 0 from L3
+    assert load_pages(be, gd, keys, [4, 5, 6], l2, slots=_slots(index, keys)) == (True, 2, 1)  # 0 from L3
     for i, j in ((4, 1), (5, 2), (6, 3)):
         assert torch.equal(dst["a"][i], src["a"][j]) and torch.equal(dst["b"][:, i], src["b"][:, j])
-    # SWA pages are indexed apart from full ones: same key, other kind, is a miss
-    assert (l2.lookup(True, keys) == -1).all()
+    # SWA rows are apart from full ones: the same row of the other kind is a miss
+    probe = torch.empty((3, gs.page_bytes), dtype=torch.uint8)
+    assert l2.read(True, [0, 1, 0], keys, probe).size == 0
     # a page only L2 holds still loads (L3 lost it), and L2 bytes are the page bytes
     be.delete([keys[2]])
     dst2 = _caches(seed=9)
     gd2 = GroupBuffers(dst2, ["a", "b"], 10)
     # (the L3 read of page 0 above evicted page 1, the LRU one, from L2)
-    ok, from_l2, from_l3 = load_pages(be, gd2, [keys[0], keys[2]], [0, 1], l2)
+    ok, from_l2, from_l3 = load_pages(be, gd2, [keys[0], keys[2]], [0, 1], l2, slots=_slots(index, [keys[0], keys[2]]))
     assert ok and from_l2 == 2 and from_l3 == 0
     assert torch.equal(dst2["a"][0], src["a"][1]) and torch.equal(dst2["a"][1], src["a"][3])
-    assert load_pages(be, gd2, keys[1:2], [2], l2) == (True, 0, 1)
+    assert load_pages(be, gd2, keys[1:2], [2], l2, slots=_slots(index, keys[1:2])) == (True, 0, 1)
+
+
+def test_a_row_read_only_under_its_own_key(tmp_path) -> None:
+    """A row is read only while its tag is the key asked for: a slot the index gave to
+    another page before the write reached it, or a save the worker dropped, reads
+    as a miss (L3, or a failed load), never as another page's bytes."""
+    be = open_backend(f"file:{tmp_path / 'l3'}")
+    keys = page_keys(as_np_tokens(list(range(96))), 32, namespace="t", fingerprint="f")
+    src = _caches(seed=13)
+    gs = GroupBuffers(src, ["a", "b"], 10)
+    l2 = HostPageRows(gs.page_bytes, 4 * gs.page_bytes)
+    assert l2.write(False, [0, -1, 9], keys, gs.gather([1, 2, 3]).view(torch.uint8)) == 1  # -1, 9: no row
+    dst = _caches(seed=14)
+    gd = GroupBuffers(dst, ["a", "b"], 10)
+    before = dst["a"].clone()
+    # keys[1] asked at row 0 (which holds keys[0]): a miss; L3 lacks it: nothing is written
+    assert load_pages(be, gd, keys[1:2], [5], l2, slots=[0]) == (False, 0, 0)
+    assert torch.equal(dst["a"], before)
+    save_pages(be, gs, keys[1:2], [2])  # now L3 has it: read there, and copied into row 0
+    assert load_pages(be, gd, keys[1:2], [5], l2, slots=[0]) == (True, 0, 1)
+    assert torch.equal(dst["a"][5], src["a"][2])
+    assert load_pages(be, gd, keys[1:2], [6], l2, slots=[0]) == (True, 1, 0)  # from L2 now
+    assert load_pages(be, gd, keys[:1], [7], l2, slots=[0])[0] is False  # keys[0] left row 0
+    with pytest.raises(ValueError, match="parallel"):
+        l2.write(False, [0], keys[:2], gs.gather([1, 2]).view(torch.uint8))
+    assert l2.stats() == {"rows": 4, "written_full_rows": 1, "written_swa_rows": 0}
 
 
 def test_save_thread_async_store_release_and_wait(tmp_path) -> None:
@@ -233,29 +273,30 @@ def test_save_thread_touches_l3_keys_behind_queued_saves(tmp_path) -> None:
     assert st.pending() == 0
 
 
-def test_save_thread_demotes_before_storing_even_when_the_job_is_dropped(tmp_path) -> None:
-    """A job's demotion runs on the save thread before its stores; a job dropped for a
-    full queue still demotes (the scheduler's mirror did), storing nothing."""
+def test_save_thread_writes_the_rows_its_job_names(tmp_path) -> None:
+    """A save writes each page to the L2 row its job names (and L3 through); a job
+    dropped for a full queue writes no row, so the rows the index gave it read as
+    misses."""
     from hybridkv_vllm.saver import SaveThread
 
     be = open_backend(f"file:{tmp_path / 'l3'}")
     gb = GroupBuffers(_caches(seed=12), ["a", "b"], 10)
-    l2 = HostPageCache(gb.page_bytes, 8 * gb.page_bytes, 64)
+    l2 = HostPageRows(gb.page_bytes, 8 * gb.page_bytes)
     counts: dict[str, int] = {}
     st = SaveThread(be, {0: gb}, l2, {0: True}, 2 * gb.page_bytes,
                     lambda **kw: [counts.__setitem__(k, counts.get(k, 0) + v) for k, v in kw.items()],
                     lambda **ev: None)
     keys = page_keys(as_np_tokens(list(range(192))), 32, namespace="t", fingerprint="f")
-    assert st.submit("r1", {0: ([1, 2], keys[:2])}, finish=False) and st.drain(5)
-    assert l2.tier.anchored_swa(keys[:2]).tolist() == [True, True]
-    assert st.submit("r2", {}, finish=False, demote=keys[:1]) and st.drain(5)
-    assert l2.tier.anchored_swa(keys[:2]).tolist() == [False, True] and counts["l2_demoted_pages"] == 1
+    assert st.submit("r1", {0: ([1, 2], keys[:2])}, finish=False, slots={0: [5, -1]}) and st.drain(5)
+    out = torch.empty((2, gb.page_bytes), dtype=torch.uint8)
+    assert l2.read(True, [5, 5], keys[:2], out).tolist() == [0]
+    assert torch.equal(out[0], gb.gather([1]).view(torch.uint8)[0])
+    assert counts["save_pages"] == 2 and counts["save_pages_l2"] == 1
     st._pending += 1  # a task in flight: a job over the queue bound is dropped
-    assert not st.submit("r3", {0: ([3, 4, 5], keys[2:5])}, finish=True, demote=keys[1:2])
+    assert not st.submit("r3", {0: ([3, 4, 5], keys[2:5])}, finish=True, slots={0: [1, 2, 3]})
     st._pending -= 1
-    assert st.drain(5) and st.pop_released() == {"r3"}
-    assert l2.tier.anchored_swa(keys[:2]).tolist() == [False, False] and counts["save_dropped"] == 3
-    assert (l2.lookup(True, keys[2:5]) < 0).all() and counts["l2_demoted_pages"] == 2
+    assert st.drain(5) and st.pop_released() == {"r3"} and counts["save_dropped"] == 3
+    assert l2.read(True, [1, 2, 3], keys[2:5], torch.empty((3, gb.page_bytes), dtype=torch.uint8)).size == 0
     assert st.stop(5)
 
 

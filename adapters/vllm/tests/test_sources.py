@@ -1,12 +1,11 @@
 """The connector's hits by source (``vllm:prompt_tokens_cached_by_source``): L2 pages are
-``host``, a file L3's are ``disk``, and the scheduler's mirror of the worker's L2 moves
-as the worker's L2 does (no server: :class:`hybridkv_vllm.sources.TierView` alone)."""
+``host``, a file L3's are ``disk``, and L2's one index (the scheduler's) names the rows
+the workers read and write (no server: :class:`hybridkv_vllm.sources.TierView` alone)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
-from hybridkv_vllm.l2 import HostPageCache, HostPageIndex
+from hybridkv_vllm.l2 import HostPageIndex
 from hybridkv_vllm.plan import GroupInfo
 from hybridkv_vllm.sources import TierView, l3_source
 from vllm.v1.metrics.cache_hit_source import CacheHitSource as S
@@ -25,7 +24,7 @@ def _load(src: TierView, tag: str, end: int, start: int = 0) -> dict:
     full = list(range(start // 64, end // 64))
     swa = list(range(max(start, end - 64) // 32, end // 32))
     return src.on_load({0: (full, [_keys(tag + "f", end // 64)[i] for i in full]),
-                        1: (swa, [_keys(tag + "s", end // 32)[i] for i in swa])}, start, end)
+                        1: (swa, [_keys(tag + "s", end // 32)[i] for i in swa])}, start, end)[0]
 
 
 @pytest.mark.parametrize("url, source", [("file:hybridkv-l3", S.DISK), ("file:///var/cache/hkv", S.DISK),
@@ -55,7 +54,7 @@ def test_saved_pages_are_host_and_without_l2_every_hit_is_l3s():
     assert _load(src, "b", 192) == {S.HOST: 192}
     none = TierView([FULL, SWA], None, S.EXTERNAL_UNSPECIFIED)
     assert _load(none, "b", 192) == {S.EXTERNAL_UNSPECIFIED: 192}
-    assert none.on_load({}, 64, 64) == {}
+    assert none.on_load({}, 64, 64) == ({}, {})
 
 
 def test_a_hit_past_a_local_hit_counts_only_its_own_tokens():
@@ -64,30 +63,29 @@ def test_a_hit_past_a_local_hit_counts_only_its_own_tokens():
     assert split == {S.DISK: 256}
 
 
-def test_the_mirror_evicts_as_the_workers_l2_does():
-    """Same operations, same budget: the mirror holds exactly what the worker's L2 holds,
-    also after evictions."""
-    budget = 6 * PAGE
-    worker, mirror = HostPageCache(PAGE, budget, 64), HostPageIndex(PAGE, budget, 64)
-    rows = torch.zeros((4, PAGE), dtype=torch.uint8)
-    for tag in ("x", "y", "z"):  # 12 full pages into room for 6
-        keys = _keys(tag, 4)
-        worker.store(False, keys, rows)
-        mirror.admit(False, keys)
-        worker.lookup(False, _keys("x", 2))  # the worker reads x0, x1 again: recently used
-        mirror.lookup(False, _keys("x", 2))
-    every = _keys("x", 4) + _keys("y", 4) + _keys("z", 4)
-    held = (worker.lookup(False, every) >= 0).tolist()
-    assert held == (mirror.lookup(False, every) >= 0).tolist()
-    assert 0 < sum(held) < len(every)  # something was evicted, not everything
-
+def test_a_load_names_the_rows_to_read_and_the_rows_to_fill():
+    """The slots a load returns: the row L2 holds a key in (the worker reads it), the
+    row L2 admits a missing key to (the worker copies its L3 read in), ``-1`` where
+    L2 has no room; a save's slots name only the pages it stores anew."""
+    view = TierView([FULL, SWA], HostPageIndex(PAGE, 4 * PAGE, 64), S.DISK)
+    saved = view.on_save({0: ([1, 2], _keys("f", 2))})[0]
+    assert sorted(saved) == [0, 1]
+    assert view.on_save({0: ([1, 2], _keys("f", 2))}) == {0: [-1, -1]}  # held: only touched
+    split, slots = view.on_load({0: ([0, 1, 2], _keys("f", 3))}, 0, 192)
+    assert split == {S.HOST: 128, S.DISK: 64}
+    assert slots[0][:2] == saved and slots[0][2] not in saved and 0 <= slots[0][2] < 4
+    _, again = view.on_load({0: ([0, 1, 2], _keys("f", 3))}, 0, 192)
+    assert again == slots  # now all held, in the same rows
+    view.l2.tier.alloc(1, 0)  # the last free row goes: admitting g0 evicts the LRU page (f0)
+    _, other = view.on_load({0: ([0], _keys("g", 1))}, 0, 64)
+    assert other[0] == [saved[0]] and view.l2.held(False, _keys("f", 1)).tolist() == [False]
 
 
 def test_plain_windows_displace_only_plain_windows():
     """A window named ``plain`` enters the plain class and makes room only from older plain
     windows (as in the core's L2): with the budget full of full pages and anchors it is
     not stored, and nothing is evicted for it; an anchor window is stored (a full page goes)."""
-    for index in (HostPageIndex(PAGE, 4 * PAGE, 64), HostPageCache(PAGE, 4 * PAGE, 64).index):
+    for index in (HostPageIndex(PAGE, 4 * PAGE, 64),):
         index.admit(False, _keys("f", 3))
         index.admit(True, _keys("a", 1), [b"f2"])  # based on a held full page: an anchor
         assert index.tier.num_anchored_swa_pages == 1 and index.tier.num_full_pages == 3
@@ -158,24 +156,20 @@ def test_a_hit_touches_its_store_keys_at_most_once_per_interval():
     assert view.touches({0: _keys("unknown", 2)}, 128, interval_s=0.0) == []  # not in the store
 
 
-def test_the_mirror_demotes_as_the_worker_does_before_the_jobs_stores():
-    """A save job's demotion runs first on both sides: the windows it names become plain
-    (given up first, before full pages) in the worker's L2 and the mirror alike;
-    ``passed`` names only what the mirror holds anchored, outside the kept windows."""
-    budget = 8 * PAGE
-    worker, mirror = HostPageCache(PAGE, budget, 64), HostPageIndex(PAGE, budget, 64)
-    src = TierView([FULL, SWA], mirror, S.DISK)
+def test_a_jobs_demotion_runs_before_its_stores():
+    """A finished request's demotion runs before the next save's stores: the windows it
+    names become plain (given up first, before full pages); ``passed`` names only what
+    L2 holds anchored, outside the kept windows."""
+    index = HostPageIndex(PAGE, 8 * PAGE, 64)
+    src = TierView([FULL, SWA], index, S.DISK)
     swa = _keys("s", 8)
     src.on_save({1: ([0] * 6, swa[:6])})
-    worker.store(True, swa[:6], torch.zeros((6, PAGE), dtype=torch.uint8))
     # a request ending at 256 tokens (page 8), hit at 128: pages 2-3 and 6-7 are kept
     demote = src.passed({0: _keys("f", 4), 1: swa}, 256, [256, 128])
     assert demote == swa[:2] + swa[4:6]  # 6 and 7 are not held
-    src.on_save({0: ([0, 0], _keys("f", 2))}, demote)
-    assert worker.demote(demote) == 4
-    worker.store(False, _keys("f", 2), torch.zeros((2, PAGE), dtype=torch.uint8))
-    for tier in (worker.tier, mirror.tier):
-        assert tier.anchored_swa(swa[:6]).tolist() == [False, False, True, True, False, False]
-    assert list(worker.tier._swa) == list(mirror.tier._swa) == demote  # same LRU order
+    assert src.demote(demote) == 4 and src.demote([]) == 0
+    src.on_save({0: ([0, 0], _keys("f", 2))})
+    assert index.tier.anchored_swa(swa[:6]).tolist() == [False, False, True, True, False, False]
+    assert list(index.tier._swa) == demote  # plain, in the order named
     assert src.passed({1: swa}, 256, [256, 128]) == []  # nothing anchored is left to demote
     assert TierView([FULL, SWA], None, S.DISK).passed({1: swa}, 256, []) == []  # no L2
