@@ -135,7 +135,7 @@ def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], dev
             tv.replay_into(sched, vc, seqs, totals, _drain)
             view = getattr(sched.connector, "_tiers", None)  # (an older connector has no record)
             record = view.store.stats() if tiers and view is not None else {}
-            # what the L2 (the scheduler's mirror of it) holds at the end, by class
+            # what L2 (its index, the scheduler side's) holds at the end, by class
             l2 = view.l2.tier.stats() if tiers and view is not None and view.l2 is not None else {}
         finally:
             sched.shutdown()
