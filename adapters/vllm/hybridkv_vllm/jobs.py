@@ -27,7 +27,7 @@ class PageJob:
     # only these rows
     slots: dict[int, list[int]] = field(default_factory=dict)
     # The rest is the scheduler side's, used when it applies the job to L2's index
-    # (emptied before the job goes to the workers):
+    # (left out of the job the workers get, :meth:`for_workers`):
     # SWA keys whose anchored L2 windows the finished request moved past: made plain
     # before this job's pages are stored
     demote: list[bytes] = field(default_factory=list)

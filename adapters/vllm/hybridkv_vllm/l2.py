@@ -114,32 +114,39 @@ class HostPageIndex:
               bases: Sequence[bytes | None] | None = None,
               plain: Collection[bytes] = ()) -> tuple[np.ndarray, np.ndarray]:
         """Index the keys not held yet (those held are touched); returns the indices
-        ``i`` of ``keys`` admitted and their host pages.  When the budget cannot make
-        room (everything else protected) nothing is admitted: L2 is best effort.
-        ``bases`` (SWA only, parallel to ``keys``): the full key each page goes with
-        (``None``: none); a page whose base L2 does not hold enters plain.  ``plain``
-        (SWA only): keys that enter plain whatever their base (windows L2 does not
-        keep as anchors); storing them displaces only older plain SWA, as in the
-        core's L2.  Mutates the index (may evict LRU pages).  O(n + evicted)."""
-        have = self.lookup(swa, keys)
-        todo = np.flatnonzero(have < 0)
-        none = np.zeros(0, dtype=np.int64)
+        ``i`` of ``keys`` admitted and their host pages (:meth:`place`).  O(n + evicted)."""
+        held, slots = self.place(swa, keys, bases, plain)
+        new = np.flatnonzero(~held & (slots >= 0))
+        return new, slots[new]
+
+    def place(self, swa: bool, keys: Sequence[bytes],
+              bases: Sequence[bytes | None] | None = None,
+              plain: Collection[bytes] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """Touch the keys held and index the others; returns, per key, whether it was
+        held and its host page (``-1``: not held and not admitted).  When the budget
+        cannot make room (everything else protected) nothing is admitted: L2 is best
+        effort.  ``bases`` (SWA only, parallel to ``keys``): the full key each page
+        goes with (``None``: none); a page whose base L2 does not hold enters plain.
+        ``plain`` (SWA only): keys that enter plain whatever their base (windows L2
+        does not keep as anchors); storing them displaces only older plain SWA, as in
+        the core's L2.  Mutates the index (may evict LRU pages).  O(n + evicted)."""
+        slots = self.lookup(swa, keys)
+        held = slots >= 0
+        todo = np.flatnonzero(~held)
         if todo.size == 0:
-            return none, none
+            return held, slots
         if not swa:
             got = self.tier.alloc(int(todo.size), 0)
-            if got is None:
-                return none, none
-            self.tier.insert_full([keys[i] for i in todo.tolist()], got[0])
-            return todo, got[0]
+            if got is not None:
+                self.tier.insert_full([keys[i] for i in todo.tolist()], got[0])
+                slots[todo] = got[0]
+            return held, slots
         # Only windows a hit can end at are saved (tails, checkpoints, hit windows):
         # they enter as anchors (those a sequence moved past are demoted later) but for
         # those named ``plain`` and one whose full KV L2 lacks (it would outlive it).
         base = [None] * len(keys) if bases is None else bases
         want = np.array([k not in plain and (b is None or not self.tier.pair_swa or b in self.tier)
                          for k, b in ((keys[i], base[i]) for i in todo.tolist())], dtype=bool)
-        idx: list[np.ndarray] = []
-        pages: list[np.ndarray] = []
         for anchor in (True, False):  # anchors first, then plain SWA on its own terms
             part = todo[want == anchor]
             if part.size == 0:
@@ -150,11 +157,8 @@ class HostPageIndex:
             sel = part.tolist()
             self.tier.insert_swa([keys[i] for i in sel], got[1], np.full(part.size, anchor),
                                  [base[i] for i in sel])
-            idx.append(part)
-            pages.append(got[1])
-        if not idx:
-            return none, none
-        return np.concatenate(idx), np.concatenate(pages)
+            slots[part] = got[1]
+        return held, slots
 
     def anchored(self, keys: Sequence[bytes]) -> list[bytes]:
         """The SWA ``keys`` held in the anchored class.  O(n)."""

@@ -164,15 +164,9 @@ class TierView:
             if not keys:
                 continue
             g = self.groups[gi]
-            slots = self.l2.lookup(g.is_swa, keys)
-            held = slots >= 0
-            miss = np.flatnonzero(~held)
-            if miss.size:
-                any_l3 = True
-                base = (bases or {}).get(gi)  # the worker copies L3 reads into L2
-                got, rows = self.l2.admit(g.is_swa, [keys[j] for j in miss.tolist()],
-                                          None if base is None else [base[j] for j in miss.tolist()])
-                slots[miss[got]] = rows
+            # held pages are read from L2; the others from L3, copied into the rows L2 admits
+            held, slots = self.l2.place(g.is_swa, keys, (bases or {}).get(gi))
+            any_l3 = any_l3 or not held.all()
             slots_out[gi] = slots.tolist()
             for i, h in zip(idx, held.tolist()):
                 lo = max(0, i * g.block_size - start) // unit
@@ -223,8 +217,7 @@ class TierView:
         out: dict[int, list[int]] = {}
         for gi, (_, keys) in groups.items():
             if keys:
-                slots = np.full(len(keys), -1, dtype=np.int64)
-                got, rows = self.l2.admit(self.groups[gi].is_swa, keys, (bases or {}).get(gi), plain)
-                slots[got] = rows
+                held, slots = self.l2.place(self.groups[gi].is_swa, keys, (bases or {}).get(gi), plain)
+                slots[held] = -1  # held: only touched, not written again
                 out[gi] = slots.tolist()
         return out

@@ -54,12 +54,7 @@ def test_missing_page_loads_nothing(tmp_path) -> None:
 def _slots(index: HostPageIndex, keys: list[bytes], swa: bool = False) -> list[int]:
     """The scheduler side's part of a save or a load: L2's index assigns each key its
     row (held: its row; admitted: a new one; ``-1``: none), as :mod:`.sources` does."""
-    slots = index.lookup(swa, keys)
-    miss = slots < 0
-    got, rows = index.admit(swa, [k for k, m in zip(keys, miss.tolist()) if m])
-    idx = miss.nonzero()[0]
-    slots[idx[got]] = rows
-    return slots.tolist()
+    return index.place(swa, keys)[1].tolist()
 
 
 def test_l2_in_front_of_l3(tmp_path) -> None:
