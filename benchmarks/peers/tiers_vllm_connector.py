@@ -135,8 +135,12 @@ def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], dev
             tv.replay_into(sched, vc, seqs, totals, _drain)
             view = getattr(sched.connector, "_tiers", None)  # (an older connector has no record)
             record = view.store.stats() if tiers and view is not None else {}
-            # what L2 (its index, the scheduler side's) holds at the end, by class
+            # what L2 (its index, the scheduler side's) holds at the end, by class; full pages the
+            # device cache was about to give up that L2 lacked, copied down (the rule's price in copies)
             l2 = view.l2.tier.stats() if tiers and view is not None and view.l2 is not None else {}
+            l1 = getattr(sched.connector, "_l1", None)
+            if l2 and l1 is not None:
+                l2["rescued_full_pages"] = l1.rescued
         finally:
             sched.shutdown()
     out = tv._row(CONNECTOR_SYSTEMS[1] if tiers else CONNECTOR_SYSTEMS[0], totals, device_bytes,

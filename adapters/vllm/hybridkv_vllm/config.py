@@ -64,6 +64,10 @@ class ConnectorConfig:
         backend_options: extra keyword options for ``open_backend``.
         l2_gb: host-memory L2 page cache per worker, in GiB (0 disables it):
             saves are written to L2 and through to L3; loads read L2 first.
+        l1_copies_first: L2 evicts its copies of full pages vLLM's device cache
+            holds before the pages only it holds, and copies down a page the
+            device cache gives up that L2 lacks (:mod:`.l1`; default on, as
+            hybridkv's own L2 does under write-through).
     """
 
     l3_url: str = "file:hybridkv-l3"
@@ -79,6 +83,7 @@ class ConnectorConfig:
     l2_gb: float = 1.0
     save_queue_mb: float = 256.0
     async_save: bool = True
+    l1_copies_first: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -98,7 +103,7 @@ class ConnectorConfig:
                 if not isinstance(extra[name], str):
                     raise TypeError(f"kv_connector_extra_config[{name!r}] must be a str")
                 kw[name] = extra[name]
-        for name in ("save_on_finish", "async_save"):
+        for name in ("save_on_finish", "async_save", "l1_copies_first"):
             if name in extra:
                 kw[name] = _as_bool(name, extra[name])
         if extra.get("checkpoint_interval") == "auto":

@@ -73,13 +73,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.tiers.index import StoreIndex
-from hybridkv.tiers.keys import page_keys
 from hybridkv.tiers.storage import open_backend
 
 from .config import ConnectorConfig
 from .groups import fingerprints, groups_from_config
 from .jobs import HybridKVMetadata, PageJob, ReqState
-from .kvio import GroupBuffers, as_np_tokens, load_pages
+from .kvio import GroupBuffers, load_pages
+from .l1 import L1View, copy_down
 from .l2 import HostPageRows, l2_index
 from .logs import logger, route_core_logs
 from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
@@ -156,6 +156,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # count as stored while their store may still be queued (a load waits for it).
         l2 = (l2_index(kv_cache_config, self.groups, int(self.cfg.l2_gb * (1 << 30)))
               if role == KVConnectorRole.SCHEDULER else None)
+        # which full pages vLLM's device cache holds, for L2's eviction (hooked when bound)
+        self._l1 = L1View(l2) if l2 is not None and self.cfg.l1_copies_first else None
         self._tiers = TierView(self.groups, l2, l3_source(self.cfg.l3_url),
                                StoreIndex(self.backend.exists, bound=STORE_KEYS_MAX, absent_ttl_s=ABSENT_TTL_S))
         # worker side
@@ -173,6 +175,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("HybridKVConnector role=%s l3=%s l2_gb=%s unit=%d groups=%s", role.name,
                     self.cfg.l3_url, self.cfg.l2_gb, self.unit,
                     [(g.index, g.window, g.block_size, len(g.layer_names)) for g in self.groups])
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Follow the pool's removals of cached blocks (:mod:`.l1`)."""
+        super().bind_gpu_block_pool(gpu_block_pool)
+        if self._l1 is not None and not self._l1.hook(gpu_block_pool):
+            logger.warning("hybridkv: vLLM's block pool cannot be followed; L2 keeps no L1 copies rule")
+            self._l1 = None
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -237,22 +246,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return st
 
     def _keys(self, st: ReqState, tokens: int) -> dict[int, list[bytes]]:
-        """Chained keys of each group's pages inside ``[0, tokens)``, extended incrementally.
-
-        Group ``g`` gets ``tokens // g.block_size`` keys at its own block size.
-        """
-        all_tokens = st.request.all_token_ids
-        out = {}
-        for g in self.groups:
-            bs, pages = g.block_size, tokens // g.block_size
-            have = st.keys.setdefault(g.index, [])
-            if len(have) < pages:
-                parent = have[-1] if have else None
-                chunk = as_np_tokens(all_tokens[len(have) * bs: pages * bs])
-                have.extend(page_keys(chunk, bs, namespace=st.namespace,
-                                      fingerprint=self.fingerprints[g.index], parent=parent))
-            out[g.index] = have[:pages]
-        return out
+        return st.page_keys(tokens, self.groups, self.fingerprints)  # (ReqState.page_keys)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -296,6 +290,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._record(event="alloc", req=request.request_id,
                          prompt_tokens=request.num_prompt_tokens,
                          external_tokens=int(num_external_tokens))
+        if st is not None and self._l1 is not None and st.local_tokens:  # the device's own hit: L1 holds it
+            self._l1.held_prefix(self.groups, blocks.blocks, self._keys(st, st.local_tokens), st.local_tokens)
         if st is not None:  # the whole hit keeps its store entries alive
             top = st.hit_tokens if hit else st.local_tokens
             self._touches += self._tiers.touches(self._keys(st, top), top, TOUCH_INTERVAL_S) if top else []
@@ -361,6 +357,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 pages = pages_to_save(g, st.saved_tokens // bs, end_tokens // bs, bs, final)
             sel = [i for i in pages if i < len(ids) and ids[i] != null_id and i not in done]
             done.update(sel if g.is_swa else ())
+            if self._l1 is not None and not g.is_swa:  # L1 holds these pages now
+                self._l1.held(g.index, [ids[i] for i in sel], [keys[g.index][i] for i in sel])
             # Skipped: pages another job carries (a batch's shared system prompt) or that the
             # store and L2 both hold; one only L2 lost is copied down again (repair case 1).
             ks = keys[g.index]
@@ -411,7 +409,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             job.slots = self._tiers.on_save(job.groups, job.bases, job.plain)
         meta.saves = [job.for_workers() for job in meta.saves if job.groups]
         self._claimed.clear()
-        meta.idle = not (meta.loads or meta.saves or meta.touches or scheduler_output.total_num_scheduled_tokens)
+        meta.rescues = self._l1.take_rescues() if self._l1 is not None else {}
+        meta.idle = not (meta.loads or meta.saves or meta.touches or meta.rescues
+                         or scheduler_output.total_num_scheduled_tokens)
         return meta
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
@@ -462,7 +462,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Keep the engine stepping until queued finish saves reach a worker
         # (then the held request keeps it stepping until finished_sending),
         # and until the workers' saves are stored and counted (progress.py).
-        return bool(self._pending_saves) or self._worker_saves.busy()
+        return bool(self._pending_saves) or self._worker_saves.busy() or bool(self._l1 and self._l1.pending())
 
     # =============================================================== worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -484,6 +484,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                                  {g.index: g.is_swa for g in self.groups},
                                  int(self.cfg.save_queue_mb * (1 << 20)), self._count,
                                  self._record)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Copy down the blocks vLLM's cache gave up that L2 lacks: vLLM calls this first
+        in a step, before it zeroes the step's new blocks and runs the forward pass."""
+        if isinstance(kv_connector_metadata, HybridKVMetadata) and kv_connector_metadata.rescues:
+            self._count(l2_rescued_pages=copy_down(kv_connector_metadata.rescues, self._buffers, self._l2))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Run this step's loads (all or nothing per request)."""

@@ -3,14 +3,21 @@ step (``HybridKVMetadata`` of ``PageJob`` s) and what it keeps per request."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hybridkv.tiers.keys import page_keys
+
+from .kvio import as_np_tokens
+
 if TYPE_CHECKING:
     from vllm.v1.request import Request
+
+    from .plan import GroupInfo
 
 __all__ = ["HybridKVMetadata", "PageJob", "ReqState"]
 
@@ -54,6 +61,9 @@ class HybridKVMetadata(KVConnectorMetadata):
     loads: list[PageJob] = field(default_factory=list)
     saves: list[PageJob] = field(default_factory=list)
     touches: list[bytes] = field(default_factory=list)  # store keys to keep alive (repair case 3)
+    # per full group index: blocks vLLM's cache gave up whose pages L2 lacked, their keys and
+    # the L2 rows to copy them to, before this step writes any block (repair case 1, :mod:`.l1`)
+    rescues: dict[int, tuple[list[int], list[bytes], list[int]]] = field(default_factory=dict)
     idle: bool = False  # an empty step (no tokens, loads or saves): see progress.py
 
 
@@ -70,3 +80,21 @@ class ReqState:
     saved_tokens: int = 0     # full-group KV up to here already handed to a save job
     saved_swa: dict[int, set[int]] = field(default_factory=dict)  # per SWA group: pages saved
     reported: bool = False
+
+    def page_keys(self, tokens: int, groups: Sequence[GroupInfo],
+                  fingerprints: dict[int, str]) -> dict[int, list[bytes]]:
+        """Chained keys of each group's pages inside ``[0, tokens)``, extended
+        incrementally (kept in :attr:`keys`): group ``g`` gets ``tokens //
+        g.block_size`` keys at its own block size.  O(new pages)."""
+        all_tokens = self.request.all_token_ids
+        out = {}
+        for g in groups:
+            bs, pages = g.block_size, tokens // g.block_size
+            have = self.keys.setdefault(g.index, [])
+            if len(have) < pages:
+                parent = have[-1] if have else None
+                chunk = as_np_tokens(all_tokens[len(have) * bs: pages * bs])
+                have.extend(page_keys(chunk, bs, namespace=self.namespace,
+                                      fingerprint=fingerprints[g.index], parent=parent))
+            out[g.index] = have[:pages]
+        return out

@@ -6,12 +6,14 @@ JOB: ``runs`` (list of per-run dicts with a ``name``; run one after another in
 this process, each with fresh vLLM engine/worker processes) plus defaults for
 every run.  OUT: ``{name: result}``.  Per-run keys: ``model`` (dir),
 ``connector`` (``none`` | ``hybridkv`` | ``offloading``),
-``extra`` (connector extra config), ``sets`` (see :func:`prompt_sets`),
-``reset_between`` (drop vLLM's own prefix cache before every request so hits
-must come through the connector), ``max_tokens``, ``block_size``,
-``max_model_len``, ``seed``, ``scheduler_cls`` (qualified name, e.g.
-``hybridkv_vllm.scheduler.HybridKVScheduler``: hybridkv's tree as vLLM's
-prefix cache), ``num_gpu_blocks`` (``num_gpu_blocks_override``).  Each request is one ``generate`` call so earlier
+``extra`` (connector extra config), ``sets`` (names from :func:`prompt_sets`;
+default :data:`DEFAULT_SETS`), ``reset_between`` (drop vLLM's own prefix cache
+before every request so hits must come through the connector), ``max_tokens``,
+``block_size``, ``max_model_len``, ``seed``, ``scheduler_cls`` (qualified name,
+e.g. ``hybridkv_vllm.scheduler.HybridKVScheduler``: hybridkv's tree as vLLM's
+prefix cache), ``num_gpu_blocks`` (``num_gpu_blocks_override``),
+``async_scheduling`` (vLLM's; default: vLLM's choice).  Each request is one
+``generate`` call so earlier
 requests are finished (and saved) before later ones look up.
 """
 
@@ -24,6 +26,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+
+DEFAULT_SETS = ("repeat", "shared_prefix", "multi_turn")  # a job without "sets" runs these
 
 
 def prompt_sets(seed: int, vocab: int = 512) -> dict[str, list[Any]]:
@@ -39,6 +44,8 @@ def prompt_sets(seed: int, vocab: int = 512) -> dict[str, list[Any]]:
         "repeat": [a, a, a[:200]],
         "shared_prefix": [s + toks(60), s + toks(90), s + toks(15)],
         "multi_turn": [toks(150), ("turn", 0, toks(40)), ("turn", 1, toks(50))],
+        # a conversation pushed out of a small device cache by four others, then its next turn
+        "pushed_out": [toks(300), toks(300), toks(300), toks(300), toks(300), ("turn", 0, toks(40))],
     }
 
 
@@ -76,13 +83,14 @@ def _run_one(job: dict[str, Any]) -> dict[str, Any]:
               # vLLM import, ~15-20 s here) less per LLM; still a fresh process per LLM
               distributed_executor_backend=job.get("executor", "uni"),
               **({"scheduler_cls": job["scheduler_cls"]} if job.get("scheduler_cls") else {}),
+              **({"async_scheduling": job["async_scheduling"]} if "async_scheduling" in job else {}),
               **({"num_gpu_blocks_override": job["num_gpu_blocks"]} if job.get("num_gpu_blocks") else {}))
     init_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 12),
                             ignore_eos=True)
     result: dict[str, Any] = {"init_s": init_s, "sets": {}}
     sets = prompt_sets(job.get("seed", 0))
-    for name in job.get("sets", list(sets)):
+    for name in job.get("sets", DEFAULT_SETS):
         prompts, outs, cached, walls = [], [], [], []
         for item in sets[name]:
             if isinstance(item, tuple) or (isinstance(item, list) and item and item[0] == "turn"):

@@ -78,6 +78,7 @@ def _step(sched: Any, worker: Any) -> int:
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     so = sched.schedule()
+    worker.handle_preemptions(so.kv_connector_metadata)  # first in vLLM's step
     worker.bind_connector_metadata(so.kv_connector_metadata)
     worker.start_load_kv(None)
     worker.wait_for_save()  # async_save false: stored before the step ends
@@ -315,3 +316,27 @@ def test_checkpoint_windows_off_the_anchor_grid_enter_l2_plain(stack, anchor_che
             for i in range((1472 - WINDOW) // g.block_size, 1472 // g.block_size)}
     assert tail <= set(anchored)  # the prompt-end window: an anchor
     assert _rows_agree(sched, worker)
+
+
+@pytest.mark.parametrize("copies_first", [True, False])
+def test_l2_gives_up_its_copies_of_device_pages_first_and_gets_them_back(stack, copies_first: bool) -> None:  # noqa: ANN001
+    """L2 knows which full pages vLLM's device cache holds (hybridkv's scheduler here):
+    every block the connector counts as holding a page is still a cached block of
+    vLLM's pool, L2's copies of those pages are evicted before the pages only L2
+    holds, and a page the device gives up while L2 lacks it is copied down to L2
+    (the worker writes exactly the rows the scheduler queued).  With the rule off
+    (``l1_copies_first: false``) none of this happens."""
+    sched, worker = stack(device_pages=70, host_pages=48, l1_copies_first=copies_first)
+    conn = sched.connector
+    _conversations(sched, worker, n_conv=5, seed=5)
+    tier, view = _tier(sched), conn._l1
+    assert (view is not None) == copies_first and tier.l1_copies_first == copies_first
+    if not copies_first:
+        assert tier.counters["evicted_l1_copy_pages"] == 0 and worker.stats.get("l2_rescued_pages", 0) == 0
+        return
+    blocks = conn._kv_cache_manager.block_pool.blocks
+    assert len(view) > 0 and all(blocks[b].block_hash is not None for b in view._held)
+    assert set(tier._copies) == {k for _, k in view._held.values() if k in tier._full}
+    assert tier.counters["evicted_l1_copy_pages"] > 0
+    assert view.rescued > 0 and worker.stats["l2_rescued_pages"] == view.rescued
+    assert _rows_agree(sched, worker) and worker.stats["load_failures"] == 0
