@@ -12,7 +12,8 @@ prompt.  :class:`StoreIndex` remembers, per chained page key
 
 :meth:`StoreIndex.present` answers from the record and probes only the keys it
 has no answer for, in one batched call (the store's ``exists``), recording
-the answers.  A key a read found missing or corrupt is reported with
+the answers; :meth:`StoreIndex.leading` does the same for a lookup whose hit is
+the leading run of keys, probing in growing chunks up to the first absent key.  A key a read found missing or corrupt is reported with
 :meth:`StoreIndex.lost` and is absent from then on until stored again.  The
 record is bounded (oldest entries out): an entry that falls out is only
 probed again, never answered wrongly.
@@ -142,6 +143,50 @@ class StoreIndex:
         if ask and probe and self._probe is not None:
             self._ask(ask, at, out, now)
         return out
+
+    def leading(self, keys: Sequence[bytes], held: np.ndarray | None = None, *,
+                first: int = 16, grow: int = 4) -> int:
+        """How many leading ``keys`` the store holds (or will), for a lookup whose hit is
+        the leading run: ``held`` (bool per key, optional) marks keys known present
+        elsewhere (a faster tier), not asked about.  The record answers first; unknown
+        keys are probed from the first one on, in chunks of ``first`` keys, ``grow``
+        times more each round, and probing stops at the first absent key: a miss costs
+        one small probe, not one key per page of the prompt; a hit of ``n`` unknown
+        pages ``O(log n)`` probes.  Answers are recorded as :meth:`present` records
+        them; a probe that fails ends the run there.  O(run) plus the probes."""
+        n, i, chunk = len(keys), 0, max(1, int(first))
+        now = self._clock()
+        known, absent = self._known, self._absent
+        while i < n:
+            ask: list[bytes] = []
+            at: list[int] = []
+            stop = n  # a key known absent ends the run
+            j = i
+            while j < n and len(ask) < chunk:
+                k = keys[j]
+                if held is None or not held[j]:
+                    if k in known:
+                        self.counters["answered_keys"] += 1
+                    else:
+                        until = absent.get(k)
+                        if until is not None and until >= now:
+                            self.counters["answered_keys"] += 1
+                            stop = j
+                            break
+                        ask.append(k)
+                        at.append(j)
+                j += 1
+            if ask:
+                got = np.zeros(len(ask), dtype=bool)
+                if self._probe is not None:
+                    self._ask(ask, list(range(len(ask))), got, now)
+                if not got.all():
+                    return at[int(np.argmin(got))]
+            if stop < n:
+                return stop
+            i = j
+            chunk *= max(1, int(grow))
+        return n
 
     def _ask(self, ask: list[bytes], at: list[int], out: np.ndarray, now: float) -> None:
         self.counters["probes"] += 1

@@ -135,3 +135,45 @@ def test_due_touch_names_known_keys_at_most_once_per_interval():
     assert idx.due_touch([_k(1), _k(2)], 10.0) == []
     clock.t = 10.5
     assert idx.due_touch([_k(2)], 10.0) == [_k(2)]
+
+
+def test_the_leading_run_probes_up_to_the_first_absent_key(store):
+    """A lookup's hit is the leading run: probing stops at the first absent key, in
+    chunks that grow, and known keys (or keys a faster tier holds) are not asked."""
+    import numpy as np
+
+    store.put([_k(i) for i in range(40)], [b"v" * 8] * 40)
+    probe, clock = CountingProbe(store), Clock()
+    idx = StoreIndex(probe, absent_ttl_s=2.0, clock=clock)
+    keys = [_k(i) for i in range(1000, 1300)]  # a new prompt: nothing stored
+    assert idx.leading(keys, first=4, grow=4) == 0
+    assert (probe.calls, probe.keys) == (1, 4)  # present() would ask all 300
+    assert idx.leading(keys, first=4, grow=4) == 0 and probe.calls == 1  # absent, within the TTL
+    # 40 stored, then absent: chunks of 4, 16, 64 (the last one ends at the first absent key)
+    keys = [_k(i) for i in range(100)]
+    assert idx.leading(keys, first=4, grow=4) == 40
+    assert (probe.calls, probe.keys) == (4, 4 + 4 + 16 + 64)
+    assert idx.leading(keys, first=4, grow=4) == 40 and probe.calls == 4  # all answered now
+    # a key a faster tier holds is not asked and counts as present
+    held = np.zeros(3, dtype=bool)
+    held[0] = True
+    fresh = [_k(2000), _k(1), _k(2001)]
+    assert idx.leading(fresh, held, first=4) == 2 and probe.keys == 88 + 1  # only _k(2001) asked
+    # the same answers as present() over the leading run, for any run length
+    for n in (0, 1, 17, 40, 41, 99):
+        other = StoreIndex(store.exists, absent_ttl_s=2.0, clock=clock)
+        flags = other.present(keys[:n])
+        run = int(np.argmin(flags)) if not flags.all() else n
+        assert StoreIndex(store.exists, clock=clock).leading(keys[:n]) == run
+
+
+def test_a_failing_probe_ends_the_leading_run_unrecorded():
+    def boom(keys):  # noqa: ANN001, ANN202
+        raise ConnectionError("store down")
+
+    idx = StoreIndex(boom)
+    assert idx.leading([_k(1), _k(2)]) == 0
+    assert idx.counters["probe_errors"] == 1 and idx.state(_k(1)) is None
+    idx.queued([_k(1)])
+    assert idx.leading([_k(1), _k(2)]) == 1  # what this engine queued still counts
+    assert StoreIndex(None).leading([_k(1)]) == 0

@@ -254,7 +254,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
         Side-effect free towards vLLM (only caches keys).  Cost: the tiers' record
         (:class:`.sources.TierView`) answers for keys this engine saved, read or
-        probed; one batched ``exists`` asks the store about the rest.
+        probed; the store is asked about the rest up to the first absent full page
+        (growing batched ``exists`` calls), and about the windows below it.
         """
         unit = self.unit
         max_tokens = (request.num_tokens - 1) // unit * unit  # vLLM must compute >= 1 token
@@ -269,7 +270,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # pages this engine already handed to its workers' save threads count as present
         # (the worker's load waits for their store, see SaveThread.wait_keys).
         los = {g.index: min(len(keys[g.index]), num_computed_tokens // g.block_size) for g in self.groups}
-        held = self._tiers.present({gi: keys[gi][lo:] for gi, lo in los.items()})
+        held = self._tiers.present(keys, los)
         present = [np.concatenate([np.ones(los[g.index], dtype=bool), held[g.index]]) for g in self.groups]
         hit = window_safe_tokens(present, self.groups, unit, num_computed_tokens, max_tokens)
         self._count(lookups=1)

@@ -4,8 +4,8 @@
 tiers hold) from L2's index (owned here, see below) and the store's :class:`~hybridkv.tiers.index.StoreIndex`
 (keys this engine queued for storing, keys read back or found by a probe, keys
 found absent for a short while), so a lookup probes the store (``exists``) only
-for keys it has no answer for, and a key is known in one place from its save to
-its loss.  It also splits each hit by tier, in vLLM's words
+for keys it has no answer for and that could extend its hit (up to the first
+absent full page), and a key is known in one place from its save to its loss.  It also splits each hit by tier, in vLLM's words
 (``prompt_tokens_cached_by_source``):
 
 vLLM 0.32 asks the scheduler-side connector, right after ``update_state_after_alloc``,
@@ -72,20 +72,42 @@ class TierView:
         self.l3 = l3
         self.store = store if store is not None else StoreIndex(None)
 
-    def present(self, wanted: dict[int, list[bytes]]) -> dict[int, np.ndarray]:
-        """Per group index, a bool per key of ``wanted``: whether L2 (the index, not
-        touched) or L3 holds it.  The keys neither L2 nor the store's record answer
-        for are probed in one batched call.  O(keys) plus at most one probe."""
+    def present(self, keys: dict[int, list[bytes]], los: dict[int, int]) -> dict[int, np.ndarray]:
+        """Per group index, a bool per key of ``keys[g][los[g]:]`` (the pages past the
+        engine's own hit): whether L2 (the index, not touched) or L3 holds it, as far as a
+        hit (the leading run) can use it.  The full groups' run comes first
+        (:meth:`StoreIndex.leading`: the record answers, unknown keys are probed in
+        growing chunks up to the first absent one); the sliding groups' keys are asked
+        only below that run's end, in one batched probe of the keys neither L2 nor the
+        record answers for.  Keys past the run read False: no hit reaches them, so the
+        hit equals the one from asking every key.  O(keys) plus the probes."""
         out: dict[int, np.ndarray] = {}
+        end = None  # tokens: the full groups' leading run ends here
+        for gi, lo in los.items():
+            g, ks = self.groups[gi], keys[gi][lo:]
+            if g.is_swa:
+                continue
+            held = self.l2.held(False, ks) if self.l2 is not None and ks else np.zeros(len(ks), dtype=bool)
+            run = self.store.leading(ks, held) if ks else 0
+            if end is not None:
+                run = min(run, max(0, end // g.block_size - lo))
+            out[gi] = np.zeros(len(ks), dtype=bool)
+            out[gi][:run] = True
+            end = (lo + run) * g.block_size
         ask: list[bytes] = []
         where: list[tuple[int, int]] = []
-        for gi, keys in wanted.items():
-            held = np.zeros(len(keys), dtype=bool)
-            if self.l2 is not None and keys:
-                held = self.l2.held(self.groups[gi].is_swa, keys)
-            out[gi] = held
+        for gi, lo in los.items():
+            g = self.groups[gi]
+            if not g.is_swa:
+                continue
+            ks = keys[gi][lo:]
+            if end is not None:
+                ks = ks[:max(0, end // g.block_size - lo)]
+            held = self.l2.held(True, ks) if self.l2 is not None and ks else np.zeros(len(ks), dtype=bool)
+            out[gi] = np.zeros(len(keys[gi]) - lo, dtype=bool)
+            out[gi][:len(ks)] = held
             for i in np.flatnonzero(~held).tolist():
-                ask.append(keys[i])
+                ask.append(ks[i])
                 where.append((gi, i))
         if ask:
             for (gi, i), ok in zip(where, self.store.present(ask).tolist()):

@@ -113,18 +113,27 @@ def _view(there: set[bytes]) -> tuple[TierView, _Probe]:
     return TierView([FULL, SWA], HostPageIndex(PAGE, 64 * PAGE, 64), S.DISK, StoreIndex(probe)), probe
 
 
-def test_a_lookup_probes_the_store_once_per_unknown_key():
-    """The tiers' record answers for keys saved here, held in L2 or probed before; only
-    keys with no answer reach the store's exists, in one call for all groups."""
-    view, probe = _view(set(_keys("pf", 4)))
-    got = view.present({0: _keys("pf", 6), 1: _keys("ps", 2)})
-    assert got[0].tolist() == [True] * 4 + [False] * 2 and got[1].tolist() == [False, False]
-    assert len(probe.asked) == 1 and len(probe.asked[0]) == 8
-    view.present({0: _keys("pf", 6), 1: _keys("ps", 2)})  # the same prompt again
-    assert len(probe.asked) == 1
+def test_a_lookup_probes_the_store_only_as_far_as_its_hit_can_reach():
+    """The tiers' record answers for keys saved here, held in L2 or probed before; the
+    store is asked about the other full pages up to the first absent one, and about the
+    sliding group's pages only below where the full pages end: a miss costs one probe
+    of a few keys, not every page of every group."""
+    view, probe = _view(set(_keys("pf", 4)) | set(_keys("ps", 12)))
+    zero = {0: 0, 1: 0}
+    got = view.present({0: _keys("pf", 6), 1: _keys("ps", 12)}, zero)
+    assert got[0].tolist() == [True] * 4 + [False] * 2
+    assert got[1].tolist() == [True] * 8 + [False] * 4  # past 256 tokens no hit can use them
+    assert [len(a) for a in probe.asked] == [6, 8]  # the full pages, then the windows below
+    view.present({0: _keys("pf", 6), 1: _keys("ps", 12)}, zero)  # the same prompt again
+    assert len(probe.asked) == 2
+    got = view.present({0: _keys("new", 6), 1: _keys("nws", 12)}, zero)  # a new prompt
+    assert not got[0].any() and not got[1].any() and [len(a) for a in probe.asked] == [6, 8, 6]
+    # below the engine's own hit nothing is asked: 2 full pages (4 sliding) are local
+    got = view.present({0: _keys("pf", 6), 1: _keys("ps", 12)}, {0: 2, 1: 4})
+    assert got[0].tolist() == [True] * 2 + [False] * 2 and got[1].tolist() == [True] * 4 + [False] * 4
     view.on_save({0: ([9], _keys("qf", 1)), 1: ([3], _keys("qs", 1))})  # saved here: queued, in L2
-    got = view.present({0: _keys("qf", 1), 1: _keys("qs", 1)})
-    assert got[0].tolist() == [True] and got[1].tolist() == [True] and len(probe.asked) == 1
+    got = view.present({0: _keys("qf", 1), 1: _keys("qs", 1)}, zero)
+    assert got[0].tolist() == [True] and got[1].tolist() == [True] and len(probe.asked) == 3
     assert view.saved_or_queued(_keys("qf", 1)[0]) and not view.saved_or_queued(b"never")
 
 
@@ -134,9 +143,9 @@ def test_a_failed_load_leaves_the_record_absent_not_looping():
     view, probe = _view(set())
     keys = {0: _keys("rf", 2), 1: _keys("rs", 1)}
     view.on_save({0: ([1, 2], keys[0]), 1: ([5], keys[1])})
-    assert all(v.all() for v in view.present(keys).values())
+    assert all(v.all() for v in view.present(keys, {0: 0, 1: 0}).values())
     view.on_load_done(keys, ok=False)
-    assert not any(v.any() for v in view.present(keys).values())
+    assert not any(v.any() for v in view.present(keys, {0: 0, 1: 0}).values())
     assert probe.asked == []  # absent within the TTL: not even asked
     assert (view.l2.held(False, keys[0]) == False).all()  # noqa: E712
     view.on_load_done({0: _keys("pf", 1)}, ok=True)  # a load read intact: stored
