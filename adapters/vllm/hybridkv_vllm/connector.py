@@ -18,7 +18,7 @@ manager, one block table per KV-cache group):
   chained page keys (one chain per group), finds which pages the tiers hold
   in its one record of them (:class:`.sources.TierView`: L2's index and
   the store's index of what this engine saved, read or probed; the store is
-  asked ``exists`` only for keys with no answer) and returns the largest *window-safe* hit (:func:`.plan.window_safe_tokens`):
+  asked ``exists`` only for keys with no answer that can change the hit) and returns the largest *window-safe* hit (:func:`.plan.window_safe_tokens`):
   full-attention pages for the whole prefix, SWA pages only for the window
   before the hit end.  Loads are reported asynchronous because that is the
   path on which vLLM 0.32 accepts per-request load failures for models with
@@ -61,7 +61,6 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -83,7 +82,7 @@ from .l1 import L1View, copy_down
 from .l2 import HostPageRows, l2_index
 from .logs import logger, route_core_logs
 from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
-from .plan import checkpoint_ends, full_bases, pages_to_save, window_safe_tokens, windows_before
+from .plan import checkpoint_ends, full_bases, pages_to_save, windows_before
 from .progress import IDLE_WAIT_S, SavesBusy, SavesWatch, WorkerSaves
 from .saver import SaveThread
 from .sources import TierView, l3_source
@@ -269,10 +268,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Pages below the engine's own hit are never read (window_safe_tokens starts there);
         # pages this engine already handed to its workers' save threads count as present
         # (the worker's load waits for their store, see SaveThread.wait_keys).
-        los = {g.index: min(len(keys[g.index]), num_computed_tokens // g.block_size) for g in self.groups}
-        held = self._tiers.present(keys, los)
-        present = [np.concatenate([np.ones(los[g.index], dtype=bool), held[g.index]]) for g in self.groups]
-        hit = window_safe_tokens(present, self.groups, unit, num_computed_tokens, max_tokens)
+        hit = self._tiers.hit(keys, num_computed_tokens, max_tokens, unit)
         self._count(lookups=1)
         st.hit_tokens = hit if hit > num_computed_tokens else 0
         if not st.hit_tokens:

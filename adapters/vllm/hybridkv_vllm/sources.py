@@ -4,8 +4,9 @@
 tiers hold) from L2's index (owned here, see below) and the store's :class:`~hybridkv.tiers.index.StoreIndex`
 (keys this engine queued for storing, keys read back or found by a probe, keys
 found absent for a short while), so a lookup probes the store (``exists``) only
-for keys it has no answer for and that could extend its hit (up to the first
-absent full page), and a key is known in one place from its save to its loss.  It also splits each hit by tier, in vLLM's words
+for keys it has no answer for and that can change its hit (full pages up to the
+first absent one, sliding-window pages from there down only as far as the best
+window needs), and a key is known in one place from its save to its loss.  It also splits each hit by tier, in vLLM's words
 (``prompt_tokens_cached_by_source``):
 
 vLLM 0.32 asks the scheduler-side connector, right after ``update_state_after_alloc``,
@@ -36,7 +37,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from hybridkv.tiers.index import StoreIndex
 
 from .l2 import HostPageIndex
-from .plan import GroupInfo, passed_pages
+from .plan import GroupInfo, passed_pages, window_safe_tokens
 
 __all__ = ["TierView", "l3_source"]
 
@@ -72,47 +73,70 @@ class TierView:
         self.l3 = l3
         self.store = store if store is not None else StoreIndex(None)
 
-    def present(self, keys: dict[int, list[bytes]], los: dict[int, int]) -> dict[int, np.ndarray]:
-        """Per group index, a bool per key of ``keys[g][los[g]:]`` (the pages past the
-        engine's own hit): whether L2 (the index, not touched) or L3 holds it, as far as a
-        hit (the leading run) can use it.  The full groups' run comes first
-        (:meth:`StoreIndex.leading`: the record answers, unknown keys are probed in
-        growing chunks up to the first absent one); the sliding groups' keys are asked
-        only below that run's end, in one batched probe of the keys neither L2 nor the
-        record answers for.  Keys past the run read False: no hit reaches them, so the
-        hit equals the one from asking every key.  O(keys) plus the probes."""
-        out: dict[int, np.ndarray] = {}
-        end = None  # tokens: the full groups' leading run ends here
-        for gi, lo in los.items():
-            g, ks = self.groups[gi], keys[gi][lo:]
+    def hit(self, keys: dict[int, list[bytes]], local_tokens: int, max_tokens: int, unit: int) -> int:
+        """The window-safe hit of a lookup (:func:`.plan.window_safe_tokens`) from what L2
+        (the index, not touched) and L3 hold, asking the store as little as the answer
+        needs.  ``keys``: per group index, the request's keys up to ``max_tokens``;
+        the pages below ``local_tokens`` (the engine's own hit) are never asked.
+
+        The full groups' leading run comes first (:meth:`StoreIndex.leading`: the record
+        answers, unknown keys are probed in growing chunks up to the first absent
+        one); no hit ends past it.  The sliding groups' pages are then asked from the
+        run's end downwards, a window and a unit first, 4x more each round, in one
+        batched probe per round, until the best end found has its window, and every
+        larger end its window, inside what was asked: the hit equals the one from
+        asking every key.  O(keys) plus the probes."""
+        order = list(self.groups.values())
+        flags = {g.index: np.zeros(len(keys[g.index]), dtype=bool) for g in order}
+        los = {g.index: min(len(keys[g.index]), local_tokens // g.block_size) for g in order}
+        end = max_tokens
+        for g in order:
             if g.is_swa:
+                flags[g.index][:los[g.index]] = True  # the engine's own hit keeps its window
                 continue
+            lo, ks = los[g.index], keys[g.index][los[g.index]:]
             held = self.l2.held(False, ks) if self.l2 is not None and ks else np.zeros(len(ks), dtype=bool)
-            run = self.store.leading(ks, held) if ks else 0
-            if end is not None:
-                run = min(run, max(0, end // g.block_size - lo))
-            out[gi] = np.zeros(len(ks), dtype=bool)
-            out[gi][:run] = True
-            end = (lo + run) * g.block_size
+            run = min(self.store.leading(ks, held) if ks else 0, max(0, end // g.block_size - lo))
+            flags[g.index][:lo + run] = True
+            end = min(end, (lo + run) * g.block_size)
+        if end <= local_tokens:
+            return 0
+        swa = [g for g in order if g.is_swa]
+        window = max((int(g.window) for g in swa), default=0)
+        span, asked = window + unit, end  # sliding pages are known from ``asked`` up to ``end``
+        while True:
+            lo_tok = max(local_tokens, (end - span) // unit * unit)
+            self._ask_sliding(swa, keys, flags, lo_tok, asked)
+            asked = lo_tok
+            hit = window_safe_tokens([flags[g.index] for g in order], order, unit, local_tokens, end)
+            if lo_tok <= local_tokens or not swa or hit >= lo_tok + window:
+                return hit
+            span *= 4
+
+    def _ask_sliding(self, swa: Sequence[GroupInfo], keys: dict[int, list[bytes]],
+                     flags: dict[int, np.ndarray], lo_tok: int, hi_tok: int) -> None:
+        """Fill ``flags`` for the sliding groups' pages covering ``[lo_tok, hi_tok)``
+        (those above the engine's own hit): L2's index first, the store's record and
+        one batched probe for the rest."""
         ask: list[bytes] = []
         where: list[tuple[int, int]] = []
-        for gi, lo in los.items():
-            g = self.groups[gi]
-            if not g.is_swa:
+        for g in swa:
+            ks, f = keys[g.index], flags[g.index]
+            a, b = lo_tok // g.block_size, min(len(ks), hi_tok // g.block_size)
+            idx = [i for i in range(a, b) if not f[i]]
+            if not idx:
                 continue
-            ks = keys[gi][lo:]
-            if end is not None:
-                ks = ks[:max(0, end // g.block_size - lo)]
-            held = self.l2.held(True, ks) if self.l2 is not None and ks else np.zeros(len(ks), dtype=bool)
-            out[gi] = np.zeros(len(keys[gi]) - lo, dtype=bool)
-            out[gi][:len(ks)] = held
-            for i in np.flatnonzero(~held).tolist():
-                ask.append(ks[i])
-                where.append((gi, i))
+            sel = [ks[i] for i in idx]
+            held = self.l2.held(True, sel) if self.l2 is not None else np.zeros(len(sel), dtype=bool)
+            for i, h, k in zip(idx, held.tolist(), sel):
+                if h:
+                    f[i] = True
+                else:
+                    ask.append(k)
+                    where.append((g.index, i))
         if ask:
             for (gi, i), ok in zip(where, self.store.present(ask).tolist()):
-                out[gi][i] = ok
-        return out
+                flags[gi][i] = ok
 
     def touches(self, keys: dict[int, list[bytes]], end: int, interval_s: float) -> list[bytes]:
         """Store keys of a hit ``[0, end)`` to touch now (repair case 3: a prefix served

@@ -116,36 +116,60 @@ def _view(there: set[bytes]) -> tuple[TierView, _Probe]:
 def test_a_lookup_probes_the_store_only_as_far_as_its_hit_can_reach():
     """The tiers' record answers for keys saved here, held in L2 or probed before; the
     store is asked about the other full pages up to the first absent one, and about the
-    sliding group's pages only below where the full pages end: a miss costs one probe
-    of a few keys, not every page of every group."""
-    view, probe = _view(set(_keys("pf", 4)) | set(_keys("ps", 12)))
-    zero = {0: 0, 1: 0}
-    got = view.present({0: _keys("pf", 6), 1: _keys("ps", 12)}, zero)
-    assert got[0].tolist() == [True] * 4 + [False] * 2
-    assert got[1].tolist() == [True] * 8 + [False] * 4  # past 256 tokens no hit can use them
-    assert [len(a) for a in probe.asked] == [6, 8]  # the full pages, then the windows below
-    view.present({0: _keys("pf", 6), 1: _keys("ps", 12)}, zero)  # the same prompt again
-    assert len(probe.asked) == 2
-    got = view.present({0: _keys("new", 6), 1: _keys("nws", 12)}, zero)  # a new prompt
-    assert not got[0].any() and not got[1].any() and [len(a) for a in probe.asked] == [6, 8, 6]
-    # below the engine's own hit nothing is asked: 2 full pages (4 sliding) are local
-    got = view.present({0: _keys("pf", 6), 1: _keys("ps", 12)}, {0: 2, 1: 4})
-    assert got[0].tolist() == [True] * 2 + [False] * 2 and got[1].tolist() == [True] * 4 + [False] * 4
-    view.on_save({0: ([9], _keys("qf", 1)), 1: ([3], _keys("qs", 1))})  # saved here: queued, in L2
-    got = view.present({0: _keys("qf", 1), 1: _keys("qs", 1)}, zero)
-    assert got[0].tolist() == [True] and got[1].tolist() == [True] and len(probe.asked) == 3
+    sliding group's pages from there down only as far as the best window needs: a miss
+    costs one probe of a few keys, not every page of every group."""
+    # 8 full pages (512 tokens) stored, the sliding pages of the window before 512
+    view, probe = _view(set(_keys("pf", 8)) | set(_keys("ps", 16)[14:16]))
+    keys = {0: _keys("pf", 12), 1: _keys("ps", 24)}  # a 768-token prompt
+    assert view.hit(keys, 0, 768, 64) == 512
+    # the full pages up to the first absent one (one chunk of 12), then the sliding pages
+    # covering [384, 512): a window and a unit below the full pages' end
+    assert [len(a) for a in probe.asked] == [12, 4]
+    assert view.hit(keys, 0, 768, 64) == 512 and len(probe.asked) == 2  # answered from the record
+    assert view.hit({0: _keys("new", 12), 1: _keys("nws", 24)}, 0, 768, 64) == 0  # a new prompt
+    assert [len(a) for a in probe.asked] == [12, 4, 12]
+    # below the engine's own hit nothing is asked
+    assert view.hit(keys, 256, 768, 64) == 512 and len(probe.asked) == 3
+    view.on_save({0: ([9], _keys("qf", 1)), 1: ([3, 4], _keys("qs", 2))})  # saved here: queued, in L2
+    assert view.hit({0: _keys("qf", 1), 1: _keys("qs", 2)}, 0, 64, 64) == 64 and len(probe.asked) == 3
     assert view.saved_or_queued(_keys("qf", 1)[0]) and not view.saved_or_queued(b"never")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_lookup_hits_as_if_it_asked_every_key(seed):
+    """Whatever the store holds (full pages with holes, sliding pages here and there, some
+    in L2, an engine hit below), the hit equals window_safe_tokens over every key's answer."""
+    import numpy as np
+    from hybridkv_vllm.plan import window_safe_tokens
+
+    rng = np.random.default_rng(seed)
+    n_full = int(rng.integers(1, 40))
+    full, swa = _keys(f"f{seed}-", n_full), _keys(f"s{seed}-", 2 * n_full)
+    have_full = rng.random(n_full) < rng.choice([0.8, 0.97, 1.0])
+    have_swa = rng.random(2 * n_full) < rng.choice([0.05, 0.3, 0.9])
+    there = {k for k, h in zip(full, have_full) if h} | {k for k, h in zip(swa, have_swa) if h}
+    view, probe = _view(there)
+    in_l2 = [k for k, h in zip(swa, rng.random(2 * n_full) < 0.1) if h]
+    if in_l2:  # a few sliding pages only L2 holds
+        view.l2.admit(True, in_l2)
+    local = int(rng.integers(0, n_full)) * 64 if rng.random() < 0.3 else 0
+    max_tokens = n_full * 64
+    got = view.hit({0: full, 1: swa}, local, max_tokens, 64)
+    truth = [np.array([i < local // 64 or k in there for i, k in enumerate(full)]),
+             np.array([i < local // 32 or k in there or k in set(in_l2) for i, k in enumerate(swa)])]
+    assert got == window_safe_tokens(truth, [FULL, SWA], 64, local, max_tokens)
+    assert sum(len(a) for a in probe.asked) <= n_full * 3  # never more than every key once
 
 
 def test_a_failed_load_leaves_the_record_absent_not_looping():
     """A save the worker dropped: the mirror and the record said present, the load failed.
     The keys leave both, so the next lookup does not plan the same failing load."""
     view, probe = _view(set())
-    keys = {0: _keys("rf", 2), 1: _keys("rs", 1)}
-    view.on_save({0: ([1, 2], keys[0]), 1: ([5], keys[1])})
-    assert all(v.all() for v in view.present(keys, {0: 0, 1: 0}).values())
+    keys = {0: _keys("rf", 2), 1: _keys("rs", 4)}
+    view.on_save({0: ([1, 2], keys[0]), 1: ([5, 6, 7, 8], keys[1])})
+    assert view.hit(keys, 0, 128, 64) == 128
     view.on_load_done(keys, ok=False)
-    assert not any(v.any() for v in view.present(keys, {0: 0, 1: 0}).values())
+    assert view.hit(keys, 0, 128, 64) == 0
     assert probe.asked == []  # absent within the TTL: not even asked
     assert (view.l2.held(False, keys[0]) == False).all()  # noqa: E712
     view.on_load_done({0: _keys("pf", 1)}, ok=True)  # a load read intact: stored
