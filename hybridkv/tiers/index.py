@@ -13,7 +13,8 @@ prompt.  :class:`StoreIndex` remembers, per chained page key
 :meth:`StoreIndex.present` answers from the record and probes only the keys it
 has no answer for, in one batched call (the store's ``exists``), recording
 the answers; :meth:`StoreIndex.leading` does the same for a lookup whose hit is
-the leading run of keys, probing in growing chunks up to the first absent key.  A key a read found missing or corrupt is reported with
+the leading run of keys, probing in growing chunks up to the first absent key.
+A key a read found missing or corrupt is reported with
 :meth:`StoreIndex.lost` and is absent from then on until stored again.  The
 record is bounded (oldest entries out): an entry that falls out is only
 probed again, never answered wrongly.
@@ -154,7 +155,12 @@ class StoreIndex:
         one small probe, not one key per page of the prompt; a hit of ``n`` unknown
         pages ``O(log n)`` probes.  Answers are recorded as :meth:`present` records
         them; a probe that fails ends the run there.  O(run) plus the probes."""
-        n, i, chunk = len(keys), 0, max(1, int(first))
+        for name, v in (("first", first), ("grow", grow)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if held is not None and len(held) != len(keys):
+            raise ValueError(f"held must have one flag per key ({len(keys)}), got {len(held)}")
+        n, i, chunk = len(keys), 0, first
         now = self._clock()
         known, absent = self._known, self._absent
         while i < n:
@@ -185,7 +191,7 @@ class StoreIndex:
             if stop < n:
                 return stop
             i = j
-            chunk *= max(1, int(grow))
+            chunk *= grow
         return n
 
     def _ask(self, ask: list[bytes], at: list[int], out: np.ndarray, now: float) -> None:

@@ -177,3 +177,16 @@ def test_a_failing_probe_ends_the_leading_run_unrecorded():
     idx.queued([_k(1)])
     assert idx.leading([_k(1), _k(2)]) == 1  # what this engine queued still counts
     assert StoreIndex(None).leading([_k(1)]) == 0
+
+
+@pytest.mark.parametrize("kw, match", [({"first": 0}, "first"), ({"grow": -1}, "grow"),
+                                       ({"first": True}, "first"), ({"held": [True]}, "held")])
+def test_leading_names_a_bad_argument(kw, match):
+    import numpy as np
+
+    idx = StoreIndex(None)
+    if "held" in kw:
+        kw = {"held": np.array(kw["held"])}
+    with pytest.raises(ValueError, match=match):
+        idx.leading([_k(1), _k(2)], **kw)
+    assert idx.stats()["probes"] == 0 and len(idx) == 0

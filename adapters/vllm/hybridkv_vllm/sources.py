@@ -6,8 +6,8 @@ tiers hold) from L2's index (owned here, see below) and the store's :class:`~hyb
 found absent for a short while), so a lookup probes the store (``exists``) only
 for keys it has no answer for and that can change its hit (full pages up to the
 first absent one, sliding-window pages from there down only as far as the best
-window needs), and a key is known in one place from its save to its loss.  It also splits each hit by tier, in vLLM's words
-(``prompt_tokens_cached_by_source``):
+window needs), and a key is known in one place from its save to its loss.  It
+also splits each hit by tier, in vLLM's words (``prompt_tokens_cached_by_source``):
 
 vLLM 0.32 asks the scheduler-side connector, right after ``update_state_after_alloc``,
 to split a request's external hit by tier (``get_external_cache_hit_sources``); a
