@@ -123,6 +123,14 @@ class StoreIndex:
                 self.counters["lost_keys"] += 1
         self._set_absent(keys, self._clock() + self._ttl)
 
+    def _answer(self, key: bytes, now: float) -> bool | None:
+        """The record's answer for ``key`` at ``now``: True (stored or queued), False
+        (found absent within the TTL) or None (no answer: ask the store).  O(1)."""
+        if key in self._known:
+            return True
+        until = self._absent.get(key)
+        return False if until is not None and until >= now else None
+
     def present(self, keys: Sequence[bytes], *, probe: bool = True) -> np.ndarray:
         """Bool per key: whether the store holds it (or will: queued).  Keys with no
         trusted answer are probed in one batched call when ``probe`` (else absent).
@@ -132,14 +140,12 @@ class StoreIndex:
         ask: list[bytes] = []
         at: list[int] = []
         for i, k in enumerate(keys):
-            if k in self._known:
-                out[i] = True
-                continue
-            until = self._absent.get(k)
-            if until is not None and until >= now:
-                continue
-            ask.append(k)
-            at.append(i)
+            known = self._answer(k, now)
+            if known is None:
+                ask.append(k)
+                at.append(i)
+            else:
+                out[i] = known
         self.counters["answered_keys"] += len(keys) - len(ask)
         if ask and probe and self._probe is not None:
             self._ask(ask, at, out, now)
@@ -162,25 +168,22 @@ class StoreIndex:
             raise ValueError(f"held must have one flag per key ({len(keys)}), got {len(held)}")
         n, i, chunk = len(keys), 0, first
         now = self._clock()
-        known, absent = self._known, self._absent
         while i < n:
             ask: list[bytes] = []
             at: list[int] = []
             stop = n  # a key known absent ends the run
             j = i
             while j < n and len(ask) < chunk:
-                k = keys[j]
                 if held is None or not held[j]:
-                    if k in known:
-                        self.counters["answered_keys"] += 1
+                    known = self._answer(keys[j], now)
+                    if known is None:
+                        ask.append(keys[j])
+                        at.append(j)
                     else:
-                        until = absent.get(k)
-                        if until is not None and until >= now:
-                            self.counters["answered_keys"] += 1
+                        self.counters["answered_keys"] += 1
+                        if not known:
                             stop = j
                             break
-                        ask.append(k)
-                        at.append(j)
                 j += 1
             if ask:
                 got = np.zeros(len(ask), dtype=bool)

@@ -95,7 +95,7 @@ class TierView:
                 flags[g.index][:los[g.index]] = True  # the engine's own hit keeps its window
                 continue
             lo, ks = los[g.index], keys[g.index][los[g.index]:]
-            held = self.l2.held(False, ks) if self.l2 is not None and ks else np.zeros(len(ks), dtype=bool)
+            held = self._in_l2(False, ks)
             run = min(self.store.leading(ks, held) if ks else 0, max(0, end // g.block_size - lo))
             flags[g.index][:lo + run] = True
             end = min(end, (lo + run) * g.block_size)
@@ -113,6 +113,12 @@ class TierView:
                 return hit
             span *= 4
 
+    def _in_l2(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:
+        """Bool per key: L2's index holds it (not touched; all False without L2)."""
+        if self.l2 is None or not keys:
+            return np.zeros(len(keys), dtype=bool)
+        return self.l2.held(swa, keys)
+
     def _ask_sliding(self, swa: Sequence[GroupInfo], keys: dict[int, list[bytes]],
                      flags: dict[int, np.ndarray], lo_tok: int, hi_tok: int) -> None:
         """Fill ``flags`` for the sliding groups' pages covering ``[lo_tok, hi_tok)``
@@ -127,8 +133,7 @@ class TierView:
             if not idx:
                 continue
             sel = [ks[i] for i in idx]
-            held = self.l2.held(True, sel) if self.l2 is not None else np.zeros(len(sel), dtype=bool)
-            for i, h, k in zip(idx, held.tolist(), sel):
+            for i, h, k in zip(idx, self._in_l2(True, sel).tolist(), sel):
                 if h:
                     f[i] = True
                 else:
