@@ -75,7 +75,7 @@ class L2Backup:
         self.window_pages = window_pages
         self.copy = copy
         self.protected = protected
-        self._full_key: dict[int, bytes] = {}              # L1 full page -> page key
+        self._full_key: dict[int, tuple[bytes, bytes | None]] = {}  # L1 full page -> (key, parent key)
         self._swa_key: dict[int, tuple[bytes, bool]] = {}  # L1 SWA page -> (page key, anchored)
 
     # ======================================================== registration
@@ -83,8 +83,8 @@ class L2Backup:
         """Register the keys of ``req``'s own pages ``[tree_pages, aligned)`` (before
         the tree takes them).  O(pages)."""
         lo = req.tree_pages
-        for p, k in zip(req.full_pages[lo:aligned].tolist(), keys[lo:aligned]):
-            self._name_full(p, k)
+        for i, p in enumerate(req.full_pages[lo:aligned].tolist(), lo):
+            self._name_full(p, keys[i], keys[i - 1] if i else None)
         swa = req.swa_pages[lo:aligned]
         idx = lo + np.flatnonzero(swa >= 0)
         for p, i, a in zip(req.swa_pages[idx].tolist(), idx.tolist(), self._anchored(idx, aligned).tolist()):
@@ -95,16 +95,17 @@ class L2Backup:
         """Register L1 pages loaded from L2: full page ``full_pages[j]`` holds page
         ``full_idx[j]`` of ``keys``, likewise SWA (anchored).  O(pages)."""
         for p, i in zip(full_pages.tolist(), full_idx.tolist()):
-            self._name_full(p, keys[i])
+            self._name_full(p, keys[i], keys[i - 1] if i else None)
         for p, i in zip(swa_pages.tolist(), swa_idx.tolist()):
             self._swa_key[p] = (keys[i], True)
 
-    def _name_full(self, page: int, key: bytes) -> None:
-        """L1 full page ``page`` holds ``key`` (L2 learns that L1 holds it).  O(1)."""
+    def _name_full(self, page: int, key: bytes, parent: bytes | None) -> None:
+        """L1 full page ``page`` holds ``key``, the page after ``parent`` (L2 learns
+        that L1 holds it).  O(1)."""
         old = self._full_key.get(page)
         if old is not None:
-            self.host.mark_l1((old,), False)
-        self._full_key[page] = key
+            self.host.mark_l1((old[0],), False)
+        self._full_key[page] = (key, parent)
         self.host.mark_l1((key,), True)
 
     def unregister(self, full_pages: np.ndarray, swa_pages: np.ndarray) -> None:
@@ -112,7 +113,7 @@ class L2Backup:
         for p in full_pages.tolist():
             k = self._full_key.pop(p, None)
             if k is not None:
-                self.host.mark_l1((k,), False)
+                self.host.mark_l1((k[0],), False)
         for p in swa_pages.tolist():
             self._swa_key.pop(p, None)
 
@@ -158,8 +159,9 @@ class L2Backup:
         self._demote_passed(req, aligned, keys)
         have_full = self.host.lookup_full(keys[:aligned]) >= 0
         if through:
-            missing_full = np.flatnonzero(~have_full)
-            self.store_l2(AttnKind.FULL, req.full_pages[missing_full], [keys[i] for i in missing_full], None)
+            missing_full = np.flatnonzero(~have_full).tolist()
+            self.store_l2(AttnKind.FULL, req.full_pages[missing_full], [keys[i] for i in missing_full], None,
+                          parents=[keys[i - 1] if i else None for i in missing_full])
             have_full[:] = True
         # a tier copies an SWA page only where every sliding group still holds its KV
         idx = np.flatnonzero(swa_held(req.swa_pages, req.side_pages, aligned))
@@ -192,11 +194,13 @@ class L2Backup:
         self.host.demote([keys[i] for i in np.flatnonzero(~keep).tolist()])
 
     def store_l2(self, kind: AttnKind, l1_pages: np.ndarray, keys: list[bytes],
-                 anchored: np.ndarray | None, base: list[bytes] | None = None) -> None:
+                 anchored: np.ndarray | None, base: list[bytes] | None = None,
+                 parents: list[bytes | None] | None = None) -> None:
         """Copy L1 pages to new L2 pages (D2H), index them, queue their L3 write.
 
         ``keys``: storage keys (SWA keys for SWA); ``base``: their full-KV page
-        keys (named in tier events).  L2 pages a load under way reads are not
+        keys (named in tier events); ``parents`` (full KV): the key of the page
+        before each (L2 evicts a page only after the pages extending it).  L2 pages a load under way reads are not
         evicted for room.  O(pages).
         """
         n = len(keys)
@@ -228,7 +232,7 @@ class L2Backup:
                          host_pages if kind is AttnKind.SWA else _EMPTY)
             raise
         if kind is AttnKind.FULL:
-            host.insert_full(keys, host_pages)
+            host.insert_full(keys, host_pages, parents)
         else:
             host.insert_swa(keys, host_pages, anchored if anchored is not None else np.ones(n, bool), base)
         c = self.counters
@@ -247,7 +251,8 @@ class L2Backup:
         try:
             with self.mutex:
                 if kind is AttnKind.FULL:
-                    keys = [self._full_key.pop(p, None) for p in pages.tolist()]
+                    named_full = [self._full_key.pop(p, None) for p in pages.tolist()]
+                    keys = [None if x is None else x[0] for x in named_full]
                     self.host.mark_l1([k for k in keys if k is not None], False)
                     bases = anchored = None
                 else:
@@ -267,7 +272,8 @@ class L2Backup:
                 idx = np.flatnonzero(sel)[~have]
                 self.store_l2(kind, pages[idx], [keys[i] for i in idx],
                               None if anchored is None else anchored[idx],
-                              base=None if bases is None else [bases[i] for i in idx])
+                              base=None if bases is None else [bases[i] for i in idx],
+                              parents=[named_full[i][1] for i in idx] if kind is AttnKind.FULL else None)
         except Exception as exc:  # noqa: BLE001 - freeing must go on; the backup is best effort
             self.counters["tier_errors"] += 1
             logger.warning("L1 -> L2 backup failed (%s: %s); pages dropped", type(exc).__name__, exc)

@@ -101,6 +101,8 @@ class TierCoordinator:
         self.host = HostTier(spec, int(tiers.l2_bytes), device=tiers.l2_device or ("cpu" if real else "meta"))
         # under write-through L2 copies all L1 caches: its copies of pages L1 still holds go first
         self.host.l1_copies_first = tiers.write_policy is WritePolicy.WRITE_THROUGH
+        # write-back stores pages as the L1 tree frees them (leaves first): its LRU follows the tree
+        self.host.leaf_first = tiers.write_policy is WritePolicy.WRITE_THROUGH
         host_buffers = self.host.pool.buffers
         self.codec: PayloadCodec = (RealPayload(spec, host_buffers)
                                     if host_buffers is not None and host_buffers.device.type == "cpu"

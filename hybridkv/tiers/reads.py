@@ -95,7 +95,7 @@ class Landing:
         ok_full = np.zeros(full_idx.size, dtype=bool)
         ok_swa = np.zeros(swa_idx.size, dtype=bool)
         if got is not None:
-            ok_full, ok_swa = self._decode(keys, swa_idx, full_keys, swa_keys, values, got)
+            ok_full, ok_swa = self._decode(keys, full_idx, swa_idx, full_keys, swa_keys, values, got)
         else:
             self._counters["l2_store_failed"] += full_idx.size + swa_idx.size
         c = self._counters
@@ -109,8 +109,9 @@ class Landing:
             self._l3.lost([keys[int(i)] for i in swa_idx[~ok_swa]], swa=True)
             self._keys.forget(k for k, o in zip(full_keys + swa_keys, np.concatenate([ok_full, ok_swa])) if not o)
 
-    def _decode(self, keys: list[bytes], swa_idx: np.ndarray, full_keys: list[bytes], swa_keys: list[bytes],
-                values: list[Any], got: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def _decode(self, keys: list[bytes], full_idx: np.ndarray, swa_idx: np.ndarray, full_keys: list[bytes],
+                swa_keys: list[bytes], values: list[Any], got: tuple[np.ndarray, np.ndarray]
+                ) -> tuple[np.ndarray, np.ndarray]:
         """Decode into the new L2 pages ``got``, index what decoded, free the rest;
         returns the decoded masks (full, SWA).  O(pages)."""
         host = self._host
@@ -122,7 +123,8 @@ class Landing:
         except BaseException:
             host.free(new_full, new_swa)  # nothing was indexed yet: the host pages go back
             raise
-        host.insert_full([k for k, o in zip(full_keys, ok_full) if o], new_full[ok_full])
+        host.insert_full([k for k, o in zip(full_keys, ok_full) if o], new_full[ok_full],
+                         [keys[i - 1] if i else None for i, o in zip(full_idx.tolist(), ok_full.tolist()) if o])
         host.insert_swa([k for k, o in zip(swa_keys, ok_swa) if o], new_swa[ok_swa], np.ones(int(ok_swa.sum()), bool),
                         [keys[int(i)] for i in swa_idx[ok_swa]])
         host.free(new_full[~ok_full], new_swa[~ok_swa])

@@ -94,9 +94,10 @@ def test_tier_events_predict_what_l2_and_l3_serve(tmp_path, policy, l2_pages):
     assert l2_any and l3_any, (l2_any, l3_any)  # the comparison is not all zeros
     # The index's L2 entries are exactly the host's full pages.
     assert index.pages(0, "L2")[0] == cache.host.num_full_pages
-    # An L2 eviction removes its entry: evict the LRU full page by hand.
-    victim = next(iter(cache.host._full))
+    # An L2 eviction removes its entry: evict one full page (the LRU leaf) by hand.
+    before = set(cache.host.full_keys())
     assert cache.host._evict_one("full", set(), set())
+    (victim,) = before - set(cache.host.full_keys())
     pub.flush()
     index.poll()
     assert victim not in index._full["L2"] and index.pages(0, "L2")[0] == cache.host.num_full_pages

@@ -82,7 +82,7 @@ from .l1 import L1View, copy_down
 from .l2 import HostPageRows, l2_index
 from .logs import logger, route_core_logs
 from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
-from .plan import checkpoint_ends, full_bases, pages_to_save, windows_before
+from .plan import checkpoint_ends, full_bases, pages_to_save, parent_keys, windows_before
 from .progress import IDLE_WAIT_S, SavesBusy, SavesWatch, WorkerSaves
 from .saver import SaveThread
 from .sources import TierView, l3_source
@@ -309,7 +309,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             pages[g.index] = (sel, [keys[g.index][i] for i in sel])
             job.groups[g.index] = ([blk[i].block_id for i in sel], pages[g.index][1])
             job.bases[g.index] = full_bases(self.groups, keys, g.index, sel)
-        st.hit_sources, job.slots = self._tiers.on_load(pages, start, end, job.bases)
+            job.parents[g.index] = parent_keys(keys[g.index], sel)
+        st.hit_sources, job.slots = self._tiers.on_load(pages, start, end, job.bases, job.parents)
         self._pending_loads[request.request_id] = job.for_workers()
         self._loading[request.request_id] = {gi: list(ks) for gi, (_, ks) in job.groups.items()}
         st.saved_tokens = max(st.saved_tokens, end)  # these pages are in storage already
@@ -355,7 +356,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             sel = [i for i in pages if i < len(ids) and ids[i] != null_id and i not in done]
             done.update(sel if g.is_swa else ())
             if self._l1 is not None and not g.is_swa:  # L1 holds these pages now
-                self._l1.held(g.index, [ids[i] for i in sel], [keys[g.index][i] for i in sel])
+                self._l1.held(g.index, [ids[i] for i in sel], keys[g.index], sel)
             # Skipped: pages another job carries (a batch's shared system prompt) or that the
             # store and L2 both hold; one only L2 lost is copied down again (repair case 1).
             ks = keys[g.index]
@@ -364,6 +365,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             if sel:
                 job.groups[g.index] = ([ids[i] for i in sel], [ks[i] for i in sel])
                 job.bases[g.index] = full_bases(self.groups, keys, g.index, sel)
+                job.parents[g.index] = parent_keys(ks, sel)
                 self._claimed.update(ks[i] for i in sel)
                 if g.is_swa and len(on_grid) < len(ckpts):  # some checkpoint windows enter plain
                     kept = windows_before(g, swa_end // bs, bs, [a // bs for a in on_grid + [swa_end] * final])
@@ -403,7 +405,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_saves.clear()
         for job in meta.saves:  # visible to lookups from the next step on
             self._count(l2_demoted_pages=self._tiers.demote(job.demote))
-            job.slots = self._tiers.on_save(job.groups, job.bases, job.plain)
+            job.slots = self._tiers.on_save(job.groups, job.bases, job.plain, job.parents)
         meta.saves = [job.for_workers() for job in meta.saves if job.groups]
         self._claimed.clear()
         meta.rescues = self._l1.take_rescues() if self._l1 is not None else {}

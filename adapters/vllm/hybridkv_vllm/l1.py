@@ -58,7 +58,9 @@ class L1View:
         self._pool: Any = None
         self._held: dict[int, tuple[int, bytes]] = {}  # block id -> (group index, full key)
         self._blocks_of: dict[bytes, int] = {}  # full key -> blocks holding it (vLLM may compute a page twice)
-        self._gone: dict[int, dict[bytes, int]] = {}  # per group: pages given up this step -> block
+        self._parent: dict[bytes, bytes | None] = {}  # held full key -> the key of the page before it
+        self._gone: dict[int, dict[bytes, tuple[int, bytes | None]]] = {}  # per group: pages given up
+        # this step -> (block, parent key)
         self.rescued = 0  # pages queued to be copied down so far
 
     def hook(self, block_pool: Any) -> bool:
@@ -82,18 +84,21 @@ class L1View:
         self._pool = block_pool
         self._held.clear()
         self._blocks_of.clear()
+        self._parent.clear()
         self._gone.clear()
         self.l2.tier.l1_copies_first = True
         return True
 
-    def held(self, gi: int, block_ids: Sequence[int], keys: Sequence[bytes]) -> None:
-        """Blocks of full group ``gi`` that hold the pages ``keys`` (parallel); only
-        blocks the pool has cached count (a block without a hash is never removed,
-        so it could not be followed).  O(n)."""
+    def held(self, gi: int, block_ids: Sequence[int], keys: Sequence[bytes], pages: Sequence[int]) -> None:
+        """Blocks of full group ``gi`` that hold pages ``pages`` (parallel) of a
+        request whose keys are ``keys``; only blocks the pool has cached count (a block
+        without a hash is never removed, so it could not be followed).  A page's
+        parent (the key before it) goes with its copy-down (L2's key tree).  O(n)."""
         if self._pool is None:
             return
         blocks, held, l2 = self._pool.blocks, self._held, self.l2.tier
-        for b, k in zip(block_ids, keys):
+        for b, i in zip(block_ids, pages):
+            k = keys[i]
             now = held.get(b)
             if now is not None and now[1] == k:
                 continue
@@ -103,6 +108,7 @@ class L1View:
                 self._drop(now[1])
             held[b] = (gi, k)
             self._blocks_of[k] = self._blocks_of.get(k, 0) + 1
+            self._parent[k] = keys[i - 1] if i else None
             l2.mark_l1([k], True)
 
     def held_prefix(self, groups: Sequence[Any], blocks: Sequence[Sequence[Any]],
@@ -113,7 +119,7 @@ class L1View:
         for g in groups:
             if not g.is_swa:
                 blk = blocks[g.index][:tokens // g.block_size]
-                self.held(g.index, [b.block_id for b in blk], keys[g.index][:len(blk)])
+                self.held(g.index, [b.block_id for b in blk], keys[g.index], range(len(blk)))
 
     def _drop(self, key: bytes) -> int:
         """One block holding ``key`` left L1; returns how many still hold it."""
@@ -121,6 +127,8 @@ class L1View:
         n = self._blocks_of.pop(key, 1) - 1
         if n > 0:
             self._blocks_of[key] = n
+        else:
+            self._parent.pop(key, None)
         return n
 
     def released(self, block_id: int) -> None:
@@ -131,8 +139,9 @@ class L1View:
         if got is None:
             return
         gi, key = got
+        parent = self._parent.get(key)
         if not self._drop(key):  # no other block holds the page
-            self._gone.setdefault(gi, {})[key] = block_id
+            self._gone.setdefault(gi, {})[key] = (block_id, parent)
 
     def take_rescues(self) -> dict[int, tuple[list[int], list[bytes], list[int]]]:
         """The copy-downs of the blocks given up since the last call, per group index:
@@ -145,10 +154,10 @@ class L1View:
             keys = [k for k in cand if k not in self._blocks_of]
             if keys:
                 keys = [k for k, h in zip(keys, self.l2.held(False, keys).tolist()) if not h]
-            idx, rows = self.l2.admit(False, keys) if keys else ((), ())
+            idx, rows = self.l2.admit(False, keys, parents=[cand[k][1] for k in keys]) if keys else ((), ())
             if len(idx):
                 sel = [keys[i] for i in idx.tolist()]
-                out[gi] = ([cand[k] for k in sel], sel, [int(r) for r in rows.tolist()])
+                out[gi] = ([cand[k][0] for k in sel], sel, [int(r) for r in rows.tolist()])
                 self.rescued += len(sel)
         return out
 

@@ -112,16 +112,18 @@ class HostPageIndex:
 
     def admit(self, swa: bool, keys: Sequence[bytes],
               bases: Sequence[bytes | None] | None = None,
-              plain: Collection[bytes] = ()) -> tuple[np.ndarray, np.ndarray]:
+              plain: Collection[bytes] = (), parents: Sequence[bytes | None] | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
         """Index the keys not held yet (those held are touched); returns the indices
         ``i`` of ``keys`` admitted and their host pages (:meth:`place`).  O(n + evicted)."""
-        held, slots = self.place(swa, keys, bases, plain)
+        held, slots = self.place(swa, keys, bases, plain, parents)
         new = np.flatnonzero(~held & (slots >= 0))
         return new, slots[new]
 
     def place(self, swa: bool, keys: Sequence[bytes],
               bases: Sequence[bytes | None] | None = None,
-              plain: Collection[bytes] = ()) -> tuple[np.ndarray, np.ndarray]:
+              plain: Collection[bytes] = (), parents: Sequence[bytes | None] | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
         """Touch the keys held and index the others; returns, per key, whether it was
         held and its host page (``-1``: not held and not admitted).  When the budget
         cannot make room (everything else protected) nothing is admitted: L2 is best
@@ -129,7 +131,11 @@ class HostPageIndex:
         goes with (``None``: none); a page whose base L2 does not hold enters plain.
         ``plain`` (SWA only): keys that enter plain whatever their base (windows L2
         does not keep as anchors); storing them displaces only older plain SWA, as in
-        the core's L2.  Mutates the index (may evict LRU pages).  O(n + evicted)."""
+        the core's L2.  ``parents`` (full only, parallel to ``keys``): the key of the
+        page before each (None: the first page, or unknown); L2 evicts a full page
+        only after the pages that extend it (:meth:`HostTier.insert_full
+        <hybridkv.tiers.host.HostTier.insert_full>`).  Mutates the index (may evict
+        LRU pages).  O(n log n + evicted)."""
         slots = self.lookup(swa, keys)
         held = slots >= 0
         todo = np.flatnonzero(~held)
@@ -138,7 +144,9 @@ class HostPageIndex:
         if not swa:
             got = self.tier.alloc(int(todo.size), 0)
             if got is not None:
-                self.tier.insert_full([keys[i] for i in todo.tolist()], got[0])
+                sel = todo.tolist()
+                self.tier.insert_full([keys[i] for i in sel], got[0],
+                                      None if parents is None else [parents[i] for i in sel])
                 slots[todo] = got[0]
             return held, slots
         # Only windows a hit can end at are saved (tails, checkpoints, hit windows):

@@ -187,14 +187,16 @@ class TierView:
                 self.l2.tier.discard(ks, swa=self.groups[gi].is_swa)
 
     def on_load(self, pages: dict[int, tuple[list[int], list[bytes]]], start: int, end: int,
-                bases: dict[int, list[bytes | None] | None] | None = None
+                bases: dict[int, list[bytes | None] | None] | None = None,
+                parents: dict[int, list[bytes | None]] | None = None
                 ) -> tuple[dict[CacheHitSource, int], dict[int, list[int]]]:
         """A load of ``pages`` (per group index: page indices at the group's block size
         and their keys) for the hit ``[start, end)``: returns its tokens by source and,
         per group, the L2 slot of each key (:mod:`.l2`): the slot L2 holds it in (the
         worker reads it there), or the slot L2 admits it to (the worker reads it from
         L3 and copies it in), ``-1`` for none.  ``bases``: per sliding group, the full
-        key each page goes with in L2.
+        key each page goes with in L2; ``parents``: per full group, the key of the page
+        before each (L2's key tree, :meth:`.l2.HostPageIndex.place`).
 
         A token counts as L3's when any loaded page covering it is read from L3, else
         as L2's; tokens no loaded page covers (a sliding window group's history
@@ -216,7 +218,7 @@ class TierView:
                 continue
             g = self.groups[gi]
             # held pages are read from L2; the others from L3, copied into the rows L2 admits
-            held, slots = self.l2.place(g.is_swa, keys, (bases or {}).get(gi))
+            held, slots = self.l2.place(g.is_swa, keys, (bases or {}).get(gi), parents=(parents or {}).get(gi))
             any_l3 = any_l3 or not held.all()
             slots_out[gi] = slots.tolist()
             for i, h in zip(idx, held.tolist()):
@@ -254,12 +256,14 @@ class TierView:
 
     def on_save(self, groups: dict[int, tuple[list[int], list[bytes]]],
                 bases: dict[int, list[bytes | None] | None] | None = None,
-                plain: Collection[bytes] = ()) -> dict[int, list[int]]:
+                plain: Collection[bytes] = (),
+                parents: dict[int, list[bytes | None]] | None = None) -> dict[int, list[int]]:
         """A save job's pages (per group index: block ids and keys) go into L2 and
         count as queued for L3; returns per group the L2 slot the worker writes each
         page to (``-1``: L2 holds it already, only touched, or has no room).
         ``bases``: per sliding group, the full key each page goes with in L2;
-        ``plain``: SWA keys entering L2 plain.  O(pages)."""
+        ``plain``: SWA keys entering L2 plain; ``parents``: per full group, the key of
+        the page before each.  O(pages)."""
         plain = frozenset(plain)
         for _, keys in groups.values():
             self.store.queued(keys)
@@ -268,7 +272,8 @@ class TierView:
         out: dict[int, list[int]] = {}
         for gi, (_, keys) in groups.items():
             if keys:
-                held, slots = self.l2.place(self.groups[gi].is_swa, keys, (bases or {}).get(gi), plain)
+                held, slots = self.l2.place(self.groups[gi].is_swa, keys, (bases or {}).get(gi), plain,
+                                            (parents or {}).get(gi))
                 slots[held] = -1  # held: only touched, not written again
                 out[gi] = slots.tolist()
         return out

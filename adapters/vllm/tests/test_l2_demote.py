@@ -340,3 +340,30 @@ def test_l2_gives_up_its_copies_of_device_pages_first_and_gets_them_back(stack, 
     assert tier.counters["evicted_l1_copy_pages"] > 0
     assert view.rescued > 0 and worker.stats["l2_rescued_pages"] == view.rescued
     assert _rows_agree(sched, worker) and worker.stats["load_failures"] == 0
+
+
+@pytest.mark.parametrize("copies_first", [False, True])
+def test_every_full_page_l2_keeps_has_its_whole_prefix_in_l2(stack, copies_first: bool) -> None:  # noqa: ANN001
+    """The connector names each stored full page's parent (the page before it), in
+    saves, loads and copy-downs alike, so L2's full pages form a tree of keys and L2
+    evicts leaves only: under pressure, every full page it keeps still has its whole
+    prefix in L2 (usable by a hit).  Under the old LRU over keys, a sequence's first
+    pages went first, leaving the rest unreachable.  With ``l1_copies_first`` L2
+    gives up its copies of device pages first (the device serves that prefix), so
+    there only the links are checked."""
+    sched, worker = stack(device_pages=70, host_pages=48, l1_copies_first=copies_first)
+    _conversations(sched, worker, n_conv=5, seed=7)
+    tier = _tier(sched)
+    tier.check_invariants()
+    assert tier.counters["evicted_full_pages"] > 0 and worker.stats["load_failures"] == 0
+    assert (worker.stats.get("l2_rescued_pages", 0) > 0) == copies_first
+    full_groups = sum(not g.is_swa for g in sched.connector.groups)
+    roots = [k for k in tier._full if k not in tier._parent]
+    assert len(roots) <= 5 * full_groups  # only first pages lack a parent
+    if copies_first:
+        return
+    for key in tier._full:
+        up = tier._parent.get(key)
+        while up is not None:
+            assert up in tier._full, "a held full page whose prefix L2 lost"
+            up = tier._parent.get(up)
