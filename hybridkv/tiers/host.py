@@ -3,9 +3,11 @@
 The L2 tier knows which page prefixes it holds a host copy of: full KV per
 page key and SWA KV per page (its own validity, independent of the full
 copy).  It is indexed by the chained page keys of :mod:`hybridkv.tiers.keys`
-(the same names L3 uses), not by a second radix tree: a key already names
-its whole prefix, so "is page i of this prompt in L2" is one dict lookup and
-an L1 page can be backed up when the L1 tree frees it, knowing only its key.
+(the same names L3 uses), not by a second token radix tree: a key already
+names its whole prefix, so "is page i of this prompt in L2" is one dict lookup
+and an L1 page can be backed up when the L1 tree frees it, knowing only its key.
+Each full page also names its parent's key when stored, so the full pages form a
+tree of keys, which eviction follows (below).
 
 Memory: a :class:`~hybridkv.pools.DualPool` with one shared byte budget
 (``device="cpu"``, pinned when CUDA exists, for real KV; ``"meta"`` for
@@ -23,7 +25,7 @@ Eviction (LRU within each class), cheapest loss first:
    ``leaf_first = False`` keeps the plain LRU: its owner sets that under
    write-back, where pages enter L2 as the L1 tree frees them, leaves first,
    so L2's LRU order already follows the tree (measured: the key tree there
-   lost 0.1-0.5% of hit tokens; see the changelog).
+   served slightly fewer hit tokens; see the changelog).
    Each full page leaves with the SWA pages *based* on it (inserted with its
    key as ``base_keys``: one per sliding group whose window ends in the page):
    left alone, orphaned SWA (much larger than full KV per token) filled L2 with
