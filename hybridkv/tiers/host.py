@@ -116,15 +116,18 @@ class HostTier:
                          "evicted_l1_copy_pages": 0}
 
     # ---------------------------------------------------------------- lookup
-    def _free_full(self, pages: np.ndarray) -> None:
+    def _free_full(self, pages: np.ndarray, *, own: bool = False) -> None:
+        """Give full ``pages`` back to the pool after the free listeners; ``own``: pages
+        this index holds (int32, allocated, distinct: no checks), else validated."""
         for hook in self.free_listeners:
             hook(AttnKind.FULL, pages)
-        self.pool.free_full(pages)
+        (self.pool.free_full_trusted if own else self.pool.free_full)(pages)
 
-    def _free_swa(self, pages: np.ndarray) -> None:
+    def _free_swa(self, pages: np.ndarray, *, own: bool = False) -> None:
+        """:meth:`_free_full` for SWA pages."""
         for hook in self.free_listeners:
             hook(AttnKind.SWA, pages)
-        self.pool.free_swa(pages)
+        (self.pool.free_swa_trusted if own else self.pool.free_swa)(pages)
 
     def lookup_full(self, keys: Sequence[bytes], *, touch: bool = False) -> np.ndarray:
         """Host full page of each key, ``-1`` where absent: int64 ``[n]``.  O(n)."""
@@ -152,23 +155,26 @@ class HostTier:
         """The held full pages of ``keys`` become the most recently used, among the
         copies of L1 pages too.  O(n)."""
         full, copies = self._full, self._copies
-        for k, p in zip(keys, pages.tolist()):
-            if p >= 0:
-                full.move_to_end(k)
-                self._used(k)
-                if k in copies:
-                    copies.move_to_end(k)
+        held = [k for k, p in zip(keys, pages.tolist()) if p >= 0]
+        for k in held:
+            full.move_to_end(k)
+            if k in copies:
+                copies.move_to_end(k)
+        self._used(held)
 
-    def _used(self, key: bytes) -> None:
-        """Held full ``key`` is the most recently used; filed as a leaf if it is one.  O(log n)."""
-        self._clock += 1
-        self._stamp[key] = self._clock
-        if not self._kids.get(key):
-            heapq.heappush(self._leaves, (self._clock, key))
-            if len(self._leaves) > 2 * len(self._full) + 64:  # stale entries: rebuild
-                stamp, kids = self._stamp, self._kids
-                self._leaves = [(stamp[k], k) for k in self._full if not kids.get(k)]
-                heapq.heapify(self._leaves)
+    def _used(self, keys: Sequence[bytes]) -> None:
+        """Held full ``keys`` are the most recently used, the last most; the leaves
+        among them are filed.  O(n + leaves log n)."""
+        clock, stamp, kids, heap = self._clock, self._stamp, self._kids, self._leaves
+        for k in keys:
+            clock += 1
+            stamp[k] = clock
+            if not kids.get(k):
+                heapq.heappush(heap, (clock, k))
+        self._clock = clock
+        if len(heap) > 2 * len(self._full) + 64:  # stale entries: rebuild
+            self._leaves = [(stamp[k], k) for k in self._full if not kids.get(k)]
+            heapq.heapify(self._leaves)
 
     def _gone_full(self, key: bytes) -> None:
         """Held full ``key`` left L2: its parent may become a leaf.  O(log n)."""
@@ -271,7 +277,7 @@ class HostTier:
         if stage in ("copy", "full"):
             self._copies.pop(victim, None)
             self._gone_full(victim)
-            self._free_full(np.array([page], dtype=np.int32))
+            self._free_full(np.array([page], dtype=np.int32), own=True)
             self.counters["evicted_full_pages"] += 1
             if self.listeners:
                 emit(self.listeners, TierEvent("L2", "remove", (victim,)))
@@ -281,7 +287,7 @@ class HostTier:
         return True
 
     def _free_swa_entry(self, key: bytes, page: int) -> None:
-        self._free_swa(np.array([page], dtype=np.int32))
+        self._free_swa(np.array([page], dtype=np.int32), own=True)
         self.counters["evicted_swa_pages"] += 1
         base = self._base.pop(key, None)
         if base is None:
@@ -338,7 +344,7 @@ class HostTier:
                     continue
                 self._copies.pop(key, None)
                 self._gone_full(key)
-                self._free_full(np.array([page], dtype=np.int32))
+                self._free_full(np.array([page], dtype=np.int32), own=True)
                 self.counters["evicted_full_pages"] += 1
                 if self.listeners:
                     emit(self.listeners, TierEvent("L2", "remove", (key,)))
@@ -359,7 +365,7 @@ class HostTier:
                             (self._anchor, self._free_swa)):
             pages = np.fromiter(table.values(), dtype=np.int32, count=len(table))
             if pages.size:
-                free(pages)
+                free(pages, own=True)
             n += pages.size
         keys = tuple(self._full)
         self._full.clear()
@@ -398,24 +404,21 @@ class HostTier:
         ups = parents if parents is not None else [None] * len(keys)
         if len(ups) != len(keys):
             raise ValueError(f"parents needs {len(keys)} entries, got {len(ups)}")
+        full, parent_of, kids = self._full, self._parent, self._kids
         for k, p, up in zip(keys, np.asarray(pages).tolist(), ups):
-            if k in self._full:
+            if up is not None and k not in parent_of:  # new, or stored as a root before
+                parent_of[k] = up
+                kids[up] = kids.get(up, 0) + 1
+            if k in full:
                 dup.append(p)
-                self._full.move_to_end(k)
-                if up is not None and k not in self._parent:  # stored as a root before
-                    self._parent[k] = up
-                    self._kids[up] = self._kids.get(up, 0) + 1
-                self._used(k)
+                full.move_to_end(k)
             else:
-                self._full[k] = p
-                if up is not None:
-                    self._parent[k] = up
-                    self._kids[up] = self._kids.get(up, 0) + 1
-                self._used(k)
+                full[k] = p
                 if k in self._l1:
                     self._copies[k] = None
                 new.append(k)
                 self.counters["stored_full_pages"] += 1
+        self._used(keys)  # after the links: only the leaves among them are filed
         if dup:
             self._free_full(np.asarray(dup, dtype=np.int32))
         if new and self.listeners:
