@@ -31,6 +31,7 @@ from ..modes import L3Swa, WritePolicy
 from ..spec import AttnKind
 from .config import TierConfig
 from .host import HostTier
+from .keys import parent_keys
 from .payload import PayloadCodec, swa_key
 from .writes import L3WriteQueue
 
@@ -83,8 +84,9 @@ class L2Backup:
         """Register the keys of ``req``'s own pages ``[tree_pages, aligned)`` (before
         the tree takes them).  O(pages)."""
         lo = req.tree_pages
-        for i, p in enumerate(req.full_pages[lo:aligned].tolist(), lo):
-            self._name_full(p, keys[i], keys[i - 1] if i else None)
+        own = range(lo, aligned)
+        for p, i, up in zip(req.full_pages[lo:aligned].tolist(), own, parent_keys(keys, own)):
+            self._name_full(p, keys[i], up)
         swa = req.swa_pages[lo:aligned]
         idx = lo + np.flatnonzero(swa >= 0)
         for p, i, a in zip(req.swa_pages[idx].tolist(), idx.tolist(), self._anchored(idx, aligned).tolist()):
@@ -94,8 +96,9 @@ class L2Backup:
                         swa_idx: np.ndarray, keys: list[bytes]) -> None:
         """Register L1 pages loaded from L2: full page ``full_pages[j]`` holds page
         ``full_idx[j]`` of ``keys``, likewise SWA (anchored).  O(pages)."""
-        for p, i in zip(full_pages.tolist(), full_idx.tolist()):
-            self._name_full(p, keys[i], keys[i - 1] if i else None)
+        idx = full_idx.tolist()
+        for p, i, up in zip(full_pages.tolist(), idx, parent_keys(keys, idx)):
+            self._name_full(p, keys[i], up)
         for p, i in zip(swa_pages.tolist(), swa_idx.tolist()):
             self._swa_key[p] = (keys[i], True)
 
@@ -161,7 +164,7 @@ class L2Backup:
         if through:
             missing_full = np.flatnonzero(~have_full).tolist()
             self.store_l2(AttnKind.FULL, req.full_pages[missing_full], [keys[i] for i in missing_full], None,
-                          parents=[keys[i - 1] if i else None for i in missing_full])
+                          parents=parent_keys(keys, missing_full))
             have_full[:] = True
         # a tier copies an SWA page only where every sliding group still holds its KV
         idx = np.flatnonzero(swa_held(req.swa_pages, req.side_pages, aligned))
@@ -200,8 +203,8 @@ class L2Backup:
 
         ``keys``: storage keys (SWA keys for SWA); ``base``: their full-KV page
         keys (named in tier events); ``parents`` (full KV): the key of the page
-        before each (L2 evicts a page only after the pages extending it).  L2 pages a load under way reads are not
-        evicted for room.  O(pages).
+        before each (L2 evicts a page only after the pages extending it).  L2 pages
+        a load under way reads are not evicted for room.  O(pages).
         """
         n = len(keys)
         if n == 0:

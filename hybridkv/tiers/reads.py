@@ -25,6 +25,7 @@ from ..radix.node import NO_PAGE
 from ..spec import AttnKind
 from .config import PageOrigin
 from .host import HostTier
+from .keys import parent_keys
 from .manager import TierManager
 from .payload import PayloadCodec, swa_key
 from .writes import L3Keys, L3WriteQueue
@@ -124,7 +125,7 @@ class Landing:
             host.free(new_full, new_swa)  # nothing was indexed yet: the host pages go back
             raise
         host.insert_full([k for k, o in zip(full_keys, ok_full) if o], new_full[ok_full],
-                         [keys[i - 1] if i else None for i, o in zip(full_idx.tolist(), ok_full.tolist()) if o])
+                         parent_keys(keys, full_idx[ok_full].tolist()))
         host.insert_swa([k for k, o in zip(swa_keys, ok_swa) if o], new_swa[ok_swa], np.ones(int(ok_swa.sum()), bool),
                         [keys[int(i)] for i in swa_idx[ok_swa]])
         host.free(new_full[~ok_full], new_swa[~ok_swa])

@@ -72,6 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.tiers.index import StoreIndex
+from hybridkv.tiers.keys import parent_keys
 from hybridkv.tiers.storage import open_backend
 
 from .config import ConnectorConfig
@@ -82,7 +83,7 @@ from .l1 import L1View, copy_down
 from .l2 import HostPageRows, l2_index
 from .logs import logger, route_core_logs
 from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
-from .plan import checkpoint_ends, full_bases, pages_to_save, parent_keys, windows_before
+from .plan import checkpoint_ends, full_bases, pages_to_save, windows_before
 from .progress import IDLE_WAIT_S, SavesBusy, SavesWatch, WorkerSaves
 from .saver import SaveThread
 from .sources import TierView, l3_source

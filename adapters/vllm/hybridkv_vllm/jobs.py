@@ -44,7 +44,7 @@ class PageJob:
     # SWA keys of this job that enter L2 plain: checkpoint windows L2 does not keep as
     # anchors (:attr:`.config.ConnectorConfig.anchor_checkpoint`)
     plain: list[bytes] = field(default_factory=list)
-    # per group index: the key of the page before each page (:func:`.plan.parent_keys`)
+    # per group index: the key of the page before each page (:func:`hybridkv.tiers.keys.parent_keys`)
     parents: dict[int, list[bytes | None]] = field(default_factory=dict)
 
     def for_workers(self) -> PageJob:

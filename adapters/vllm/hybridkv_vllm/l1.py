@@ -40,6 +40,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hybridkv.tiers.keys import parent_keys
+
 from .l2 import HostPageIndex
 
 __all__ = ["L1View"]
@@ -97,7 +99,8 @@ class L1View:
         if self._pool is None:
             return
         blocks, held, l2 = self._pool.blocks, self._held, self.l2.tier
-        for b, i in zip(block_ids, pages):
+        pages = list(pages)
+        for b, i, up in zip(block_ids, pages, parent_keys(keys, pages)):
             k = keys[i]
             now = held.get(b)
             if now is not None and now[1] == k:
@@ -108,7 +111,7 @@ class L1View:
                 self._drop(now[1])
             held[b] = (gi, k)
             self._blocks_of[k] = self._blocks_of.get(k, 0) + 1
-            self._parent[k] = keys[i - 1] if i else None
+            self._parent[k] = up
             l2.mark_l1([k], True)
 
     def held_prefix(self, groups: Sequence[Any], blocks: Sequence[Sequence[Any]],

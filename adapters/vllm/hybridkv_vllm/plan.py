@@ -70,12 +70,6 @@ def full_bases(groups: Sequence[GroupInfo], keys: dict[int, list[bytes]], gi: in
     return [fks[j] if j < len(fks) else None for j in idx]
 
 
-def parent_keys(keys: Sequence[bytes], pages: Sequence[int]) -> list[bytes | None]:
-    """Per page ``pages[j]``, the key of the page before it in ``keys`` (``None`` for
-    page 0): what L2's key tree links it to.  O(len(pages))."""
-    return [keys[i - 1] if i else None for i in pages]
-
-
 def swa_first_page(end_pages: int, page_size: int, window: int) -> int:
     """First page whose SWA KV a hit ending at ``end_pages`` pages needs.
 
