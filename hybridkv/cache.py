@@ -49,6 +49,7 @@ from .pools import DualPool
 from .radix import MatchResult, TreeConfig, WindowSafeTree
 from .radix.node import NO_PAGE
 from .radix.tree import parts_side
+from .radix import PageNames
 from .request import Request
 from .spec import ModelSpec
 from .step import StepBatch, build_batch, check_distinct, step_counts, step_tokens
@@ -290,11 +291,12 @@ class HybridKVCache:
         self._check_live(req)
         if not isinstance(cache, (bool, np.bool_)):
             raise TypeError(f"cache must be a bool, got {type(cache).__name__}")
+        names = None
         if cache and self.lower_tiers is not None:
-            self.lower_tiers.before_finish(req)
-        return self._finish(req, bool(cache))
+            names = self.lower_tiers.before_finish(req)
+        return self._finish(req, bool(cache), names)
 
-    def _finish(self, req: Request, cache: bool) -> int:
+    def _finish(self, req: Request, cache: bool, names: PageNames | None = None) -> int:
         P = self.page_size
         aligned = max(req.computed // P, req.tree_pages) if cache else req.tree_pages
         new_pages = 0
@@ -304,7 +306,7 @@ class HybridKVCache:
             side = None if req.side_pages is None else [s[:aligned] for s in req.side_pages]
             res = self.lifecycle.insert(req.handle, req.tree_pages, req.token_buffer[:aligned * P],
                                         req.full_pages[:aligned], req.swa_pages[:aligned], req.namespace,
-                                        mark=req.prompt_len // P, side=side)
+                                        mark=req.prompt_len // P, side=side, names=names)
             assert res is not None, "a request's lock ends where its tree pages do while it is live"
             new_pages = res.new_pages
         rest_full = req.full_pages[aligned:req.n_pages]

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .radix import InsertResult, LockHandle, MatchResult, PagePool, WindowSafeTree
+from .radix import PageNames
 from .radix.node import TreeNode
 from .radix.tree import parts_pages
 from .request import Request
@@ -65,8 +66,9 @@ class TierHooks(Protocol):
         """Once the hit is locked: per-tier hit figures, the hit's window anchored."""
         ...
 
-    def before_finish(self, req: Request) -> None:
-        """Before the finish's insert: the request's pages registered / copied down."""
+    def before_finish(self, req: Request) -> PageNames | None:
+        """Before the finish's insert: the request's pages copied down as the write
+        policy asks; returns their names for the insert (None: unnamed)."""
         ...
 
     def stats(self) -> dict[str, Any]:
@@ -172,21 +174,24 @@ class Lifecycle:
     # ------------------------------------------------- checkpoint, finish
     def insert(self, handle: LockHandle, held_pages: int, tokens: np.ndarray, full: np.ndarray,
                swa: np.ndarray, namespace: str, *, mark: int = -1, continued: bool = False,
-               side: list[np.ndarray] | None = None) -> InsertResult | None:
+               side: list[np.ndarray] | None = None, names: PageNames | None = None) -> InsertResult | None:
         """Cache the request's pages ``[0, len(full))`` (``tokens`` spells them),
         starting at the node its lock holds (``held_pages`` pages long; pages
         before it are the tree's own and skipped); the tree takes the pages it
         keeps and frees its duplicates.  ``mark``: the page where the prompt
         ends (output after it); ``continued``: a later chunk of one prompt, not
         a reuse; ``side``: each side group's page ids beside ``swa`` (a host
-        whose pool has side groups, see :attr:`TreeNode.side`).  None when the lock no longer ends at ``held_pages`` (cannot
+        whose pool has side groups, see :attr:`TreeNode.side`); ``names``: the
+        lower tiers' names of the pages (:meth:`TierHooks.before_finish`).  None when the lock no longer ends at ``held_pages`` (cannot
         happen while locked: nothing is freed that the tree did not take).
         O(depth + new pages)."""
         start = handle.node
         if not self.lock_ends_at(handle, held_pages):
             return None
+        if names is not None and len(names.keys) != len(full):
+            raise ValueError(f"names must name the {len(full)} pages, got {len(names.keys)}")
         return self.tree.insert_tokens(tokens, full, swa, namespace, start=start, owned=True, mark=mark,
-                                       continued=continued, side=side)
+                                       continued=continued, side=side, names=names)
 
     def lock_ends_at(self, handle: LockHandle, pages: int) -> bool:
         """The request's lock holds an alive node ending at page ``pages`` (or

@@ -29,7 +29,7 @@ from .node import NO_PAGE, TreeNode
 from .pins import SwaPins
 from .policy import RetentionPolicy
 from .rankings import Ranking
-from .types import SwaEviction
+from .types import FreedPages, PageNames, SwaEviction, node_names
 
 __all__ = ["EvictableIndex", "Eviction"]
 
@@ -45,9 +45,11 @@ class EvictableIndex(Protocol):
 
     def uncount(self, full_pages: int, swa_pages: int) -> None: ...
 
-    def return_full_pages(self, pages: np.ndarray) -> None: ...
+    free_listeners: list
 
-    def return_swa_pages(self, pages: np.ndarray) -> None: ...
+    def return_full_pages(self, pages: np.ndarray, names: PageNames | None = None) -> None: ...
+
+    def return_swa_pages(self, pages: np.ndarray, names: PageNames | None = None) -> None: ...
 
 
 class Eviction:
@@ -124,8 +126,7 @@ class Eviction:
             self.ranking.evict_done()
 
     def _evict(self, full_pages: int, swa_pages: int, nbytes: int) -> tuple[int, int]:
-        freed_f: list[np.ndarray] = []
-        freed_s: list[np.ndarray] = []
+        freed = FreedPages(bool(self.index.free_listeners))  # names only for listeners
         nf = ns = 0
         fb, sb = self.full_page_bytes, self.swa_page_bytes
         # several sliding groups: an SWA page frees the lead's bytes and those of the
@@ -139,31 +140,28 @@ class Eviction:
                 break
             got = (0, 0)
             if short_full > 0:
-                got = self._evict_leaf(freed_f, freed_s, short_full)
+                got = self._evict_leaf(freed, short_full)
             elif short_swa > 0:
-                got = self._evict_swa(freed_s, anchored=False)
+                got = self._evict_swa(freed, anchored=False)
                 if got == (0, 0):
-                    got = self._evict_point(freed_s)
+                    got = self._evict_point(freed)
                 if got == (0, 0):
-                    got = self._evict_swa(freed_s, anchored=True)
+                    got = self._evict_swa(freed, anchored=True)
                 if got == (0, 0):
-                    got = self._evict_leaf(freed_f, freed_s, None)
+                    got = self._evict_leaf(freed, None)
             else:
-                got = self._evict_swa(freed_s, anchored=False)
+                got = self._evict_swa(freed, anchored=False)
                 if got == (0, 0):
-                    got = self._evict_leaf(freed_f, freed_s, -(-short_bytes // fb))
+                    got = self._evict_leaf(freed, -(-short_bytes // fb))
                 if got == (0, 0):
-                    got = self._evict_point(freed_s)
+                    got = self._evict_point(freed)
                 if got == (0, 0):
-                    got = self._evict_swa(freed_s, anchored=True)
+                    got = self._evict_swa(freed, anchored=True)
             if got == (0, 0):
                 break
             nf += got[0]
             ns += got[1]
-        if freed_f:
-            self.index.return_full_pages(np.concatenate(freed_f))
-        if freed_s:
-            self.index.return_swa_pages(np.concatenate(freed_s))
+        freed.give_back(self.index)
         self.evicted_full_pages += nf
         self.evicted_swa_pages += ns
         return nf, ns
@@ -192,7 +190,7 @@ class Eviction:
         good = q[c[q] - c[q - wp] == wp]
         return int(good[-1]) if good.size else 0
 
-    def _evict_leaf(self, freed_f: list, freed_s: list, want: int | None) -> tuple[int, int]:
+    def _evict_leaf(self, freed: FreedPages, want: int | None) -> tuple[int, int]:
         node = self._pop_leaf()
         if node is None:
             return 0, 0
@@ -219,9 +217,10 @@ class Eviction:
         swa = swa[swa >= 0]
         if node.side is not None:
             self._side_freed += self._side_bytes_of(node.side, slice(keep, None))
-        freed_f.append(gone_full)
+        names = node_names(node, keep) if freed.named else None
+        freed.add_full(gone_full, names)
         if swa.size:
-            freed_s.append(swa)
+            freed.add_swa(swa, names and names.select(node.swa[keep:] >= 0))
         gone = len(node.full) - keep
         self.index.uncount(gone, int(swa.size))
         pos = node.start + keep * size
@@ -238,6 +237,8 @@ class Eviction:
             node.swa = node.swa[:keep]
             if node.side is not None:
                 node.side = [s[:keep] for s in node.side]
+            if node.page_keys is not None:
+                node.page_keys, node.tier_anchor = node.page_keys[:keep], node.tier_anchor[:keep]
             node.anchor = node.anchor[:keep].copy()
             node.swa_valid -= int(swa.size)
             anchors.reanchor(node)
@@ -252,7 +253,7 @@ class Eviction:
                 self._dead.append(parent)
         return gone, int(swa.size)
 
-    def _evict_swa(self, freed_s: list, *, anchored: bool) -> tuple[int, int]:
+    def _evict_swa(self, freed: FreedPages, *, anchored: bool) -> tuple[int, int]:
         """Free the SWA of the least recently used node holding some: its unanchored
         unpinned pages, or (``anchored``) all its unpinned pages.  Returns ``(0, freed)``."""
         if self._keeps_swa or (anchored and not self._page_mode):
@@ -262,12 +263,12 @@ class Eviction:
             t, _, node = heapq.heappop(heap)
             if node.key is None or not node.swa_valid or not self._fresh(heap, t, node):
                 continue
-            count = self._drop_swa(node, freed_s, anchored=anchored)
+            count = self._drop_swa(node, freed, anchored=anchored)
             if count:
                 return 0, count
         return 0, 0
 
-    def _evict_point(self, freed_s: list) -> tuple[int, int]:
+    def _evict_point(self, freed: FreedPages) -> tuple[int, int]:
         """Predicted windows give way before tails, checkpoints and branch windows (a
         bet on where requests will leave, while those end hits that happened): the
         least recently used node's predicted windows stop being anchors and their SWA
@@ -290,16 +291,16 @@ class Eviction:
             node.points = None
             if above and node.parent is not None and node.parent.key is not None:
                 self.enqueue(node.parent, leaf=False)  # its SWA there is plain SWA now
-            count = self._drop_swa(node, freed_s, anchored=False) if node.swa_valid else 0
+            count = self._drop_swa(node, freed, anchored=False) if node.swa_valid else 0
             if node.swa_valid:
                 self.enqueue(node, leaf=False)
             if count:
                 return 0, count
         return 0, 0
 
-    def _drop_swa(self, node: TreeNode, freed_s: list, *, anchored: bool) -> int:
+    def _drop_swa(self, node: TreeNode, freed: FreedPages, *, anchored: bool) -> int:
         """Free ``node``'s unpinned SWA pages (only unanchored ones unless ``anchored``;
-        ``"node"`` eviction: all or none) into ``freed_s``.  Returns how many."""
+        ``"node"`` eviction: all or none) into ``freed``.  Returns how many."""
         drop = node.swa >= 0
         # only a locked node can hold pinned pages (a tree invariant): skip the lookup otherwise
         pinned = self.pins.pinned(node.swa) if node.lock else None
@@ -314,7 +315,8 @@ class Eviction:
         count = int(np.count_nonzero(drop))
         if count == 0:
             return 0
-        freed_s.append(node.swa[drop])
+        names = node_names(node) if freed.named else None
+        freed.add_swa(node.swa[drop], names and names.select(drop))
         node.swa = node.swa.copy()
         node.swa[drop] = NO_PAGE
         if node.side is not None:  # the side groups' pages go with the lead's

@@ -83,11 +83,16 @@ class TreeNode:
             distance is measured from it, and the predicted window placed before it.
         since: start of the leaf's at-risk period (its last use, or that of
             the evicted child whose sequence it carries on).
+        page_keys: with lower tiers, each page's chained key (the name L2 / L3
+            store it under), else None; given by the insert that added the page
+            (:class:`~hybridkv.radix.types.PageNames`), cut with the node.
+        tier_anchor: with ``page_keys``, bool per page: its SWA ends a window
+            the tiers keep (set by the insert, or when a hit ends there).
     """
 
     __slots__ = ("key", "full", "swa", "side", "children", "parent", "start", "last_access",
                  "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "branched", "points", "mark", "seg", "returns", "gap", "vcls",
-                 "since")
+                 "since", "page_keys", "tier_anchor")
 
     def __init__(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
                  parent: "TreeNode | None", start: int, namespace: str, tick: int,
@@ -114,6 +119,8 @@ class TreeNode:
         self.gap = -1.0
         self.vcls = -1
         self.since = tick
+        self.page_keys: list[bytes | None] | None = None
+        self.tier_anchor: np.ndarray | None = None
 
     @property
     def n_pages(self) -> int:

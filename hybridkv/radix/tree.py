@@ -5,14 +5,10 @@ tensors.  Pages it drops are returned to the pool through ``free_full`` /
 ``free_swa`` (``free_listeners`` hear them first).
 
 This module holds the index itself (nodes, walk, match, insert, split, locks,
-invariants); the rest are named collaborators, each in its own module and
-reached through public methods: ``anchors``
-(:class:`~hybridkv.radix.anchors.WindowAnchors`), ``eviction``
-(:class:`~hybridkv.radix.evict.Eviction`), ``learning``
-(:class:`~hybridkv.radix.learning.MatchLearning`), ``events``
-(:class:`~hybridkv.radix.events.TreeEvents`), ``locks`` / ``pins``
-(:mod:`~hybridkv.radix.pins`), ``ranking`` (:mod:`~hybridkv.radix.rankings`)
-and ``policy`` (:class:`~hybridkv.radix.policy.RetentionPolicy`).
+invariants); the rest are named collaborators in their own modules, reached
+through public methods: ``anchors`` (:mod:`~hybridkv.radix.anchors`),
+``eviction`` (:mod:`~hybridkv.radix.evict`), ``learning``, ``events``, ``locks``
+/ ``pins``, ``ranking`` (:mod:`~hybridkv.radix.rankings`) and ``policy``.
 
 Invariants (checked by :meth:`WindowSafeTree.check_invariants`):
 
@@ -46,8 +42,8 @@ from .node import NO_PAGE, TreeNode, node_array, parts_pages, parts_side
 from .pins import PathLocks, SwaPins
 from .policy import RetentionPolicy
 from .rankings import Ranking, make_ranking
-from .types import (EMPTY, RANKINGS, SWA_EVICTIONS, InsertResult, LockHandle, MatchResult, PagePool, SideGroup,
-                    TreeConfig, TreeEvent, pool_lacks)
+from .types import (EMPTY, RANKINGS, SWA_EVICTIONS, InsertResult, LockHandle, FreedPages, MatchResult, PageNames,
+                    PagePool, SideGroup, TreeConfig, TreeEvent, pool_lacks)
 
 __all__ = ["TreeConfig", "TreeEvent", "WindowSafeTree", "MatchResult", "LockHandle", "InsertResult",
            "PagePool", "RANKINGS", "SWA_EVICTIONS", "as_token_array", "parts_pages",
@@ -105,25 +101,24 @@ class WindowSafeTree:
                                  swa_page_bytes=swa_page_bytes,
                                  side_bytes=tuple(g.page_bytes for g in self.groups))
         self.locks = PathLocks(self.pins, self.anchors, self.eviction, self.policy)
-        # Called with (kind, int32 page ids) just before the tree gives pages back to
-        # ``pool`` (an eviction, a duplicate of an insert): the pages still hold their
+        # Called with (kind, int32 page ids, PageNames or None) just before the tree gives
+        # pages back to ``pool`` (an eviction, an insert's duplicate): they still hold their
         # KV, so a tier below can copy them first.  A hook must not call into the tree.
-        self.free_listeners: list[Callable[[AttnKind, np.ndarray], None]] = []
+        self.free_listeners: list[Callable[[AttnKind, np.ndarray, PageNames | None], None]] = []
         self._pool_free_full = pool.free_full_trusted
         self._pool_free_swa = pool.free_swa_trusted
 
-    def return_full_pages(self, pages: np.ndarray) -> None:
+    def return_full_pages(self, pages: np.ndarray, names: PageNames | None = None) -> None:
         """Give int32 full ``pages`` the tree dropped back to the pool, after the
-        ``free_listeners``.  O(pages)."""
+        ``free_listeners`` (told the pages' tier ``names``; None: unnamed).  O(pages)."""
         for hook in self.free_listeners:
-            hook(AttnKind.FULL, pages)
+            hook(AttnKind.FULL, pages, names)
         self._pool_free_full(pages)
 
-    def return_swa_pages(self, pages: np.ndarray) -> None:
-        """Give int32 SWA ``pages`` the tree dropped back to the pool, after the
-        ``free_listeners``.  O(pages)."""
+    def return_swa_pages(self, pages: np.ndarray, names: PageNames | None = None) -> None:
+        """:meth:`return_full_pages` for SWA ``pages``.  O(pages)."""
         for hook in self.free_listeners:
-            hook(AttnKind.SWA, pages)
+            hook(AttnKind.SWA, pages, names)
         self._pool_free_swa(pages)
 
     def _now(self) -> int:
@@ -161,11 +156,8 @@ class WindowSafeTree:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         return self.eviction.evict(full_pages, swa_pages, nbytes)
 
-    def heap_limit(self) -> int:
-        return self.eviction.heap_limit()  # see Eviction.heap_limit
-
-    def heap_sizes(self) -> dict[str, int]:
-        return self.eviction.heap_sizes()  # see Eviction.heap_sizes
+    heap_limit = property(lambda self: self.eviction.heap_limit, doc="See :meth:`Eviction.heap_limit`.")
+    heap_sizes = property(lambda self: self.eviction.heap_sizes, doc="See :meth:`Eviction.heap_sizes`.")
 
     def anchored(self, node: TreeNode) -> np.ndarray:
         """bool per page of ``node``: its SWA ends a likely hit (anchor count > 0).  O(pages)."""
@@ -335,6 +327,9 @@ class WindowSafeTree:
                 self.eviction.watch_points(upper)
         if 0 <= node.mark <= node.start // self.page_size + pages:  # the prompt ended in the upper half
             upper.mark, node.mark = node.mark, -1
+        if node.page_keys is not None:  # (tier_anchor: views of one array, written in place)
+            upper.page_keys, node.page_keys = node.page_keys[:pages], node.page_keys[pages:]
+            upper.tier_anchor, node.tier_anchor = node.tier_anchor[:pages], node.tier_anchor[pages:]
         node.key = node.key[cut:]
         node.full = node.full[pages:]
         node.swa = node.swa[pages:]
@@ -351,18 +346,17 @@ class WindowSafeTree:
 
     # ================================================================ insert
     def insert(self, key: object, full_pages: object, swa_pages: object,
-               namespace: str = "default", prompt_len: int | None = None) -> InsertResult:
+               namespace: str = "default", prompt_len: int | None = None, *,
+               names: PageNames | None = None) -> InsertResult:
         """Cache ``key`` with its pages; the tree takes ownership of all of them.
 
-        ``full_pages`` has one id per page of ``key`` (``len(key)`` must be a
-        multiple of the page size); ``swa_pages`` likewise with ``NO_PAGE``
-        where the caller holds no SWA.  Where the tree already caches a page,
-        the caller's duplicate ids are freed; where the tree's SWA was evicted
-        and the caller has it, the caller's SWA page is adopted (repair).
-        ``prompt_len``: how many tokens of ``key`` were the request's prompt when
-        its decoded output follows (None: all of it); the learned divergence
-        model measures from the prompt's end (``TreeNode.mark``).
-
+        ``full_pages``: one id per page of ``key`` (a whole number of pages);
+        ``swa_pages`` likewise, ``NO_PAGE`` where the caller holds no SWA.  The
+        caller's duplicates of pages the tree caches are freed; its SWA where the
+        tree's was evicted is adopted (repair).  ``prompt_len``: the tokens of
+        ``key`` that were the prompt when decoded output follows (None: all);
+        the divergence model measures from there (``TreeNode.mark``).
+        ``names``: the lower tiers' names of the pages (:class:`PageNames`).
         Runtime complexity: O(depth + len(key)/page_size) plus numpy work.
         Raises ValueError/TypeError on bad input without changing anything.
         """
@@ -379,6 +373,8 @@ class WindowSafeTree:
             raise ValueError("full_pages must be valid page ids (>= 0)")
         if n and swa.min() < NO_PAGE:
             raise ValueError("swa_pages must be page ids or -1")
+        if names is not None and (not isinstance(names, PageNames) or len(names.keys) != n):
+            raise ValueError(f"names must be PageNames of {n} pages, got {names!r:.80}")
         self.root(namespace)  # validates the namespace
         mark = -1
         if prompt_len is not None:
@@ -390,29 +386,27 @@ class WindowSafeTree:
             self.pool.check_taken("swa", swa[swa >= 0], "swa_pages")
         # each side group's page ids: the caller's SWA ids where the group holds them
         side = [np.where(g.holds(swa), swa, NO_PAGE).astype(np.int32) for g in self.groups] or None
-        return self.insert_tokens(key, full, swa, namespace, mark=mark, side=side)
+        return self.insert_tokens(key, full, swa, namespace, mark=mark, side=side, names=names)
 
     @deliver_after
     def insert_tokens(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray, namespace: str, *,
                 start: TreeNode | None = None, owned: bool = False, mark: int = -1,
-                continued: bool = False, side: list[np.ndarray] | None = None) -> InsertResult:
+                continued: bool = False, side: list[np.ndarray] | None = None,
+                names: PageNames | None = None) -> InsertResult:
         """:meth:`insert` for internal callers: no validation.
 
-        ``start``, when given, is an alive node of ``namespace`` whose path spells
-        exactly ``key[:start.start + len(start.key)]`` (e.g. the node a request
-        locked at :meth:`lock`); the walk begins there instead of at the root.
-        The pages before it are the caller's pages the tree already owns: they
-        are neither compared nor freed.  ``None`` (or a root) walks from the
-        root.  ``owned``: the caller hands the arrays over (a finishing
-        request): a new leaf may keep views of them instead of copies.
-        ``mark``: the page where the request's prompt ended, when its decoded
-        output follows in ``key`` (``TreeNode.mark``; -1: the end of ``key``).
-        ``continued``: ``start`` is where the same request's own earlier insert
-        (or its counted match) ended, e.g. the next chunk of a prompt cached
-        while it is prefilled: the path to it gets recency, not one more use
-        (a prompt of many chunks is not "reused" by its own chunks).
-        ``side``: with side groups (``self.groups``), the caller's page ids of each,
-        aligned with ``full`` (``NO_PAGE`` where a group does not hold its page).
+        ``start``: an alive node of ``namespace`` whose path spells exactly
+        ``key[:start.start + len(start.key)]`` (e.g. the node a request locked);
+        the walk begins there, and the pages before it (the tree's own) are
+        neither compared nor freed; None (or a root): the root.  ``owned``: the
+        caller hands the arrays over; a new leaf may keep views of them.
+        ``mark``: the page where the prompt ended when decoded output follows
+        (``TreeNode.mark``; -1: the end of ``key``).  ``continued``: ``start`` is
+        where the same request's earlier insert (or counted match) ended, e.g.
+        its prompt's previous chunk: the path gets recency, not one more use.
+        ``side``: with side groups, each group's page ids aligned with ``full``
+        (``NO_PAGE`` where it holds none).  ``names``: the tiers' names of the
+        pages of ``key`` (new leaves keep them, freed duplicates carry them).
         Runtime complexity: O(depth + pages after start) plus numpy work.
         """
         assert (side is None) == (not self.groups), "side page ids are given exactly when the pool has side groups"
@@ -429,8 +423,8 @@ class WindowSafeTree:
             while up.parent is not None:  # recency as a walk from the root
                 again(up, now)
                 up = up.parent
-        drop_full: list[np.ndarray] = []
-        drop_swa: list[np.ndarray] = []
+        named = names if self.free_listeners else None  # names of the duplicates freed
+        freed = FreedPages(named is not None)
         adopted = 0
         while pi < n:
             child = node.children.get(key[pi * size:(pi + 1) * size].tobytes())
@@ -441,7 +435,8 @@ class WindowSafeTree:
                 self._split(child, k)
                 child = child.parent
             ours_f, ours_s = full[pi:pi + k], swa[pi:pi + k]
-            drop_full.append(ours_f[ours_f != child.full])
+            dup = ours_f != child.full
+            freed.add_full(ours_f[dup], named and named.at(pi + np.flatnonzero(dup)))
             have = child.swa >= 0
             mine = ours_s >= 0
             adopt = ~have & mine
@@ -451,28 +446,28 @@ class WindowSafeTree:
                 child.swa[adopt] = ours_s[adopt]
                 if side is not None:  # the side groups' pages come with the lead's
                     child.side = [np.where(adopt, s[pi:pi + k], c) for s, c in zip(side, child.side)]
+                if names is not None and child.tier_anchor is not None:
+                    child.tier_anchor[adopt] = names.anchored[pi:pi + k][adopt]
                 child.swa_valid += got
                 self.swa_pages_cached += got
                 adopted += got
                 self.eviction.enqueue(child, leaf=False)
                 if self.events.listeners:
                     self.events.emit("swa_store", child)
-            drop_swa.append(ours_s[have & mine & (ours_s != child.swa)])
+            dup_s = have & mine & (ours_s != child.swa)
+            freed.add_swa(ours_s[dup_s], named and named.at(pi + np.flatnonzero(dup_s)))
             self.ranking.touch(child, now)
             node = child
             pi += k
         new_pages = n - pi
         if new_pages:
-            node = self._add_leaf(node, root, key, full, swa, pi, n, namespace, now, owned, mark, side)
-        if drop_full:
-            self.return_full_pages(drop_full[0] if len(drop_full) == 1 else np.concatenate(drop_full))
-        if drop_swa:
-            self.return_swa_pages(drop_swa[0] if len(drop_swa) == 1 else np.concatenate(drop_swa))
+            node = self._add_leaf(node, root, key, full, swa, pi, n, namespace, now, owned, mark, side, names)
+        freed.give_back(self)
         return InsertResult(node if node is not root else None, new_pages, adopted)
 
     def _add_leaf(self, node: TreeNode, root: TreeNode, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
                   pi: int, n: int, namespace: str, now: int, owned: bool, mark: int,
-                  side: list[np.ndarray] | None) -> TreeNode:
+                  side: list[np.ndarray] | None, names: PageNames | None) -> TreeNode:
         """:meth:`insert_tokens`' new leaf under ``node``: pages ``[pi, n)`` of ``key``
         with their ``full`` / ``swa`` ids, filed with the ranking, anchored (tail,
         checkpoints, a predicted window) and announced.  Returns the leaf.  O(pages)."""
@@ -483,6 +478,8 @@ class WindowSafeTree:
                         node_array(swa[pi:], owned),
                         node, pi * size, namespace, now,
                         None if side is None else [node_array(s[pi:], owned) for s in side])
+        if names is not None:
+            leaf.page_keys, leaf.tier_anchor = names.keys[pi:n], names.anchored[pi:n].copy()
         if pi < mark < n:
             leaf.mark = mark
         elif mark == pi and node is not root:  # the prompt ended where the new pages start
@@ -569,6 +566,7 @@ class WindowSafeTree:
                     for s in child.side or ():  # a side group's id is the lead's where it holds one
                         assert len(s) == child.n_pages and ((s == NO_PAGE) | (s == child.swa)).all(), child
                     assert child.start == node.start + (len(node.key) if node.parent is not None else 0)
+                    assert child.page_keys is None or len(child.page_keys) == len(child.tier_anchor) == child.n_pages
                     stack.append(child)
                 if node.parent is None:
                     continue

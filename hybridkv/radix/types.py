@@ -18,7 +18,7 @@ from ..modes import EvictionRanking, SwaEviction
 from ..spec import window_pages
 from .node import EMPTY, TreeNode
 
-__all__ = ["TreeConfig", "TreeEvent", "MatchResult", "LockHandle", "InsertResult", "PagePool", "SideGroup",
+__all__ = ["TreeConfig", "TreeEvent", "MatchResult", "LockHandle", "InsertResult", "PageNames", "FreedPages", "node_names", "join_names", "unnamed", "PagePool", "SideGroup",
            "OneWindowPool", "pool_lacks", "RANKINGS", "SWA_EVICTIONS", "EMPTY", "EvictionRanking", "SwaEviction"]
 
 
@@ -205,6 +205,120 @@ class LockHandle:
 
     def __repr__(self) -> str:
         return f"LockHandle(node={self.node!r}, swa_pages={self.swa_pages!r}, released={self.released})"
+
+
+@dataclass(frozen=True)
+class PageNames:
+    """What the lower tiers call pages the tree takes or frees, one entry per page.
+
+    ``keys[i]``: the page's chained key (the name L2 / L3 store it under; None:
+    unnamed).  ``anchored[i]``: its SWA ends a window the tiers keep (L2 keeps it
+    past plain SWA; L3 may receive only those).  ``parents[i]`` (pages freed
+    only): the key of the page before it in its sequence (None: the first page).
+    An insert gives names for every page of its key; the tree keeps those of the
+    pages it takes (``TreeNode.page_keys`` / ``tier_anchor``) and hands them to
+    its ``free_listeners`` with the pages it frees.
+    """
+
+    keys: list[bytes | None]
+    anchored: np.ndarray
+    parents: list[bytes | None] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keys, list):
+            raise TypeError(f"keys must be a list, got {type(self.keys).__name__}")
+        if len(self.anchored) != len(self.keys) or (self.parents is not None
+                                                   and len(self.parents) != len(self.keys)):
+            raise ValueError(f"anchored and parents need {len(self.keys)} entries (one per key)")
+
+    def select(self, mask: np.ndarray) -> "PageNames":
+        """The names where bool ``mask`` is True.  O(pages)."""
+        pick = mask.tolist()
+        par = self.parents
+        return PageNames([k for k, m in zip(self.keys, pick) if m], self.anchored[mask],
+                         None if par is None else [k for k, m in zip(par, pick) if m])
+
+    def at(self, idx: np.ndarray) -> "PageNames":
+        """The names of pages ``idx`` (int indices into ``keys``), with their parents
+        (the key before each; None at page 0).  O(len(idx))."""
+        keys, at = self.keys, idx.tolist()
+        return PageNames([keys[i] for i in at], self.anchored[idx], [keys[i - 1] if i else None for i in at])
+
+
+def node_names(node: TreeNode, keep: int = 0) -> PageNames | None:
+    """The tier names of ``node``'s pages from ``keep`` on, with their parents (the
+    page before the node's first is its parent node's last); None: unnamed.  O(pages)."""
+    keys = node.page_keys
+    if keys is None:
+        return None
+    up = node.parent.page_keys if node.parent is not None else None
+    gone = keys[keep:]
+    first = keys[keep - 1] if keep else (up[-1] if up else None)
+    return PageNames(gone, node.tier_anchor[keep:], [first] + gone[:-1])
+
+
+class FreedPages:
+    """The full and SWA pages one tree call frees, with their tier names when
+    ``named`` (the tree has ``free_listeners``), given back at the call's end
+    (:meth:`give_back`) so listeners hear them in one batch per kind."""
+
+    __slots__ = ("named", "full", "swa", "full_names", "swa_names", "_any")
+
+    def __init__(self, named: bool) -> None:
+        self.named = named
+        self._any = False  # some page had a name (else listeners hear None)
+        self.full: list[np.ndarray] = []
+        self.swa: list[np.ndarray] = []
+        self.full_names: list[PageNames] = []
+        self.swa_names: list[PageNames] = []
+
+    def add_full(self, pages: np.ndarray, names: PageNames | None = None) -> None:
+        self.full.append(pages)
+        if self.named:
+            self._any = self._any or names is not None
+            self.full_names.append(names if names is not None else unnamed(len(pages)))
+
+    def add_swa(self, pages: np.ndarray, names: PageNames | None = None) -> None:
+        self.swa.append(pages)
+        if self.named:
+            self._any = self._any or names is not None
+            self.swa_names.append(names if names is not None else unnamed(len(pages)))
+
+    def give_back(self, index: "FreeingIndex") -> None:
+        """Hand the pages (and names) to ``index``'s ``return_*_pages``.  O(pages)."""
+        if self.full:
+            index.return_full_pages(self.full[0] if len(self.full) == 1 else np.concatenate(self.full),
+                                    join_names(self.full_names) if self._any else None)
+        if self.swa:
+            index.return_swa_pages(self.swa[0] if len(self.swa) == 1 else np.concatenate(self.swa),
+                                   join_names(self.swa_names) if self._any else None)
+
+
+class FreeingIndex(Protocol):
+    """Where :class:`FreedPages` gives pages back (the tree)."""
+
+    def return_full_pages(self, pages: np.ndarray, names: PageNames | None = None) -> None: ...
+
+    def return_swa_pages(self, pages: np.ndarray, names: PageNames | None = None) -> None: ...
+
+
+def join_names(parts: list[PageNames]) -> PageNames | None:
+    """The names of several runs of pages, in order (None: no run).  O(pages)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    keys: list[bytes | None] = []
+    parents: list[bytes | None] = []
+    for p in parts:
+        keys += p.keys
+        parents += p.parents if p.parents is not None else [None] * len(p.keys)
+    return PageNames(keys, np.concatenate([p.anchored for p in parts]), parents)
+
+
+def unnamed(n: int) -> PageNames:
+    """Names of ``n`` pages no tier named."""
+    return PageNames([None] * n, np.zeros(n, dtype=bool), [None] * n)
 
 
 @dataclass

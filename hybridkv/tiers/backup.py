@@ -1,8 +1,10 @@
-"""L1 -> L2 copies of a tier coordinator, and the page keys of L1 pages.
+"""L1 -> L2 copies of a tier coordinator, and the names of the pages L1 caches.
 
-:class:`L2Backup` registers the key of every page the L1 tree holds (so a
-page the tree frees can be named in L2), copies pages down as the write
-policy asks (``write_through``: a request's pages when it finishes;
+:class:`L2Backup` names the pages a request hands the L1 tree (their chained
+keys and whether their SWA ends a kept window, a
+:class:`~hybridkv.radix.PageNames` the tree keeps on its nodes and hands back
+with every page it frees), tells L2 which keys L1 holds, copies pages down as
+the write policy asks (``write_through``: a request's pages when it finishes;
 ``write_back``: a page when the tree frees it, through the tree's
 ``free_listeners``), and queues what enters L2 for L3.
 
@@ -10,8 +12,8 @@ Repair cases (the MiMo stack's four): 1. device SWA the host lacks is copied
 down at prefill end under both policies; 4. retention checkpoints apply below
 L1: SWA pages that end a sequence or a checkpoint window are anchored (L2
 evicts unanchored SWA first, L3 receives only anchored SWA with
-``l3_swa="anchored"``), and the window that ends a hit is anchored in L1's
-registration and in L2 and queued for L3 (:meth:`L2Backup.anchor_hit_window`).
+``l3_swa="anchored"``), and the window that ends a hit is anchored in the L1
+tree's names and in L2 and queued for L3 (:meth:`L2Backup.anchor_hit_window`).
 A finished request's earlier anchored windows that it moved past (neither
 its tail, a checkpoint nor its hit's window) become plain SWA in L2.
 """
@@ -19,13 +21,16 @@ its tail, a checkpoint nor its hit's window) become plain SWA in L2.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from threading import RLock
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ..pools import DualPool
 from ..radix import WindowSafeTree
+from ..radix.node import TreeNode
+from ..radix import PageNames
 from ..request import Request, swa_held
 from ..modes import L3Swa, WritePolicy
 from ..spec import AttnKind
@@ -45,10 +50,10 @@ _EMPTY = np.zeros(0, dtype=np.int32)
 
 
 class L2Backup:
-    """The L1 page-key registry and the L1 -> L2 copies of a tier coordinator.
+    """The names of L1's pages and the L1 -> L2 copies of a tier coordinator.
 
     Args:
-        tree / pool: L1 (the tree's pages are registered; its retention policy
+        tree / pool: L1 (the tree keeps its pages' names; its retention policy
             says which pages are anchored).
         host: L2.
         writes: the L3 write queue (what enters L2 is queued for L3).
@@ -76,57 +81,57 @@ class L2Backup:
         self.window_pages = window_pages
         self.copy = copy
         self.protected = protected
-        self._full_key: dict[int, tuple[bytes, bytes | None]] = {}  # L1 full page -> (key, parent key)
-        self._swa_key: dict[int, tuple[bytes, bool]] = {}  # L1 SWA page -> (page key, anchored)
 
     # ======================================================== registration
-    def register(self, req: Request, aligned: int, keys: list[bytes]) -> None:
-        """Register the keys of ``req``'s own pages ``[tree_pages, aligned)`` (before
-        the tree takes them).  O(pages)."""
+    def register(self, req: Request, aligned: int, keys: list[bytes]) -> PageNames:
+        """The names of ``req``'s pages ``[0, aligned)`` for the finish's insert (the
+        tree keeps those of the pages it takes, :class:`PageNames`); L2 learns that
+        L1 holds its own pages ``[tree_pages, aligned)``.  O(pages)."""
         lo = req.tree_pages
-        own = range(lo, aligned)
-        for p, i, up in zip(req.full_pages[lo:aligned].tolist(), own, parent_keys(keys, own)):
-            self._name_full(p, keys[i], up)
+        anchored = np.zeros(aligned, dtype=bool)
         swa = req.swa_pages[lo:aligned]
         idx = lo + np.flatnonzero(swa >= 0)
-        for p, i, a in zip(req.swa_pages[idx].tolist(), idx.tolist(), self._anchored(idx, aligned).tolist()):
-            self._swa_key[p] = (keys[i], a)
+        anchored[idx] = self._anchored(idx, aligned)
+        self.host.mark_l1(keys[lo:aligned], True)
+        return PageNames(keys[:aligned], anchored)
 
-    def register_loaded(self, full_pages: np.ndarray, full_idx: np.ndarray, swa_pages: np.ndarray,
-                        swa_idx: np.ndarray, keys: list[bytes]) -> None:
-        """Register L1 pages loaded from L2: full page ``full_pages[j]`` holds page
-        ``full_idx[j]`` of ``keys``, likewise SWA (anchored).  O(pages)."""
-        idx = full_idx.tolist()
-        for p, i, up in zip(full_pages.tolist(), idx, parent_keys(keys, idx)):
-            self._name_full(p, keys[i], up)
-        for p, i in zip(swa_pages.tolist(), swa_idx.tolist()):
-            self._swa_key[p] = (keys[i], True)
+    def register_loaded(self, full_idx: np.ndarray, keys: list[bytes], hit: int) -> PageNames:
+        """The names of pages ``[0, hit)`` of ``keys`` an L2 -> L1 load inserts (its SWA
+        anchored); L2 learns that L1 holds the loaded full pages ``full_idx``.  O(pages)."""
+        self.host.mark_l1([keys[i] for i in full_idx.tolist()], True)
+        return PageNames(keys[:hit], np.ones(hit, dtype=bool))
 
-    def _name_full(self, page: int, key: bytes, parent: bytes | None) -> None:
-        """L1 full page ``page`` holds ``key``, the page after ``parent`` (L2 learns
-        that L1 holds it).  O(1)."""
-        old = self._full_key.get(page)
-        if old is not None:
-            self.host.mark_l1((old[0],), False)
-        self._full_key[page] = (key, parent)
-        self.host.mark_l1((key,), True)
-
-    def unregister(self, full_pages: np.ndarray, swa_pages: np.ndarray) -> None:
-        """Forget the keys of these L1 pages (a load that failed).  O(pages)."""
-        for p in full_pages.tolist():
-            k = self._full_key.pop(p, None)
-            if k is not None:
-                self.host.mark_l1((k[0],), False)
-        for p in swa_pages.tolist():
-            self._swa_key.pop(p, None)
+    def unregister(self, full_idx: np.ndarray, keys: list[bytes]) -> None:
+        """A load that failed: L1 does not hold the full pages ``full_idx``.  O(pages)."""
+        self.host.mark_l1([keys[i] for i in full_idx.tolist()], False)
 
     def check_registered(self) -> None:
-        """Every page the L1 tree holds has a registered key, no other page has.  O(n)."""
-        tree = self.tree
-        tree_full = {int(p) for nd in tree.iter_nodes() for p in nd.full.tolist()}
-        assert set(self._full_key) == tree_full, "L1 full pages and registered keys differ"
-        tree_swa = {int(p) for nd in tree.iter_nodes() for p in nd.swa[nd.swa >= 0].tolist()}
-        assert set(self._swa_key) == tree_swa, "L1 SWA pages and registered keys differ"
+        """Every page the L1 tree holds is named, and L2's count of the L1 pages
+        holding each key is the tree's.  O(n)."""
+        held: Counter[bytes] = Counter()
+        for nd in self.tree.iter_nodes():
+            assert nd.page_keys is not None, f"an unnamed L1 node {nd}"
+            held.update(k for k in nd.page_keys if k is not None)
+        assert held == Counter(self.host.l1_counts()), "L1 pages and L2's count of them differ"
+
+    def _path(self, req: Request, pages: int) -> Iterator[tuple[TreeNode, int, int]]:
+        """``(node, first page, pages)`` along the tree path of ``req``'s first
+        ``pages`` pages.  O(depth + pages)."""
+        _, path = self.tree.walk(req.tokens, req.namespace, pages * self.tree.page_size)
+        pos = 0
+        for nd, k in path:
+            yield nd, pos, k
+            pos += k
+
+    def _held_marks(self, req: Request, pages: int) -> np.ndarray:
+        """bool per page of ``[0, pages)``: the tree holds ``req``'s SWA page there and
+        names it anchored.  O(depth + pages)."""
+        out = np.zeros(pages, dtype=bool)
+        for nd, pos, k in self._path(req, pages):
+            if nd.tier_anchor is not None:
+                mine = req.swa_pages[pos:pos + k]
+                out[pos:pos + k] = nd.tier_anchor[:k] & (nd.swa[:k] == mine) & (mine >= 0)
+        return out
 
     def _anchored(self, idx: np.ndarray, end: int) -> np.ndarray:
         """Which page indices end a kept window: the tail before ``end`` or a checkpoint
@@ -136,15 +141,17 @@ class L2Backup:
     def anchor_hit_window(self, req: Request, keys: list[bytes], h: int) -> None:
         """Anchor the SWA window ``[h - W, h)`` that ends this hit (repair case 4).
 
-        L1 pages of the window are re-registered as anchored (write-back then
+        The tree's names of the window's L1 pages become anchored (write-back then
         stores them anchored when the tree frees them, and write-through's
         backup at finish keeps the flag); L2 copies are promoted to the
         anchored class and queued for L3 if not known there.  O(window pages).
         """
         lo = max(0, h - self.window_pages)
-        for i, p in zip(range(lo, h), req.swa_pages[lo:h].tolist()):
-            if p >= 0 and p in self._swa_key:
-                self._swa_key[p] = (keys[i], True)
+        for nd, pos, k in self._path(req, h):
+            if nd.tier_anchor is not None and pos + k > lo:
+                a = max(lo - pos, 0)
+                mine = req.swa_pages[pos + a:pos + k]
+                nd.tier_anchor[a:k] |= (nd.swa[a:k] == mine) & (mine >= 0)
         swa_keys = [swa_key(k) for k in keys[lo:h]]
         pages = self.host.lookup_swa(swa_keys)
         have = pages >= 0
@@ -178,9 +185,11 @@ class L2Backup:
         if not through:
             self.counters["repair_swa_d2h_pages"] += idx.size
         pages = req.swa_pages[idx]
-        # A window anchored since registration (it ended a hit) keeps its anchor.
-        marked = np.fromiter((self._swa_key.get(p, (b"", False))[1] for p in pages.tolist()),
-                             bool, count=idx.size)
+        # A window the tree names anchored (it ended a hit) keeps its anchor.
+        tree_pages = min(req.tree_pages, aligned)
+        marked = np.zeros(idx.size, dtype=bool)
+        if idx.size and idx[0] < tree_pages:
+            marked = self._held_marks(req, tree_pages)[np.minimum(idx, tree_pages - 1)] & (idx < tree_pages)
         self.store_l2(AttnKind.SWA, pages, [k for k, m in zip(swa_keys, missing) if m],
                       self._anchored(idx, aligned) | marked, base=[keys[i] for i in idx])
 
@@ -246,23 +255,23 @@ class L2Backup:
             sel = np.asarray(anchored, bool)
         self.writes.queue(kind, keys, host_pages, sel, base=base)
 
-    def on_l1_free(self, kind: AttnKind, pages: np.ndarray) -> None:
-        """The L1 tree frees ``pages`` (a tree free listener): drop their keys, and
-        copy to L2 first those L2 lacks: under write-back every page, under
+    def on_l1_free(self, kind: AttnKind, pages: np.ndarray, names: PageNames | None) -> None:
+        """The L1 tree frees ``pages`` named ``names`` (a tree free listener): L2 learns
+        L1 gave them up, and copies first those it lacks: under write-back every page, under
         write-through those L2 evicted as copies of L1 pages (``l1_copies_first``;
         repair case 1, device complete and host deficient).  Never raises.  O(pages)."""
         try:
             with self.mutex:
+                if names is None or not pages.size:
+                    return
                 if kind is AttnKind.FULL:
-                    named_full = [self._full_key.pop(p, None) for p in pages.tolist()]
-                    keys = [None if x is None else x[0] for x in named_full]
+                    keys = names.keys
                     self.host.mark_l1([k for k in keys if k is not None], False)
                     bases = anchored = None
                 else:
-                    pairs = [self._swa_key.pop(p, None) for p in pages.tolist()]
-                    keys = [None if x is None else swa_key(x[0]) for x in pairs]
-                    bases = [None if x is None else x[0] for x in pairs]
-                    anchored = np.array([bool(x and x[1]) for x in pairs], dtype=bool)
+                    bases = names.keys
+                    keys = [None if k is None else swa_key(k) for k in bases]
+                    anchored = names.anchored
                 if self.tiers.write_policy is not WritePolicy.WRITE_BACK and not self.host.l1_copies_first:
                     return  # write-through keeps L2's copy (unless L2 evicted it as a copy: below)
                 sel = np.array([k is not None for k in keys], dtype=bool)
@@ -276,7 +285,8 @@ class L2Backup:
                 self.store_l2(kind, pages[idx], [keys[i] for i in idx],
                               None if anchored is None else anchored[idx],
                               base=None if bases is None else [bases[i] for i in idx],
-                              parents=[named_full[i][1] for i in idx] if kind is AttnKind.FULL else None)
+                              parents=[names.parents[i] for i in idx] if kind is AttnKind.FULL and names.parents
+                              else None)
         except Exception as exc:  # noqa: BLE001 - freeing must go on; the backup is best effort
             self.counters["tier_errors"] += 1
             logger.warning("L1 -> L2 backup failed (%s: %s); pages dropped", type(exc).__name__, exc)

@@ -35,6 +35,7 @@ from .._validate import as_token_array
 from ..lifecycle import TierPlan
 from ..modes import WritePolicy
 from ..radix.node import NO_PAGE, TreeNode, parts_side
+from ..radix import PageNames
 from ..spec import AttnKind, ModelSpec
 from ..transfer import prepare_copy
 from .backup import L2Backup
@@ -350,18 +351,20 @@ class TierCoordinator:
                 self.counters["l1_load_failed"] += 1
                 return
             new_full, new_swa = got
+            names = None
             try:
                 self.copy(AttnKind.FULL, self.host.pool, from_full, self.pool, new_full)
                 self.copy(AttnKind.SWA, self.host.pool, from_swa, self.pool, new_swa)
                 full_ids = np.concatenate([res.l1_full[:min(n1, hit)], new_full]).astype(np.int32)
                 swa_ids = np.full(hit, NO_PAGE, dtype=np.int32)
                 swa_ids[swa_idx] = new_swa
-                self.backup.register_loaded(new_full, full_idx, new_swa, swa_idx, keys)
+                names = self.backup.register_loaded(full_idx, keys, hit)
                 # insert raises only before it takes ownership (bad input), so on any
                 # exception above the new L1 pages are still ours to give back
-                self.tree.insert(tokens[:hit * self.page_size], full_ids, swa_ids, namespace)
+                self.tree.insert(tokens[:hit * self.page_size], full_ids, swa_ids, namespace, names=names)
             except BaseException:
-                self.backup.unregister(new_full, new_swa)
+                if names is not None:
+                    self.backup.unregister(full_idx, keys)
                 self.pool.free_full(new_full)  # straight to the pool: nothing here is worth a backup
                 self.pool.free_swa(new_swa)
                 raise
@@ -393,22 +396,25 @@ class TierCoordinator:
             self._stream.synchronize()  # the tree may hand the pages out right after
 
     # ============================================================== finish
-    def before_finish(self, req: Request) -> None:
+    def before_finish(self, req: Request) -> PageNames | None:
         """``req`` finishes with ``cache=True``: add its hit figures to the totals,
-        register its pages' keys (write-back names them when the tree frees them)
-        and copy to L2 what the write policy asks for.  Faults are logged and
-        counted.  O(pages)."""
+        name its pages for the insert (the tree keeps the names; write-back
+        copies a page under its name when the tree frees it) and copy to L2 what
+        the write policy asks for.  Returns the names (None after a fault, which
+        is logged and counted).  O(pages)."""
         for k, v in req.extra.get("tiers", {}).items():
             self.counters[k] += v
         aligned = max(req.computed // self.page_size, req.tree_pages)
+        names = None
         try:
             with self.mutex:
                 keys = self.page_keys(req.tokens, req.namespace, aligned, req.extra.get("page_keys"))
-                self.backup.register(req, aligned, keys)
+                names = self.backup.register(req, aligned, keys)  # named even if the copies fail
                 self.backup.at_finish(req, aligned, keys)
         except Exception as exc:  # noqa: BLE001
             self.counters["tier_errors"] += 1
             logger.warning("tier backup at finish failed (%s: %s)", type(exc).__name__, exc)
+        return names
 
     # ============================================================== misc
     def clear_l2(self) -> int:

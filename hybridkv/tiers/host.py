@@ -329,6 +329,10 @@ class HostTier:
                 l1.pop(k, None)
                 copies.pop(k, None)
 
+    def l1_counts(self) -> dict[bytes, int]:
+        """How many L1 pages hold each full key (as :meth:`mark_l1` was told; a copy).  O(n)."""
+        return dict(self._l1)
+
     def base_of(self, key: bytes) -> bytes | None:
         """The full-KV key the held SWA page ``key`` was inserted with (None: none).  O(1)."""
         return self._base.get(key)

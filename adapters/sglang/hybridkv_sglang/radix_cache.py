@@ -52,6 +52,7 @@ from hybridkv.defaults import SWA_CHECKPOINT
 from hybridkv._validate import as_token_array
 from hybridkv.lifecycle import Lifecycle
 from hybridkv.radix import LockHandle, TreeConfig, TreeNode, WindowSafeTree
+from hybridkv.radix import PageNames
 from hybridkv.tiers.config import TierConfig
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
@@ -325,9 +326,9 @@ class HybridKVRadixCache(BasePrefixCache):
                                                       hit_swa[:hit], state.pop("plan", None))
 
     def _tier_checkpoint(self, req: Any, tokens: np.ndarray, ns: str, protected: int, full: np.ndarray,
-                         swa: np.ndarray) -> None:
-        """Before the insert: register the new pages and write them through to L2
-        (repair 1).  O(pages)."""
+                         swa: np.ndarray) -> PageNames | None:
+        """Before the insert: write the new pages through to L2 (repair 1); returns
+        the pages' names for the insert.  O(pages)."""
         extra = self._tier_reqs.setdefault(req.rid, {}).setdefault("extra", {})
         tokens = as_token_array(tokens, "tokens")  # the page keys hash int32 tokens, as at match
         # the coordinator sees the SWA the request can read: the tree's on [0, protected)
@@ -335,7 +336,7 @@ class HybridKVRadixCache(BasePrefixCache):
         _, path_swa = self._path_pages(req.last_node)
         if protected and len(path_swa) == protected:
             swa = np.concatenate([path_swa, swa[protected:]]).astype(np.int32)
-        self.coordinator.checkpoint(tokens, ns, protected, full, swa, extra)
+        return self.coordinator.checkpoint(tokens, ns, protected, full, swa, extra)
 
     def touch_prefix(self, key: Any) -> None:
         tokens, ns = self._key_tokens(key)
@@ -409,8 +410,9 @@ class HybridKVRadixCache(BasePrefixCache):
         swa = np.full(n_pages, -1, dtype=np.int32)
         swa[protected:] = self.pool.swa_pages_of(full[protected:])
         ns = namespace_of(req.extra_key, req.cache_salt)
+        names = None
         if self.coordinator is not None:
-            self._tier_checkpoint(req, tokens, ns, protected, full, swa)
+            names = self._tier_checkpoint(req, tokens, ns, protected, full, swa)
         # Record owners before the insert: the tree may free duplicates right away.
         self.pool.adopt(full[protected:], swa[protected:])
         # the prompt's length: past it the tokens are decoded output (the learned
@@ -418,7 +420,7 @@ class HybridKVRadixCache(BasePrefixCache):
         prompt = getattr(req, "origin_input_ids", None)
         # from the root (SGLang's row holds the locked path's pages, compared as equal)
         result = self.lifecycle.insert(LockHandle(None), 0, as_token_array(tokens, "tokens"), full, swa, ns,
-                                       mark=-1 if prompt is None else len(prompt) // self.page_size)
+                                       mark=-1 if prompt is None else len(prompt) // self.page_size, names=names)
         assert result is not None
         path_full, path_swa = self._path_pages(result.node)
         assert path_full.size == n_pages, (path_full.size, n_pages)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from hybridkv.lifecycle import TierPlan
+from hybridkv.radix import PageNames
 from hybridkv.spec import AttnKind, KVShape, ModelSpec
 from hybridkv.tiers.config import TierConfig
 from hybridkv.tiers.coordinator import TierCoordinator
@@ -279,15 +280,17 @@ class SGLangTierCoordinator(TierCoordinator):
         return shim.extra
 
     def checkpoint(self, tokens: np.ndarray, namespace: str, tree_pages: int, full: np.ndarray,
-                   swa: np.ndarray, extra: dict) -> None:
-        """Before a checkpoint's insert of pages ``[tree_pages, len(full))``:
-        register their keys (write-back names them when the tree frees them) and
-        copy to L2 what the write policy asks (write-through; repair 1).
-        Never raises for tier faults.  O(pages)."""
+                   swa: np.ndarray, extra: dict) -> PageNames | None:
+        """Before a checkpoint's insert of pages ``[tree_pages, len(full))``: copy
+        to L2 what the write policy asks (write-through; repair 1) and return the
+        pages' names for the insert (the tree keeps them; write-back copies a page
+        under its name when the tree frees it).  Never raises for tier faults
+        (None).  O(pages)."""
         n = len(full)
         shim = ReqShim(tokens=tokens[:n * self.page_size], namespace=namespace, computed=n * self.page_size,
                        tree_pages=tree_pages, full_pages=full, swa_pages=swa, extra=extra)
-        self.before_finish(shim)
+        names = self.before_finish(shim)
         keys = extra.get("page_keys")
         if keys is not None and len(keys) < n:
             extra["page_keys"] = self.page_keys(shim.tokens, namespace, n, keys)
+        return names
