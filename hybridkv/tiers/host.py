@@ -25,7 +25,8 @@ Eviction (LRU within each class), cheapest loss first:
    ``leaf_first = False`` keeps the plain LRU: its owner sets that under
    write-back, where pages enter L2 as the L1 tree frees them, leaves first,
    so L2's LRU order already follows the tree (measured: the key tree there
-   served slightly fewer hit tokens; see the changelog).
+   served slightly fewer hit tokens; see the changelog).  Without it the
+   leaves are not filed (switching it on files them again).
    Each full page leaves with the SWA pages *based* on it (inserted with its
    key as ``base_keys``: one per sliding group whose window ends in the page):
    left alone, orphaned SWA (much larger than full KV per token) filled L2 with
@@ -105,8 +106,7 @@ class HostTier:
         self._copies: OrderedDict[bytes, None] = OrderedDict()  # held full keys L1 holds too, LRU first
         #: evict the full pages L1 also holds before the others (see the module docstring)
         self.l1_copies_first = False
-        #: evict full pages as leaves of the key tree (False: plain LRU over keys; see the module docstring)
-        self.leaf_first = True
+        self._leaf_first = True  # see leaf_first
         self.listeners: list[TierListener] = []
         # Called with (kind, int32 page ids) just before pages go back to ``pool``: the
         # owner encodes a page with a queued L3 write before its data is reused.
@@ -162,10 +162,36 @@ class HostTier:
                 copies.move_to_end(k)
         self._used(held)
 
+    @property
+    def leaf_first(self) -> bool:
+        """Evict full pages as leaves of the key tree (False: a plain LRU over keys,
+        and the leaves are not filed; see the module docstring)."""
+        return self._leaf_first
+
+    @leaf_first.setter
+    def leaf_first(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"leaf_first must be a bool, got {type(on).__name__}")
+        self._leaf_first = on
+        self._file_leaves()
+
+    def _file_leaves(self) -> None:
+        """File every leaf at its last use afresh (none without ``leaf_first``).  O(n)."""
+        stamp, kids = self._stamp, self._kids
+        self._leaves = [(stamp[k], k) for k in self._full if not kids.get(k)] if self._leaf_first else []
+        heapq.heapify(self._leaves)
+
     def _used(self, keys: Sequence[bytes]) -> None:
         """Held full ``keys`` are the most recently used, the last most; the leaves
         among them are filed.  O(n + leaves log n)."""
-        clock, stamp, kids, heap = self._clock, self._stamp, self._kids, self._leaves
+        clock, stamp = self._clock, self._stamp
+        if not self._leaf_first:
+            for k in keys:
+                clock += 1
+                stamp[k] = clock
+            self._clock = clock
+            return
+        kids, heap = self._kids, self._leaves
         for k in keys:
             clock += 1
             stamp[k] = clock
@@ -173,8 +199,7 @@ class HostTier:
                 heapq.heappush(heap, (clock, k))
         self._clock = clock
         if len(heap) > 2 * len(self._full) + 64:  # stale entries: rebuild
-            self._leaves = [(stamp[k], k) for k in self._full if not kids.get(k)]
-            heapq.heapify(self._leaves)
+            self._file_leaves()
 
     def _gone_full(self, key: bytes) -> None:
         """Held full ``key`` left L2: its parent may become a leaf.  O(log n)."""
@@ -187,7 +212,7 @@ class HostTier:
             self._kids[parent] = left
             return
         del self._kids[parent]
-        if parent in self._full:  # a leaf now, at its own last use
+        if parent in self._full and self._leaf_first:  # a leaf now, at its own last use
             heapq.heappush(self._leaves, (self._stamp[parent], parent))
 
     def _lru_leaf(self, protect: set[int]) -> bytes | None:
@@ -521,7 +546,10 @@ class HostTier:
         assert kids == self._kids and set(self._parent) <= set(self._full), "L2's key tree miscounted"
         assert set(self._stamp) == set(self._full), "L2 full pages without a last use"
         live = {k for s, k in self._leaves if self._stamp.get(k) == s}
-        assert live >= {k for k in self._full if not self._kids.get(k)}, "an L2 leaf is not filed"
+        if self._leaf_first:
+            assert live >= {k for k in self._full if not self._kids.get(k)}, "an L2 leaf is not filed"
+        else:
+            assert not self._leaves, "leaves filed without leaf_first"
         assert np.unique(full).size == full.size == self.pool.full.num_used, \
             ("L2 full pages", np.unique(full).size, full.size, self.pool.full.num_used)
         assert np.unique(swa).size == swa.size == self.pool.swa.num_used, \

@@ -170,6 +170,27 @@ def test_leaf_first_off_is_the_plain_lru():
     tier.check_invariants()  # the tree's counts are kept all the same
 
 
+def test_leaf_first_switched_on_later_files_the_leaves_again():
+    """Without leaf_first no leaf is filed (write-back does no work its eviction never
+    reads); switched on, every leaf is filed at its last use and eviction is the
+    tree's as if it had been on all along."""
+    keys, parents = _chain("a", 6)
+    on, later = _tier(6), _tier(6)
+    later.leaf_first = False
+    for tier in (on, later):
+        _store(tier, keys, parents)
+        tier.lookup_full(keys[:2], touch=True)
+    later.check_invariants()
+    later.leaf_first = True
+    later.check_invariants()
+    for tier in (on, later):
+        _store(tier, [b"x", b"y"], None)
+    assert [k in later for k in keys] == [k in on for k in keys]
+    assert _reachable(later, keys) == _reachable(on, keys) == 4
+    with pytest.raises(TypeError, match="leaf_first"):
+        later.leaf_first = 1
+
+
 @pytest.mark.parametrize(("policy", "leaf_first"), [("write_through", True), ("write_back", False)])
 def test_the_cache_evicts_l2_leaves_first_under_write_through(tmp_path, policy, leaf_first):
     """Under write-back pages enter L2 as the L1 tree frees them (leaves first), so L2's
