@@ -28,9 +28,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..pools import DualPool
-from ..radix import WindowSafeTree
-from ..radix.node import TreeNode
-from ..radix import PageNames
+from ..radix import PageNames, TreeNode, WindowSafeTree
 from ..request import Request, swa_held
 from ..modes import L3Swa, WritePolicy
 from ..spec import AttnKind
@@ -82,8 +80,8 @@ class L2Backup:
         self.copy = copy
         self.protected = protected
 
-    # ======================================================== registration
-    def register(self, req: Request, aligned: int, keys: list[bytes]) -> PageNames:
+    # =============================================================== names
+    def name_pages(self, req: Request, aligned: int, keys: list[bytes]) -> PageNames:
         """The names of ``req``'s pages ``[0, aligned)`` for the finish's insert (the
         tree keeps those of the pages it takes, :class:`PageNames`); L2 learns that
         L1 holds its own pages ``[tree_pages, aligned)``.  O(pages)."""
@@ -95,17 +93,17 @@ class L2Backup:
         self.host.mark_l1(keys[lo:aligned], True)
         return PageNames(keys[:aligned], anchored)
 
-    def register_loaded(self, full_idx: np.ndarray, keys: list[bytes], hit: int) -> PageNames:
+    def name_loaded(self, full_idx: np.ndarray, keys: list[bytes], hit: int) -> PageNames:
         """The names of pages ``[0, hit)`` of ``keys`` an L2 -> L1 load inserts (its SWA
         anchored); L2 learns that L1 holds the loaded full pages ``full_idx``.  O(pages)."""
         self.host.mark_l1([keys[i] for i in full_idx.tolist()], True)
         return PageNames(keys[:hit], np.ones(hit, dtype=bool))
 
-    def unregister(self, full_idx: np.ndarray, keys: list[bytes]) -> None:
+    def load_failed(self, full_idx: np.ndarray, keys: list[bytes]) -> None:
         """A load that failed: L1 does not hold the full pages ``full_idx``.  O(pages)."""
         self.host.mark_l1([keys[i] for i in full_idx.tolist()], False)
 
-    def check_registered(self) -> None:
+    def check_names(self) -> None:
         """Every page the L1 tree holds is named, and L2's count of the L1 pages
         holding each key is the tree's.  O(n)."""
         held: Counter[bytes] = Counter()

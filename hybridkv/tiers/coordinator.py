@@ -10,8 +10,8 @@ three documented points of a request:
 * :meth:`TierCoordinator.after_begin`, once the hit is locked: per-tier hit
   figures, hot keys touched, the hit's window anchored;
 * :meth:`TierCoordinator.before_finish`, in ``finish(cache=True)`` before the
-  insert: the request's page keys registered, pages copied to L2 as the write
-  policy asks.
+  insert: pages copied to L2 as the write policy asks, and their names (page
+  keys) returned for the insert (the tree keeps them on its nodes).
 
 Beside those it listens to the tree's ``free_listeners`` (a page leaving L1 is
 backed up to L2 first under write-back) and, through its
@@ -358,13 +358,13 @@ class TierCoordinator:
                 full_ids = np.concatenate([res.l1_full[:min(n1, hit)], new_full]).astype(np.int32)
                 swa_ids = np.full(hit, NO_PAGE, dtype=np.int32)
                 swa_ids[swa_idx] = new_swa
-                names = self.backup.register_loaded(full_idx, keys, hit)
+                names = self.backup.name_loaded(full_idx, keys, hit)
                 # insert raises only before it takes ownership (bad input), so on any
                 # exception above the new L1 pages are still ours to give back
                 self.tree.insert(tokens[:hit * self.page_size], full_ids, swa_ids, namespace, names=names)
             except BaseException:
                 if names is not None:
-                    self.backup.unregister(full_idx, keys)
+                    self.backup.load_failed(full_idx, keys)
                 self.pool.free_full(new_full)  # straight to the pool: nothing here is worth a backup
                 self.pool.free_swa(new_swa)
                 raise
@@ -409,7 +409,7 @@ class TierCoordinator:
         try:
             with self.mutex:
                 keys = self.page_keys(req.tokens, req.namespace, aligned, req.extra.get("page_keys"))
-                names = self.backup.register(req, aligned, keys)  # named even if the copies fail
+                names = self.backup.name_pages(req, aligned, keys)  # named even if the copies fail
                 self.backup.at_finish(req, aligned, keys)
         except Exception as exc:  # noqa: BLE001
             self.counters["tier_errors"] += 1
@@ -447,9 +447,9 @@ class TierCoordinator:
         return out
 
     def check_invariants(self) -> None:
-        """L2 accounting, and every page the L1 tree holds has a registered key.  O(n)."""
+        """L2 accounting, and every page the L1 tree holds is named, as L2 counts it.  O(n)."""
         self.host.check_invariants()
-        self.backup.check_registered()
+        self.backup.check_names()
 
 
 _EMPTY = np.zeros(0, dtype=np.int32)

@@ -39,7 +39,7 @@ queued for an asynchronous L3 write.
    (tail window) or a checkpoint window are *anchored*; L2 evicts unanchored
    SWA first and L3 receives only anchored SWA (``l3_swa="anchored"``).  The
    window that ends a *hit* is a proven branch point: at ``begin`` it is
-   anchored in L1's registration and in L2 and queued for L3 if L3 lacks it
+   anchored in the L1 tree's names and in L2 and queued for L3 if L3 lacks it
    (otherwise a window first stored as plain, e.g. a shared system prompt
    that is no request's tail, would never reach L3 under write-through).
 
