@@ -156,8 +156,11 @@ class WindowSafeTree:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         return self.eviction.evict(full_pages, swa_pages, nbytes)
 
-    heap_limit = property(lambda self: self.eviction.heap_limit, doc="See :meth:`Eviction.heap_limit`.")
-    heap_sizes = property(lambda self: self.eviction.heap_sizes, doc="See :meth:`Eviction.heap_sizes`.")
+    def heap_limit(self) -> int:
+        return self.eviction.heap_limit()  # see Eviction.heap_limit
+
+    def heap_sizes(self) -> dict[str, int]:
+        return self.eviction.heap_sizes()  # see Eviction.heap_sizes
 
     def anchored(self, node: TreeNode) -> np.ndarray:
         """bool per page of ``node``: its SWA ends a likely hit (anchor count > 0).  O(pages)."""
@@ -376,9 +379,7 @@ class WindowSafeTree:
         if names is not None and (not isinstance(names, PageNames) or len(names.keys) != n):
             raise ValueError(f"names must be PageNames of {n} pages, got {names!r:.80}")
         self.root(namespace)  # validates the namespace
-        mark = -1
-        if prompt_len is not None:
-            mark = check_int(prompt_len, "prompt_len", 0) // size
+        mark = -1 if prompt_len is None else check_int(prompt_len, "prompt_len", 0) // size
         if n:
             # the tree frees what it takes without checks, so a page it is handed must be
             # allocated in its pool and listed once (else a later free corrupts the pool)
@@ -475,8 +476,7 @@ class WindowSafeTree:
         new_pages = n - pi
         was_leaf = not node.children
         leaf = TreeNode(node_array(key[pi * size:], owned), node_array(full[pi:], owned),
-                        node_array(swa[pi:], owned),
-                        node, pi * size, namespace, now,
+                        node_array(swa[pi:], owned), node, pi * size, namespace, now,
                         None if side is None else [node_array(s[pi:], owned) for s in side])
         if names is not None:
             leaf.page_keys, leaf.tier_anchor = names.keys[pi:n], names.anchored[pi:n].copy()

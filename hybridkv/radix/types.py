@@ -9,7 +9,7 @@ importing each other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -18,7 +18,8 @@ from ..modes import EvictionRanking, SwaEviction
 from ..spec import window_pages
 from .node import EMPTY, TreeNode
 
-__all__ = ["TreeConfig", "TreeEvent", "MatchResult", "LockHandle", "InsertResult", "PageNames", "FreedPages", "node_names", "join_names", "unnamed", "PagePool", "SideGroup",
+__all__ = ["TreeConfig", "TreeEvent", "MatchResult", "LockHandle", "InsertResult", "PageNames", "FreedPages",
+           "node_names", "join_names", "parent_keys", "unnamed", "PagePool", "SideGroup",
            "OneWindowPool", "pool_lacks", "RANKINGS", "SWA_EVICTIONS", "EMPTY", "EvictionRanking", "SwaEviction"]
 
 
@@ -242,7 +243,13 @@ class PageNames:
         """The names of pages ``idx`` (int indices into ``keys``), with their parents
         (the key before each; None at page 0).  O(len(idx))."""
         keys, at = self.keys, idx.tolist()
-        return PageNames([keys[i] for i in at], self.anchored[idx], [keys[i - 1] if i else None for i in at])
+        return PageNames([keys[i] for i in at], self.anchored[idx], parent_keys(keys, at))
+
+
+def parent_keys(keys: Sequence[bytes | None], pages: Iterable[int]) -> list[bytes | None]:
+    """Per page index of ``pages``, the key of the page before it in ``keys``
+    (``None`` for page 0): the parent L2's key tree links it to.  O(len(pages))."""
+    return [keys[i - 1] if i else None for i in pages]
 
 
 def node_names(node: TreeNode, keep: int = 0) -> PageNames | None:

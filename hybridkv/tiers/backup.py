@@ -112,23 +112,24 @@ class L2Backup:
             held.update(k for k in nd.page_keys if k is not None)
         assert held == Counter(self.host.l1_counts()), "L1 pages and L2's count of them differ"
 
-    def _path(self, req: Request, pages: int) -> Iterator[tuple[TreeNode, int, int]]:
-        """``(node, first page, pages)`` along the tree path of ``req``'s first
-        ``pages`` pages.  O(depth + pages)."""
+    def _path(self, req: Request, pages: int) -> Iterator[tuple[TreeNode, int, int, np.ndarray]]:
+        """``(node, first page, pages, held)`` along the tree path of ``req``'s first
+        ``pages`` pages; ``held``: bool per page, the node holds ``req``'s SWA page
+        there.  O(depth + pages)."""
         _, path = self.tree.walk(req.tokens, req.namespace, pages * self.tree.page_size)
         pos = 0
         for nd, k in path:
-            yield nd, pos, k
+            mine = req.swa_pages[pos:pos + k]
+            yield nd, pos, k, (nd.swa[:k] == mine) & (mine >= 0)
             pos += k
 
     def _held_marks(self, req: Request, pages: int) -> np.ndarray:
         """bool per page of ``[0, pages)``: the tree holds ``req``'s SWA page there and
         names it anchored.  O(depth + pages)."""
         out = np.zeros(pages, dtype=bool)
-        for nd, pos, k in self._path(req, pages):
+        for nd, pos, k, held in self._path(req, pages):
             if nd.tier_anchor is not None:
-                mine = req.swa_pages[pos:pos + k]
-                out[pos:pos + k] = nd.tier_anchor[:k] & (nd.swa[:k] == mine) & (mine >= 0)
+                out[pos:pos + k] = nd.tier_anchor[:k] & held
         return out
 
     def _anchored(self, idx: np.ndarray, end: int) -> np.ndarray:
@@ -145,11 +146,10 @@ class L2Backup:
         anchored class and queued for L3 if not known there.  O(window pages).
         """
         lo = max(0, h - self.window_pages)
-        for nd, pos, k in self._path(req, h):
+        for nd, pos, k, held in self._path(req, h):
             if nd.tier_anchor is not None and pos + k > lo:
                 a = max(lo - pos, 0)
-                mine = req.swa_pages[pos + a:pos + k]
-                nd.tier_anchor[a:k] |= (nd.swa[a:k] == mine) & (mine >= 0)
+                nd.tier_anchor[a:k] |= held[a:]
         swa_keys = [swa_key(k) for k in keys[lo:h]]
         pages = self.host.lookup_swa(swa_keys)
         have = pages >= 0

@@ -184,18 +184,11 @@ class HostTier:
     def _used(self, keys: Sequence[bytes]) -> None:
         """Held full ``keys`` are the most recently used, the last most; the leaves
         among them are filed.  O(n + leaves log n)."""
-        clock, stamp = self._clock, self._stamp
-        if not self._leaf_first:
-            for k in keys:
-                clock += 1
-                stamp[k] = clock
-            self._clock = clock
-            return
-        kids, heap = self._kids, self._leaves
+        clock, stamp, kids, heap, file = self._clock, self._stamp, self._kids, self._leaves, self._leaf_first
         for k in keys:
             clock += 1
             stamp[k] = clock
-            if not kids.get(k):
+            if file and not kids.get(k):
                 heapq.heappush(heap, (clock, k))
         self._clock = clock
         if len(heap) > 2 * len(self._full) + 64:  # stale entries: rebuild

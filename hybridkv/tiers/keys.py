@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
 from .._validate import check_int
+from ..radix.types import parent_keys  # the chain's parent links (PageNames uses it too)
 
 __all__ = ["KEY_BYTES", "KINDS", "page_keys", "parent_keys", "model_fingerprint", "key_hex"]
 
@@ -116,12 +117,6 @@ def page_keys(tokens: np.ndarray, page_size: int, *, namespace: str, fingerprint
         prev = h.digest()
         keys.append(prev)
     return keys
-
-
-def parent_keys(keys: Sequence[bytes], pages: Iterable[int]) -> list[bytes | None]:
-    """Per page index of ``pages``, the key of the page before it in ``keys``
-    (``None`` for page 0): the parent L2's key tree links it to.  O(len(pages))."""
-    return [keys[i - 1] if i else None for i in pages]
 
 
 def key_hex(key: bytes) -> str:
