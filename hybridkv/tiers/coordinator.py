@@ -41,12 +41,13 @@ from ..transfer import prepare_copy
 from .backup import L2Backup
 from .config import PageOrigin, TierConfig
 from .host import HostTier
+from .index import StoreIndex
 from .keys import page_keys
 from .manager import TierManager
 from .payload import PayloadCodec, RealPayload, ScaledPayload, swa_key
 from .reads import Landing, PrefetchHandle, ReadAhead, leading_true, window_safe
 from .storage import StorageBackend, open_backend
-from .writes import L3Keys, L3WriteQueue
+from .writes import L3WriteQueue
 
 if TYPE_CHECKING:
     from ..pools import DualPool
@@ -92,7 +93,9 @@ class TierCoordinator:
         tiers: the :class:`TierConfig`.
 
     Attributes: ``host`` (L2), ``l3`` (:class:`TierManager` or None),
-    ``backend``, ``codec``, ``counters`` (the tier counters), ``mutex``.
+    ``l3_record`` (what L3 holds as far as this cache knows, a
+    :class:`~hybridkv.tiers.index.StoreIndex`), ``backend``, ``codec``,
+    ``counters`` (the tier counters), ``mutex``.
     """
 
     def __init__(self, spec: ModelSpec, tree: WindowSafeTree, pool: DualPool, tiers: TierConfig) -> None:
@@ -118,10 +121,13 @@ class TierCoordinator:
         self._stream = (torch.cuda.Stream(device=pool.buffers.device)
                         if real and pool.buffers.device.type == "cuda" else None)
         self.counters = dict.fromkeys(_COUNTERS, 0)
-        self.l3_keys = L3Keys()
-        self.writes = L3WriteQueue(self.l3, self.codec, self.mutex, self.l3_keys, self.counters)
-        self.landing = Landing(self.host, self.codec, self.l3, self.l3_keys, self.counters)
-        self.reads = (ReadAhead(self.l3, self.mutex, spec.window_pages, self.writes, self.landing, self.counters)
+        # what L3 holds as far as this cache knows (the record the vLLM connector keeps
+        # too); the read-ahead probes the store only for keys it has no answer for
+        self.l3_record = StoreIndex(None)
+        self.writes = L3WriteQueue(self.l3, self.codec, self.mutex, self.l3_record, self.counters)
+        self.landing = Landing(self.host, self.codec, self.l3, self.l3_record, self.writes.predates, self.counters)
+        self.reads = (ReadAhead(self.l3, self.mutex, spec.window_pages, self.writes, self.landing,
+                                self.l3_record, self.counters)
                       if self.l3 is not None else None)
         # ``copy`` is looked up at each call, so a replaced ``self.copy`` (another backend,
         # an injected fault) serves the backup's copies too
@@ -444,6 +450,8 @@ class TierCoordinator:
         if self.l3 is not None:
             out.update(self.l3.stats())
             out.update({f"l3_backend_{k}": v for k, v in self.backend.stats().items()})
+            with self.mutex:
+                out.update({f"l3_record_{k}": v for k, v in self.l3_record.stats().items()})
         return out
 
     def check_invariants(self) -> None:

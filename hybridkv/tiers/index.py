@@ -1,5 +1,10 @@
 """What an L3 store holds, as far as one engine knows: the record lookups read.
 
+One record for every host: the core's tier coordinator (its read-ahead and
+its write queue, :mod:`hybridkv.tiers.reads`, :mod:`hybridkv.tiers.writes`)
+and the vLLM connector's scheduler side keep a :class:`StoreIndex` each, with
+the same defaults (:data:`STORE_KEYS_MAX`, :data:`ABSENT_TTL_S`).
+
 A lookup must not cost a round trip to the store for every page of every
 prompt.  :class:`StoreIndex` remembers, per chained page key
 (:mod:`hybridkv.tiers.keys`):
@@ -22,7 +27,10 @@ probed again, never answered wrongly.
 A hit is still clamped to what a load actually reads (the seed's rule): the
 index decides what is worth loading, the load decides what is served.
 
-Not thread-safe: its owner serialises calls (vLLM's scheduler thread).
+Not thread-safe: its owner serialises calls (vLLM's scheduler thread, the
+coordinator's lock).  A caller that must not probe under its lock takes the
+record's answers (:meth:`StoreIndex.answers`), probes the rest itself and
+hands the answers back (:meth:`StoreIndex.record`).
 """
 
 from __future__ import annotations
@@ -34,9 +42,11 @@ from enum import IntEnum
 
 import numpy as np
 
-__all__ = ["Known", "StoreIndex"]
+__all__ = ["ABSENT_TTL_S", "Known", "STORE_KEYS_MAX", "StoreIndex"]
 
 Probe = Callable[[list[bytes]], Sequence[bool]]
+STORE_KEYS_MAX = 1 << 20  # keys remembered as queued/stored, and as absent (~150 MB at most)
+ABSENT_TTL_S = 2.0  # an "absent" probe answer is trusted this long (another engine may write)
 
 
 class Known(IntEnum):
@@ -59,7 +69,7 @@ class StoreIndex:
         clock: monotonic seconds (tests pass their own).
     """
 
-    def __init__(self, probe: Probe | None, *, bound: int = 1 << 20, absent_ttl_s: float = 2.0,
+    def __init__(self, probe: Probe | None, *, bound: int = STORE_KEYS_MAX, absent_ttl_s: float = ABSENT_TTL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if probe is not None and not callable(probe):
             raise TypeError(f"probe must be callable or None, got {type(probe).__name__}")
@@ -131,24 +141,45 @@ class StoreIndex:
         until = self._absent.get(key)
         return False if until is not None and until >= now else None
 
+    def held(self, keys: Sequence[bytes]) -> np.ndarray:
+        """Bool per key: the record holds it as queued or stored (never probes, not
+        counted as an answer): what a writer need not store again.  O(n)."""
+        known = self._known
+        return np.fromiter((k in known for k in keys), dtype=bool, count=len(keys))
+
+    def answers(self, keys: Sequence[bytes]) -> tuple[np.ndarray, list[int]]:
+        """The record's answers: bool per key (False where it has none) and the
+        positions of the keys it has no answer for, which the caller may probe
+        itself (off its lock) and hand to :meth:`record`.  O(n)."""
+        now = self._clock()
+        out = np.zeros(len(keys), dtype=bool)
+        unknown: list[int] = []
+        for i, k in enumerate(keys):
+            known = self._answer(k, now)
+            if known is None:
+                unknown.append(i)
+            else:
+                out[i] = known
+        self.counters["answered_keys"] += len(keys) - len(unknown)
+        return out, unknown
+
+    def record(self, keys: Sequence[bytes], got: Sequence[bool]) -> None:
+        """Record one probe's answers (``got``, one per key): present keys as stored,
+        the others absent for the TTL.  O(n)."""
+        if len(got) != len(keys):
+            raise ValueError(f"got has {len(got)} answers for {len(keys)} keys")
+        self.counters["probes"] += 1
+        self.counters["probed_keys"] += len(keys)
+        self.stored([k for k, ok in zip(keys, got) if ok])
+        self._set_absent([k for k, ok in zip(keys, got) if not ok], self._clock() + self._ttl)
+
     def present(self, keys: Sequence[bytes], *, probe: bool = True) -> np.ndarray:
         """Bool per key: whether the store holds it (or will: queued).  Keys with no
         trusted answer are probed in one batched call when ``probe`` (else absent).
         O(n) plus one probe of the unknown keys."""
-        now = self._clock()
-        out = np.zeros(len(keys), dtype=bool)
-        ask: list[bytes] = []
-        at: list[int] = []
-        for i, k in enumerate(keys):
-            known = self._answer(k, now)
-            if known is None:
-                ask.append(k)
-                at.append(i)
-            else:
-                out[i] = known
-        self.counters["answered_keys"] += len(keys) - len(ask)
-        if ask and probe and self._probe is not None:
-            self._ask(ask, at, out, now)
+        out, at = self.answers(keys)
+        if at and probe and self._probe is not None:
+            self._ask([keys[i] for i in at], at, out)
         return out
 
     def leading(self, keys: Sequence[bytes], held: np.ndarray | None = None, *,
@@ -188,7 +219,7 @@ class StoreIndex:
             if ask:
                 got = np.zeros(len(ask), dtype=bool)
                 if self._probe is not None:
-                    self._ask(ask, list(range(len(ask))), got, now)
+                    self._ask(ask, list(range(len(ask))), got)
                 if not got.all():
                     return at[int(np.argmin(got))]
             if stop < n:
@@ -197,21 +228,21 @@ class StoreIndex:
             chunk *= grow
         return n
 
-    def _ask(self, ask: list[bytes], at: list[int], out: np.ndarray, now: float) -> None:
-        self.counters["probes"] += 1
-        self.counters["probed_keys"] += len(ask)
+    def _ask(self, ask: list[bytes], at: list[int], out: np.ndarray) -> None:
+        """Probe ``ask`` and record the answers into ``out[at]``; a probe that
+        raises or answers the wrong number of keys records nothing."""
         try:
-            got = list(self._probe(ask))  # type: ignore[misc]
+            got = [bool(x) for x in self._probe(ask)]  # type: ignore[misc]
         except Exception:  # noqa: BLE001 - a store that is down is a miss, not a failed lookup
+            got = None
+        if got is None or len(got) != len(ask):
+            self.counters["probes"] += 1
+            self.counters["probed_keys"] += len(ask)
             self.counters["probe_errors"] += 1
             return
-        if len(got) != len(ask):
-            self.counters["probe_errors"] += 1
-            return
-        self.stored([k for k, ok in zip(ask, got) if ok])
+        self.record(ask, got)
         for i, ok in zip(at, got):
-            out[i] = bool(ok)
-        self._set_absent([k for k, ok in zip(ask, got) if not ok], now + self._ttl)
+            out[i] = ok
 
     def due_touch(self, keys: Sequence[bytes], interval_s: float) -> list[bytes]:
         """Of ``keys``, those the store holds (or will) whose last touch is older than

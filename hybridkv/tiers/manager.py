@@ -263,7 +263,7 @@ class TierManager:
     def put_async(self, keys: Sequence[bytes], values: Sequence[Any] | None = None, *,
                   encode: Callable[[], Sequence[Any]] | None = None,
                   event_keys: Sequence[bytes] | None = None, swa: bool = False,
-                  done: Callable[[], None] | None = None) -> bool:
+                  done: Callable[[list[bytes]], None] | None = None) -> bool:
         """Queue a write; False (counted as dropped) if the queue is full or closed.
 
         Give ``values`` or ``encode``: a callable run on the write worker that
@@ -271,8 +271,9 @@ class TierManager:
         written, counted in ``l3_write_pages_gone``).  ``event_keys[i]``:
         full-KV page key of value i, announced to :attr:`listeners` as
         ``store`` (or ``swa_store`` when ``swa``) once the write succeeded.
-        ``done()`` runs on the write worker after the write was tried (also when
-        it failed or was dropped there), never when this returns False.
+        ``done(missed)`` runs on the write worker after the write was tried, with
+        the keys that were not stored (the put failed or raised, or ``encode``
+        gave None), never when this returns False.
         """
         if (values is None) == (encode is None):
             raise ValueError("give exactly one of values and encode")
@@ -294,13 +295,14 @@ class TierManager:
             self.counters["l3_writes_queued"] += n
 
         def job() -> None:
+            stored: set[bytes] = set()
             try:
-                write()
+                write(stored)
             finally:
                 if done is not None:
-                    done()
+                    done([k for k in keys if k not in stored])
 
-        def write() -> None:
+        def write(stored: set[bytes]) -> None:
             ks, ev, vs = keys, ev_keys, vals
             if vs is None:
                 got = list(encode())  # type: ignore[misc]
@@ -313,6 +315,7 @@ class TierManager:
                 if not ks:
                     return
             ok = self.backend.put(ks, vs)
+            stored.update(k for k, o in zip(ks, ok) if o)
             good = sum(bool(x) for x in ok)
             self.count("l3_write_pages_ok", good)
             self.count("l3_write_failed", len(ks) - good)

@@ -7,6 +7,12 @@ the hit from what L1/L2 hold plus what L3 has, reads only the pages of that
 plan, and gives them to :class:`Landing`, which decodes them into new L2
 pages and remembers them until a request is served from them (that page's
 origin is then L3, see :class:`~hybridkv.tiers.config.PageOrigin`).
+
+What L3 holds is asked of the coordinator's record first
+(:class:`~hybridkv.tiers.index.StoreIndex`, the one the vLLM connector keeps):
+the store's ``exists`` is called only for keys it has no answer for, off the
+coordinator's lock, and the answers are recorded.  A key the record holds but
+the store lost is a read that misses: clamped, and out of the record.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -27,8 +33,9 @@ from .config import PageOrigin
 from .host import HostTier
 from .keys import parent_keys
 from .manager import TierManager
+from .index import StoreIndex
 from .payload import PayloadCodec, swa_key
-from .writes import L3Keys, L3WriteQueue
+from .writes import L3WriteQueue
 
 __all__ = ["Landing", "PrefetchHandle", "ReadAhead", "leading_true", "window_safe"]
 
@@ -72,12 +79,13 @@ class Landing:
     served from yet (-> whether the data predates this cache).  Not
     thread-safe: the coordinator's mutex."""
 
-    def __init__(self, host: HostTier, codec: PayloadCodec, l3: TierManager, keys: L3Keys,
-                 counters: dict[str, int]) -> None:
+    def __init__(self, host: HostTier, codec: PayloadCodec, l3: TierManager, record: StoreIndex,
+                 predates: Callable[[bytes], bool], counters: dict[str, int]) -> None:
         self._host = host
         self._codec = codec
         self._l3 = l3
-        self._keys = keys
+        self._record = record
+        self._predates = predates
         self._counters = counters
         self._landed: OrderedDict[bytes, bool] = OrderedDict()
 
@@ -108,7 +116,7 @@ class Landing:
         if got is not None:  # a read that missed: L3 lost (evicted) or never finished those pages
             self._l3.lost([k for k, o in zip(full_keys, ok_full) if not o])
             self._l3.lost([keys[int(i)] for i in swa_idx[~ok_swa]], swa=True)
-            self._keys.forget(k for k, o in zip(full_keys + swa_keys, np.concatenate([ok_full, ok_swa])) if not o)
+            self._record.lost([k for k, o in zip(full_keys + swa_keys, np.concatenate([ok_full, ok_swa])) if not o])
 
     def _decode(self, keys: list[bytes], full_idx: np.ndarray, swa_idx: np.ndarray, full_keys: list[bytes],
                 swa_keys: list[bytes], values: list[Any], got: tuple[np.ndarray, np.ndarray]
@@ -130,10 +138,10 @@ class Landing:
                         [keys[int(i)] for i in swa_idx[ok_swa]])
         host.free(new_full[~ok_full], new_swa[~ok_swa])
         landed = [k for k, o in zip(full_keys, ok_full) if o]
-        self._keys.read(landed)
-        self._keys.read([k for k, o in zip(swa_keys, ok_swa) if o])
+        self._record.stored(landed)
+        self._record.stored([k for k, o in zip(swa_keys, ok_swa) if o])
         for k in landed:
-            self._landed[k] = self._keys.predates(k)
+            self._landed[k] = self._predates(k)
         while len(self._landed) > _LANDED_BOUND:
             self._landed.popitem(last=False)
         return ok_full, ok_swa
@@ -158,16 +166,18 @@ class ReadAhead:
         writes: the write queue (reads of keys queued but not yet put are served
             from it).
         landing: where read values go.
+        record: what L3 holds (the coordinator's; under the mutex).
         counters: the coordinator's counters (``tier_errors``).
     """
 
     def __init__(self, l3: TierManager, mutex: threading.RLock, window_pages: int, writes: L3WriteQueue,
-                 landing: Landing, counters: dict[str, int]) -> None:
+                 landing: Landing, record: StoreIndex, counters: dict[str, int]) -> None:
         self._l3 = l3
         self._mutex = mutex
         self._wp = window_pages
         self._writes = writes
         self._landing = landing
+        self._record = record
         self._counters = counters
         self._inflight: dict[bytes, Future] = {}  # L3 key -> fetch job loading it
 
@@ -228,9 +238,16 @@ class ReadAhead:
         asked = full_keys + swa_keys
         with self._mutex:  # values of queued writes not yet put (encoded when L2 freed their page)
             queued = self._writes.queued_values(asked)
-        ask = [k for k in asked if k not in queued]
-        got = dict(zip(ask, self._l3.backend_exists(ask)))
-        there = np.fromiter((k in queued or bool(got[k]) for k in asked), dtype=bool, count=len(asked))
+            ask = [k for k in asked if k not in queued]
+            held, unknown = self._record.answers(ask)
+        if unknown:  # only what the record cannot answer goes to the store, off the lock
+            probe = [ask[i] for i in unknown]
+            answers = self._l3.backend_exists(probe)
+            with self._mutex:
+                self._record.record(probe, answers)
+            held[unknown] = answers
+        found = dict(zip(ask, held.tolist()))
+        there = np.fromiter((k in queued or found[k] for k in asked), dtype=bool, count=len(asked))
         there_full, there_swa = there[:len(full_keys)], there[len(full_keys):]
         ok_full, ok_swa = have_full.copy(), have_swa.copy()
         ok_full[want_full[there_full]] = True

@@ -4,10 +4,12 @@ A page entering L2 is queued for an asynchronous L3 write (:class:`L3WriteQueue`
 Its value is encoded on the L3 write worker from the L2 page, or earlier,
 when L2 is about to free that page (the queue listens to L2's
 ``free_listeners``).  Until the put ran, reads of the key are served from the
-queued value (read-your-writes: reads do not queue behind writes).
-:class:`L3Keys` remembers which keys L3 holds (written or read here), so a
-key is written once, and which keys this cache queued itself, so a hit on
-data older than this cache can be told apart.
+queued value (read-your-writes: reads do not queue behind writes).  What L3
+holds is the coordinator's :class:`~hybridkv.tiers.index.StoreIndex` (the
+record the vLLM connector keeps too): a key it holds is not written again, a
+queued key enters it, a put that failed leaves it.  The queue also remembers
+which keys this cache queued itself, so a hit on data older than this cache
+can be told apart (:meth:`L3WriteQueue.predates`).
 """
 
 from __future__ import annotations
@@ -18,52 +20,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..spec import AttnKind
+from .index import StoreIndex
 from .manager import TierManager
 from .payload import PayloadCodec
 
-__all__ = ["L3Keys", "L3WriteQueue"]
+__all__ = ["L3WriteQueue"]
 
-_KEYS_BOUND = 4_000_000  # entries of each key set before it is cleared
-
-
-class L3Keys:
-    """Keys known to be in L3 (written or read by this cache) and keys this
-    cache queued itself.  Both sets are bounded: past the bound ``known`` is
-    cleared (only redundant writes result) and ``mine`` stops (then no data
-    counts as older than this cache).  Not thread-safe: the coordinator's mutex."""
-
-    def __init__(self) -> None:
-        self.known: set[bytes] = set()
-        self._mine: set[bytes] = set()
-        self._mine_overflow = False
-
-    def unknown(self, keys: Sequence[bytes]) -> np.ndarray:
-        """Bool mask: which ``keys`` are not known in L3.  O(len(keys))."""
-        known = self.known
-        return np.fromiter((k not in known for k in keys), bool, count=len(keys))
-
-    def wrote(self, keys: list[bytes]) -> None:
-        """``keys`` were queued for L3 by this cache.  O(len(keys))."""
-        self.known.update(keys)
-        if not self._mine_overflow:
-            self._mine.update(keys)
-            if len(self._mine) > _KEYS_BOUND:
-                self._mine.clear()
-                self._mine_overflow = True
-        if len(self.known) > _KEYS_BOUND:
-            self.known.clear()
-
-    def read(self, keys: Sequence[bytes]) -> None:
-        """``keys`` were read from L3.  O(len(keys))."""
-        self.known.update(keys)
-
-    def forget(self, keys: Sequence[bytes]) -> None:
-        """L3 turned out not to hold ``keys``.  O(len(keys))."""
-        self.known.difference_update(keys)
-
-    def predates(self, key: bytes) -> bool:
-        """Whether L3's value of ``key`` was written before this cache existed.  O(1)."""
-        return not self._mine_overflow and key not in self._mine
+_MINE_BOUND = 4_000_000  # keys queued here remembered; past it no hit counts as older data
 
 
 class _PendingWrite:
@@ -84,23 +47,26 @@ class L3WriteQueue:
         l3: the L3 manager (None: no L3, :meth:`queue` does nothing).
         codec: encodes L2 pages into L3 values.
         mutex: the coordinator's lock (the write worker takes it to encode).
-        keys: the coordinator's :class:`L3Keys`.
+        record: what L3 holds (the coordinator's; under its mutex).
         counters: the coordinator's counters (``bytes_l3_written``).
     """
 
-    def __init__(self, l3: TierManager | None, codec: PayloadCodec, mutex: threading.RLock, keys: L3Keys,
+    def __init__(self, l3: TierManager | None, codec: PayloadCodec, mutex: threading.RLock, record: StoreIndex,
                  counters: dict[str, int]) -> None:
         self._l3 = l3
         self._codec = codec
         self._mutex = mutex
-        self._keys = keys
+        self._record = record
         self._counters = counters
+        self._mine: set[bytes] = set()  # keys this cache queued (bounded, see predates)
+        self._mine_overflow = False
         self._by_page: dict[tuple[AttnKind, int], tuple[_PendingWrite, int]] = {}  # L2 page -> queued value
         self._unwritten: dict[bytes, tuple[_PendingWrite, int]] = {}  # L3 key -> queued value not yet put
 
     def queue(self, kind: AttnKind, keys: list[bytes], host_pages: np.ndarray,
               sel: np.ndarray | None = None, base: list[bytes] | None = None) -> None:
-        """Queue the L3 write of L2 pages ``host_pages`` (where ``sel``) not known in L3.
+        """Queue the L3 write of L2 pages ``host_pages`` (where ``sel``) the record
+        does not hold.
 
         ``keys``: storage keys (SWA keys for SWA); ``base``: their full-KV keys,
         named in the L3 tier events of SWA writes.  Under the mutex.  O(len(keys)).
@@ -109,7 +75,7 @@ class L3WriteQueue:
             return
         n = len(keys)
         sel = np.ones(n, bool) if sel is None else np.asarray(sel, bool).copy()
-        sel &= self._keys.unknown(keys)
+        sel &= ~self._record.held(keys)
         if not sel.any():
             return
         write_keys = [k for k, s in zip(keys, sel) if s]
@@ -123,12 +89,15 @@ class L3WriteQueue:
                 self.encode([(pending, i) for i in range(len(write_keys)) if pending.values[i] is None])
             return pending.values
 
-        def written() -> None:
-            """On the write worker, after the put: reads go to L3 for these keys again."""
+        def written(missed: list[bytes]) -> None:
+            """On the write worker, after the put: reads go to L3 for these keys again;
+            those not stored (the put failed, the page was gone) leave the record."""
             with self._mutex:
                 for i, k in enumerate(write_keys):
                     if self._unwritten.get(k) == (pending, i):
                         del self._unwritten[k]
+                if missed:
+                    self._record.lost(missed)
 
         if self._l3.put_async(write_keys, encode=encode, event_keys=event_keys, swa=kind is AttnKind.SWA,
                               done=written):
@@ -136,8 +105,21 @@ class L3WriteQueue:
                 self._by_page[(kind, p)] = (pending, i)
             for i, k in enumerate(write_keys):
                 self._unwritten[k] = (pending, i)
-            self._keys.wrote(write_keys)
+            self._record.queued(write_keys)
+            self._wrote_here(write_keys)
             self._counters["bytes_l3_written"] += len(write_keys) * self._codec.nominal_bytes(kind)
+
+    def _wrote_here(self, keys: list[bytes]) -> None:
+        if not self._mine_overflow:
+            self._mine.update(keys)
+            if len(self._mine) > _MINE_BOUND:
+                self._mine.clear()
+                self._mine_overflow = True
+
+    def predates(self, key: bytes) -> bool:
+        """Whether L3's value of ``key`` was written before this cache existed (not
+        queued here; False for every key once more than the bound were).  O(1)."""
+        return not self._mine_overflow and key not in self._mine
 
     def encode(self, items: list[tuple[_PendingWrite, int]]) -> None:
         """Encode queued values ``(write, index)`` from their L2 pages now (under the

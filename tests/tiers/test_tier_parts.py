@@ -13,7 +13,8 @@ from hybridkv.tiers.config import PageOrigin
 from hybridkv.tiers.coordinator import TierCoordinator
 from hybridkv.tiers.reads import Landing, leading_true, window_safe
 from hybridkv.tiers.tiered import TierConfig, TieredCache
-from hybridkv.tiers.writes import L3Keys
+from hybridkv.tiers.index import StoreIndex
+from hybridkv.tiers.writes import L3WriteQueue
 
 SPEC = ModelSpec("tiny-parts", ("full", "swa", "swa"), 8, KVShape(1, 4, 4), KVShape(2, 4, 4),
                  dtype="float32", page_size=4)
@@ -51,19 +52,37 @@ def test_a_plain_cache_has_no_lower_tiers_and_a_tiered_one_composes_them():
         cache.close()
 
 
-def test_l3_keys_bound_and_attribution():
-    keys = L3Keys()
-    assert keys.unknown([b"a", b"b"]).tolist() == [True, True]
-    keys.wrote([b"a"])
-    keys.read([b"b"])
-    assert keys.unknown([b"a", b"b", b"c"]).tolist() == [False, False, True]
-    assert not keys.predates(b"a") and keys.predates(b"b")
-    keys.forget([b"a"])
-    assert keys.unknown([b"a"]).tolist() == [True]
+class _Puts:
+    """A TierManager stand-in: takes every write, runs nothing."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[list[bytes], object]] = []
+
+    def put_async(self, keys, *, encode, event_keys, swa, done) -> bool:  # noqa: ANN001
+        self.jobs.append((list(keys), done))
+        return True
+
+
+def test_write_queue_writes_what_the_record_lacks_and_tells_it_about_failed_puts():
+    import threading
+
+    from hybridkv.spec import AttnKind
+    from hybridkv.tiers.payload import ScaledPayload
+
+    record, puts = StoreIndex(None), _Puts()
+    q = L3WriteQueue(puts, ScaledPayload(SPEC), threading.RLock(), record, {"bytes_l3_written": 0})
+    record.stored([b"b"])  # read back earlier: not written again
+    q.queue(AttnKind.FULL, [b"a", b"b", b"c"], np.array([0, 1, 2]))
+    assert puts.jobs[0][0] == [b"a", b"c"] and record.held([b"a", b"b", b"c", b"d"]).tolist() == [1, 1, 1, 0]
+    assert not q.predates(b"a") and q.predates(b"b")  # queued here / older than this cache
+    puts.jobs[0][1]([b"c"])  # the put of c failed: out of the record, so written again later
+    assert record.held([b"a", b"c"]).tolist() == [True, False]
+    q.queue(AttnKind.FULL, [b"a", b"c"], np.array([0, 2]))
+    assert puts.jobs[1][0] == [b"c"]
 
 
 def test_landing_marks_the_first_serve_only():
-    landing = Landing(host=None, codec=None, l3=None, keys=L3Keys(), counters={})
+    landing = Landing(host=None, codec=None, l3=None, record=StoreIndex(None), predates=lambda k: False, counters={})
     landing._landed[b"k1"] = False  # landed from data this cache wrote
     landing._landed[b"k2"] = True   # landed from data older than this cache
     origin = np.array([PageOrigin.L2, PageOrigin.L2, PageOrigin.L1], dtype=np.int8)

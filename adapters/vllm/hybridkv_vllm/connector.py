@@ -98,8 +98,6 @@ if TYPE_CHECKING:
 
 __all__ = ["HybridKVConnector", "HybridKVMetadata", "PageJob"]
 
-STORE_KEYS_MAX = 1 << 20  # keys the scheduler's store index remembers (~150 MB at most)
-ABSENT_TTL_S = 2.0  # an "absent" probe answer is trusted this long (another engine may write)
 TOUCH_INTERVAL_S = 30.0  # a hit's store keys are touched at most this often
 SHUTDOWN_DRAIN_S = 3.0  # vLLM SIGKILLs an engine process ~5 s after SIGTERM
 LOAD_WAIT_S = 30.0  # a load waits at most this long for a queued save of its pages
@@ -159,7 +157,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # which full pages vLLM's device cache holds, for L2's eviction (hooked when bound)
         self._l1 = L1View(l2) if l2 is not None and self.cfg.l1_copies_first else None
         self._tiers = TierView(self.groups, l2, l3_source(self.cfg.l3_url),
-                               StoreIndex(self.backend.exists, bound=STORE_KEYS_MAX, absent_ttl_s=ABSENT_TTL_S))
+                               StoreIndex(self.backend.exists))
         # worker side
         self._saves_report = WorkerSaves()
         self._buffers: dict[int, GroupBuffers] = {}

@@ -1,0 +1,157 @@
+"""The core's L3 record is the StoreIndex the vLLM connector keeps (one record of
+L3 for every host): the read-ahead asks the store only what the record cannot
+answer, a failed put leaves the record, a key the store lost is a clamped miss
+that leaves it too, so both are written again.  Checked with a real file backend and the reference model
+(every hit's tokens verified)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .faulty import FaultyBackend
+from hybridkv import CacheConfig
+from hybridkv.eval.model.reference import ReferenceModel, tiny_spec
+from hybridkv.eval.model.verify import verify_requests
+from hybridkv.tiers.index import StoreIndex
+from hybridkv.tiers.payload import swa_key
+from hybridkv.tiers.storage import open_backend
+from hybridkv.tiers.tiered import TierConfig, TieredCache
+
+torch.set_num_threads(1)
+SPEC = tiny_spec()
+MODEL = ReferenceModel(SPEC, seed=0)
+FPB, SPB = SPEC.bytes_per_page("full"), SPEC.bytes_per_page("swa")
+
+
+class Probed(FaultyBackend):
+    """A file backend that remembers every key ``exists`` was asked about."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.asked: list[bytes] = []
+        self._keys_lock = threading.Lock()
+
+    def exists(self, keys):  # noqa: ANN001, ANN201
+        with self._keys_lock:
+            self.asked += list(keys)
+        return super().exists(keys)
+
+
+def tiered(l3: Any) -> TieredCache:
+    return TieredCache(SPEC, CacheConfig(budget_bytes=60 * (FPB + SPB), device="cpu"),
+                       tiers=TierConfig(l2_bytes=200 * (FPB + SPB), l3=l3))
+
+
+def prompts(n: int, seed: int, length: int = 41) -> list[tuple[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [("default", rng.integers(0, 64, length).astype(np.int32)) for _ in range(n)]
+
+
+def run(cache: TieredCache, ps: list) -> dict[str, Any]:
+    out = verify_requests(ps, cache, MODEL, decode_tokens=0)
+    assert out["mismatched_requests"] == 0, out
+    cache.check_invariants()
+    return out
+
+
+def drop_l1_and_l2(cache: TieredCache) -> None:
+    cache.tree.evict(full_pages=cache.tree.evictable_full_pages(), swa_pages=cache.tree.evictable_swa_pages())
+    cache.clear_l2()
+
+
+def keys_of(cache: TieredCache, ps: list) -> list[bytes]:
+    co = cache.lower_tiers
+    return [k for ns, t in ps for k in co.page_keys(t, ns, (len(t) - 1) // SPEC.page_size)]
+
+
+def test_a_cache_reads_its_own_l3_pages_back_without_asking_the_store_about_them(tmp_path: Path):
+    store = Probed(open_backend(f"file://{tmp_path / 'l3'}"))
+    cache = tiered(store)
+    try:
+        ps = prompts(3, seed=21)
+        run(cache, ps)
+        assert cache.flush(10)
+        written = keys_of(cache, ps)
+        record = cache.lower_tiers.l3_record
+        assert record.held(written).all()  # queued here, so known without a probe
+        drop_l1_and_l2(cache)
+        store.asked.clear()
+        out = run(cache, ps)  # everything comes back from L3, verified token by token
+        st = cache.stats()
+        assert out["hit_tokens"] == 3 * 40 and st["l3_hit_tokens"] == 3 * 40, (out, st)
+        # the store was asked only about keys the record had no answer for: no full
+        # page this cache wrote, and only SWA keys it never wrote (windows it kept)
+        assert not set(store.asked) & set(written), len(store.asked)
+        assert not set(store.asked) & {swa_key(k) for k in written if record.held([swa_key(k)])[0]}
+        assert st["l3_record_answered_keys"] >= len(written), st
+    finally:
+        cache.close()
+
+
+def test_a_failed_put_leaves_the_record_so_the_page_is_written_again(tmp_path: Path):
+    store = FaultyBackend(open_backend(f"file://{tmp_path / 'l3'}"))
+    store.fail.add("put")
+    cache = tiered(store)
+    try:
+        ps = prompts(2, seed=22)
+        run(cache, ps)
+        assert cache.flush(10)
+        written = keys_of(cache, ps)
+        record = cache.lower_tiers.l3_record
+        assert not record.held(written).any()  # the puts raised: nothing counts as stored
+        assert cache.stats()["l3_record_lost_keys"] >= len(written)
+        store.fail.clear()
+        drop_l1_and_l2(cache)
+        run(cache, ps)  # recomputed, backed up again: this time L3 takes the pages
+        assert cache.flush(10)
+        assert record.held(written).all() and all(store.inner.exists(written))
+        drop_l1_and_l2(cache)
+        out = run(cache, ps)
+        assert out["hit_tokens"] == 2 * 40 and cache.stats()["l3_hit_tokens"] == 2 * 40
+    finally:
+        cache.close()
+
+
+def test_a_page_the_store_lost_is_a_clamped_miss_and_written_again(tmp_path: Path):
+    store = Probed(open_backend(f"file://{tmp_path / 'l3'}"))
+    cache = tiered(store)
+    try:
+        ps = prompts(1, seed=23)
+        run(cache, ps)
+        assert cache.flush(10)
+        written = keys_of(cache, ps)
+        drop_l1_and_l2(cache)
+        store.inner.delete(written[5:6])  # the store evicts a page behind this cache's back
+        out = run(cache, ps)  # the record still holds it: the read misses there, the hit stops there
+        st = cache.stats()
+        assert out["hit_tokens"] <= 5 * SPEC.page_size and st["l3_clamped_pages"] >= 1, (out, st)
+        assert st["l3_record_lost_keys"] >= 1
+        # out of the record, so the recomputed page was written again (not skipped as known)
+        assert cache.flush(10) and store.inner.exists(written[5:6]) == [True]
+    finally:
+        cache.close()
+
+
+def test_the_record_answers_and_records_a_callers_own_probe():
+    idx = StoreIndex(None, absent_ttl_s=2.0, clock=lambda: 0.0)
+    idx.queued([b"a"])
+    held, unknown = idx.answers([b"a", b"b", b"c"])
+    assert held.tolist() == [True, False, False] and unknown == [1, 2]
+    idx.record([b"b", b"c"], [True, False])
+    held, unknown = idx.answers([b"a", b"b", b"c"])
+    assert held.tolist() == [True, True, False] and unknown == []  # c: absent within the TTL
+    st = idx.stats()
+    assert (st["probes"], st["probed_keys"], st["answered_keys"]) == (1, 2, 4)
+    assert idx.held([b"a", b"b", b"c"]).tolist() == [True, True, False]
+    try:
+        idx.record([b"d"], [])
+    except ValueError as exc:
+        assert "got" in str(exc)
+    else:
+        raise AssertionError("a short answer list must be a ValueError")
+    assert idx.held([b"d"]).tolist() == [False] and idx.stats()["probes"] == 1
