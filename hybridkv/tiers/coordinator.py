@@ -123,10 +123,10 @@ class TierCoordinator:
         self.counters = dict.fromkeys(_COUNTERS, 0)
         # what L3 holds as far as this cache knows (the record the vLLM connector keeps
         # too); the read-ahead probes the store only for keys it has no answer for
-        self.l3_record = StoreIndex(None)
+        self.l3_record = StoreIndex(self.l3.backend_exists if self.l3 is not None else None)
         self.writes = L3WriteQueue(self.l3, self.codec, self.mutex, self.l3_record, self.counters)
         self.landing = Landing(self.host, self.codec, self.l3, self.l3_record, self.writes.predates, self.counters)
-        self.reads = (ReadAhead(self.l3, self.mutex, spec.window_pages, self.writes, self.landing,
+        self.reads = (ReadAhead(self.l3, self.mutex, self.page_size, spec.window_pages, self.writes, self.landing,
                                 self.l3_record, self.counters)
                       if self.l3 is not None else None)
         # ``copy`` is looked up at each call, so a replaced ``self.copy`` (another backend,
@@ -450,8 +450,7 @@ class TierCoordinator:
         if self.l3 is not None:
             out.update(self.l3.stats())
             out.update({f"l3_backend_{k}": v for k, v in self.backend.stats().items()})
-            with self.mutex:
-                out.update({f"l3_record_{k}": v for k, v in self.l3_record.stats().items()})
+            out.update({f"l3_record_{k}": v for k, v in self.l3_record.stats().items()})
         return out
 
     def check_invariants(self) -> None:

@@ -27,14 +27,13 @@ probed again, never answered wrongly.
 A hit is still clamped to what a load actually reads (the seed's rule): the
 index decides what is worth loading, the load decides what is served.
 
-Not thread-safe: its owner serialises calls (vLLM's scheduler thread, the
-coordinator's lock).  A caller that must not probe under its lock takes the
-record's answers (:meth:`StoreIndex.answers`), probes the rest itself and
-hands the answers back (:meth:`StoreIndex.record`).
+Thread-safe: one lock guards the tables, never held across a probe (the core's
+read worker looks up while the engine thread records its writes).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -85,13 +84,15 @@ class StoreIndex:
         self._absent: OrderedDict[bytes, float] = OrderedDict()  # key -> trusted until
         self._touched: OrderedDict[bytes, float] = OrderedDict()  # key -> last touch asked
         self.counters = {"probes": 0, "probed_keys": 0, "probe_errors": 0, "answered_keys": 0, "lost_keys": 0}
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._known)
 
     def state(self, key: bytes) -> Known | None:
         """The record of ``key`` (``None``: unknown or absent).  O(1)."""
-        return self._known.get(key)
+        with self._lock:
+            return self._known.get(key)
 
     def _remember(self, keys: Sequence[bytes], state: Known) -> None:
         known, absent = self._known, self._absent
@@ -119,19 +120,23 @@ class StoreIndex:
 
     def queued(self, keys: Sequence[bytes]) -> None:
         """This engine handed ``keys`` to a writer: they count as present.  O(n)."""
-        self._remember(keys, Known.QUEUED)
+        with self._lock:
+            self._remember(keys, Known.QUEUED)
 
     def stored(self, keys: Sequence[bytes]) -> None:
         """``keys`` are in the store (read back intact, or a writer confirmed).  O(n)."""
-        self._remember(keys, Known.STORED)
+        with self._lock:
+            self._remember(keys, Known.STORED)
 
     def lost(self, keys: Sequence[bytes]) -> None:
         """A read found ``keys`` missing or corrupt (or their write was dropped):
         absent until stored again.  O(n)."""
-        for k in keys:
-            if self._known.pop(k, None) is not None:
-                self.counters["lost_keys"] += 1
-        self._set_absent(keys, self._clock() + self._ttl)
+        keys = list(keys)
+        with self._lock:
+            for k in keys:
+                if self._known.pop(k, None) is not None:
+                    self.counters["lost_keys"] += 1
+            self._set_absent(keys, self._clock() + self._ttl)
 
     def _answer(self, key: bytes, now: float) -> bool | None:
         """The record's answer for ``key`` at ``now``: True (stored or queued), False
@@ -144,40 +149,39 @@ class StoreIndex:
     def held(self, keys: Sequence[bytes]) -> np.ndarray:
         """Bool per key: the record holds it as queued or stored (never probes, not
         counted as an answer): what a writer need not store again.  O(n)."""
-        known = self._known
-        return np.fromiter((k in known for k in keys), dtype=bool, count=len(keys))
-
-    def answers(self, keys: Sequence[bytes]) -> tuple[np.ndarray, list[int]]:
-        """The record's answers: bool per key (False where it has none) and the
-        positions of the keys it has no answer for, which the caller may probe
-        itself (off its lock) and hand to :meth:`record`.  O(n)."""
-        now = self._clock()
-        out = np.zeros(len(keys), dtype=bool)
-        unknown: list[int] = []
-        for i, k in enumerate(keys):
-            known = self._answer(k, now)
-            if known is None:
-                unknown.append(i)
-            else:
-                out[i] = known
-        self.counters["answered_keys"] += len(keys) - len(unknown)
-        return out, unknown
+        with self._lock:
+            known = self._known
+            return np.fromiter((k in known for k in keys), dtype=bool, count=len(keys))
 
     def record(self, keys: Sequence[bytes], got: Sequence[bool]) -> None:
-        """Record one probe's answers (``got``, one per key): present keys as stored,
-        the others absent for the TTL.  O(n)."""
+        """Record one probe's answers (``got``, one per key) made by the caller:
+        present keys as stored, the others absent for the TTL.  O(n)."""
         if len(got) != len(keys):
             raise ValueError(f"got has {len(got)} answers for {len(keys)} keys")
+        with self._lock:
+            self._record(keys, [bool(x) for x in got])
+
+    def _record(self, keys: Sequence[bytes], got: list[bool]) -> None:
         self.counters["probes"] += 1
         self.counters["probed_keys"] += len(keys)
-        self.stored([k for k, ok in zip(keys, got) if ok])
+        self._remember([k for k, ok in zip(keys, got) if ok], Known.STORED)
         self._set_absent([k for k, ok in zip(keys, got) if not ok], self._clock() + self._ttl)
 
     def present(self, keys: Sequence[bytes], *, probe: bool = True) -> np.ndarray:
         """Bool per key: whether the store holds it (or will: queued).  Keys with no
         trusted answer are probed in one batched call when ``probe`` (else absent).
         O(n) plus one probe of the unknown keys."""
-        out, at = self.answers(keys)
+        out = np.zeros(len(keys), dtype=bool)
+        at: list[int] = []
+        with self._lock:
+            now = self._clock()
+            for i, k in enumerate(keys):
+                known = self._answer(k, now)
+                if known is None:
+                    at.append(i)
+                else:
+                    out[i] = known
+            self.counters["answered_keys"] += len(keys) - len(at)
         if at and probe and self._probe is not None:
             self._ask([keys[i] for i in at], at, out)
         return out
@@ -198,24 +202,25 @@ class StoreIndex:
         if held is not None and len(held) != len(keys):
             raise ValueError(f"held must have one flag per key ({len(keys)}), got {len(held)}")
         n, i, chunk = len(keys), 0, first
-        now = self._clock()
         while i < n:
             ask: list[bytes] = []
             at: list[int] = []
             stop = n  # a key known absent ends the run
             j = i
-            while j < n and len(ask) < chunk:
-                if held is None or not held[j]:
-                    known = self._answer(keys[j], now)
-                    if known is None:
-                        ask.append(keys[j])
-                        at.append(j)
-                    else:
-                        self.counters["answered_keys"] += 1
-                        if not known:
-                            stop = j
-                            break
-                j += 1
+            with self._lock:
+                now = self._clock()
+                while j < n and len(ask) < chunk:
+                    if held is None or not held[j]:
+                        known = self._answer(keys[j], now)
+                        if known is None:
+                            ask.append(keys[j])
+                            at.append(j)
+                        else:
+                            self.counters["answered_keys"] += 1
+                            if not known:
+                                stop = j
+                                break
+                    j += 1
             if ask:
                 got = np.zeros(len(ask), dtype=bool)
                 if self._probe is not None:
@@ -229,18 +234,19 @@ class StoreIndex:
         return n
 
     def _ask(self, ask: list[bytes], at: list[int], out: np.ndarray) -> None:
-        """Probe ``ask`` and record the answers into ``out[at]``; a probe that
-        raises or answers the wrong number of keys records nothing."""
+        """Probe ``ask`` (outside the lock) and record the answers into ``out[at]``;
+        a probe that raises or answers the wrong number of keys records nothing."""
         try:
             got = [bool(x) for x in self._probe(ask)]  # type: ignore[misc]
         except Exception:  # noqa: BLE001 - a store that is down is a miss, not a failed lookup
             got = None
-        if got is None or len(got) != len(ask):
-            self.counters["probes"] += 1
-            self.counters["probed_keys"] += len(ask)
-            self.counters["probe_errors"] += 1
-            return
-        self.record(ask, got)
+        with self._lock:
+            if got is None or len(got) != len(ask):
+                self.counters["probes"] += 1
+                self.counters["probed_keys"] += len(ask)
+                self.counters["probe_errors"] += 1
+                return
+            self._record(ask, got)
         for i, ok in zip(at, got):
             out[i] = ok
 
@@ -249,21 +255,23 @@ class StoreIndex:
         ``interval_s``; they count as touched now.  A hot prefix served from a faster
         tier keeps its store entries alive this way (the seed's repair case 3)
         without a touch per lookup.  O(n)."""
-        now = self._clock()
         out = []
-        touched = self._touched
-        for k in keys:
-            if k not in self._known:
-                continue
-            last = touched.get(k)
-            if last is not None and now - last < interval_s:
-                continue
-            touched[k] = now
-            touched.move_to_end(k)
-            out.append(k)
-        self._trim(touched)
+        with self._lock:
+            now = self._clock()
+            touched = self._touched
+            for k in keys:
+                if k not in self._known:
+                    continue
+                last = touched.get(k)
+                if last is not None and now - last < interval_s:
+                    continue
+                touched[k] = now
+                touched.move_to_end(k)
+                out.append(k)
+            self._trim(touched)
         return out
 
     def stats(self) -> dict[str, int]:
         """Counters plus the record's sizes."""
-        return {**self.counters, "known_keys": len(self._known), "absent_keys": len(self._absent)}
+        with self._lock:
+            return {**self.counters, "known_keys": len(self._known), "absent_keys": len(self._absent)}

@@ -34,6 +34,7 @@ from .host import HostTier
 from .keys import parent_keys
 from .manager import TierManager
 from .index import StoreIndex
+from .lookup import GroupInfo, stored_hit
 from .payload import PayloadCodec, swa_key
 from .writes import L3WriteQueue
 
@@ -162,19 +163,24 @@ class ReadAhead:
     Args:
         l3: the L3 manager.
         mutex: the coordinator's lock (jobs land pages under it).
+        page_size: tokens per page.
         window_pages: the model's SWA window in pages.
         writes: the write queue (reads of keys queued but not yet put are served
             from it).
         landing: where read values go.
-        record: what L3 holds (the coordinator's; under the mutex).
+        record: what L3 holds (the coordinator's, probing the store's ``exists``).
         counters: the coordinator's counters (``tier_errors``).
     """
 
-    def __init__(self, l3: TierManager, mutex: threading.RLock, window_pages: int, writes: L3WriteQueue,
-                 landing: Landing, record: StoreIndex, counters: dict[str, int]) -> None:
+    def __init__(self, l3: TierManager, mutex: threading.RLock, page_size: int, window_pages: int,
+                 writes: L3WriteQueue, landing: Landing, record: StoreIndex, counters: dict[str, int]) -> None:
         self._l3 = l3
         self._mutex = mutex
+        self._page_size = page_size
         self._wp = window_pages
+        # the tiers' two groups: full KV, and SWA pages holding every sliding group's window
+        self._groups = (GroupInfo(0, None, block_size=page_size),
+                        GroupInfo(1, window_pages * page_size, block_size=page_size))
         self._writes = writes
         self._landing = landing
         self._record = record
@@ -232,30 +238,27 @@ class ReadAhead:
 
     def _fetch(self, keys: list[bytes], have_full: np.ndarray, have_swa: np.ndarray, want_full: np.ndarray,
                want_swa: np.ndarray, full_keys: list[bytes], swa_keys: list[bytes]) -> None:
-        """On the L3 read worker: which wanted pages L3 holds, plan the hit, read the
-        pages of the plan, land them in L2 (under the mutex)."""
-        wp = self._wp
-        asked = full_keys + swa_keys
+        """On the L3 read worker: plan the hit over what L1/L2 hold, queued writes and
+        L3 (:func:`~hybridkv.tiers.lookup.stored_hit`: the record first, the store
+        asked only what the answer needs, off the lock), read the pages of the
+        plan, land them in L2 (under the mutex)."""
+        wp, P, n = self._wp, self._page_size, len(keys)
         with self._mutex:  # values of queued writes not yet put (encoded when L2 freed their page)
-            queued = self._writes.queued_values(asked)
-            ask = [k for k in asked if k not in queued]
-            held, unknown = self._record.answers(ask)
-        if unknown:  # only what the record cannot answer goes to the store, off the lock
-            probe = [ask[i] for i in unknown]
-            answers = self._l3.backend_exists(probe)
-            with self._mutex:
-                self._record.record(probe, answers)
-            held[unknown] = answers
-        found = dict(zip(ask, held.tolist()))
-        there = np.fromiter((k in queued or found[k] for k in asked), dtype=bool, count=len(asked))
-        there_full, there_swa = there[:len(full_keys)], there[len(full_keys):]
-        ok_full, ok_swa = have_full.copy(), have_swa.copy()
-        ok_full[want_full[there_full]] = True
-        ok_swa[want_swa[there_swa]] = True
-        hit = window_safe(ok_swa[:leading_true(ok_full)], wp)
+            queued = self._writes.queued_values(full_keys + swa_keys)
+        held_full, held_swa = have_full.copy(), have_swa.copy()
+        held_full[want_full] = [k in queued for k in full_keys]
+        held_swa[want_swa] = [k in queued for k in swa_keys]
+        named_swa: list[bytes | None] = [None] * n  # SWA keys of the pages L1/L2 lack
+        for i, k in zip(want_swa.tolist(), swa_keys):
+            named_swa[i] = k
+        hit, _ = stored_hit(self._groups, {0: keys, 1: named_swa},
+                            lambda g, lo, hi: (held_swa if g.is_swa else held_full)[lo:hi],
+                            self._record, 0, n * P, P)
+        hit //= P
         lo = max(0, hit - wp)
-        sel_full = there_full & (want_full < hit)
-        sel_swa = there_swa & (want_swa >= lo) & (want_swa < hit)
+        # a window-safe hit: every full page below it and its window's SWA are in some tier
+        sel_full = want_full < hit
+        sel_swa = (want_swa >= lo) & (want_swa < hit)
         if not sel_full.any() and not sel_swa.any():
             return
         read_full = [k for k, o in zip(full_keys, sel_full) if o]

@@ -47,7 +47,7 @@ class L3WriteQueue:
         l3: the L3 manager (None: no L3, :meth:`queue` does nothing).
         codec: encodes L2 pages into L3 values.
         mutex: the coordinator's lock (the write worker takes it to encode).
-        record: what L3 holds (the coordinator's; under its mutex).
+        record: what L3 holds (the coordinator's).
         counters: the coordinator's counters (``bytes_l3_written``).
     """
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from .faulty import FaultyBackend
@@ -137,21 +138,15 @@ def test_a_page_the_store_lost_is_a_clamped_miss_and_written_again(tmp_path: Pat
         cache.close()
 
 
-def test_the_record_answers_and_records_a_callers_own_probe():
+def test_the_record_records_a_callers_own_probe():
     idx = StoreIndex(None, absent_ttl_s=2.0, clock=lambda: 0.0)
     idx.queued([b"a"])
-    held, unknown = idx.answers([b"a", b"b", b"c"])
-    assert held.tolist() == [True, False, False] and unknown == [1, 2]
+    assert idx.present([b"a", b"b", b"c"]).tolist() == [True, False, False]  # no probe: unknown is absent
     idx.record([b"b", b"c"], [True, False])
-    held, unknown = idx.answers([b"a", b"b", b"c"])
-    assert held.tolist() == [True, True, False] and unknown == []  # c: absent within the TTL
+    assert idx.present([b"a", b"b", b"c"]).tolist() == [True, True, False]  # c: absent within the TTL
     st = idx.stats()
     assert (st["probes"], st["probed_keys"], st["answered_keys"]) == (1, 2, 4)
     assert idx.held([b"a", b"b", b"c"]).tolist() == [True, True, False]
-    try:
+    with pytest.raises(ValueError, match="got"):
         idx.record([b"d"], [])
-    except ValueError as exc:
-        assert "got" in str(exc)
-    else:
-        raise AssertionError("a short answer list must be a ValueError")
     assert idx.held([b"d"]).tolist() == [False] and idx.stats()["probes"] == 1

@@ -18,7 +18,7 @@ manager, one block table per KV-cache group):
   chained page keys (one chain per group), finds which pages the tiers hold
   in its one record of them (:class:`.sources.TierView`: L2's index and
   the store's index of what this engine saved, read or probed; the store is
-  asked ``exists`` only for keys with no answer that can change the hit) and returns the largest *window-safe* hit (:func:`.plan.window_safe_tokens`):
+  asked ``exists`` only for keys with no answer that can change the hit) and returns the largest *window-safe* hit (:func:`hybridkv.tiers.lookup.window_safe_tokens`):
   full-attention pages for the whole prefix, SWA pages only for the window
   before the hit end.  Loads are reported asynchronous because that is the
   path on which vLLM 0.32 accepts per-request load failures for models with

@@ -12,12 +12,12 @@ and the tiers ask it too); this module maps vLLM's groups onto it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from hybridkv.spec import window_pages
-from hybridkv.window import groups_safe_pages, held_windows
+from hybridkv.tiers.lookup import GroupInfo, window_safe_tokens  # the core's; re-exported here
+from hybridkv.window import groups_safe_pages
 
 __all__ = [
     "GroupInfo",
@@ -30,26 +30,6 @@ __all__ = [
     "window_safe_tokens",
     "windows_before",
 ]
-
-
-@dataclass(frozen=True)
-class GroupInfo:
-    """One vLLM KV-cache group as the connector sees it.
-
-    ``window`` is ``None`` for full attention, else the sliding window in tokens.
-    ``block_size`` is this group's tokens per block (vLLM may give groups of
-    one model different block sizes at equal page bytes, e.g. MiMo-V2: full
-    64, SWA 32); ``0`` means "the caller's single page size".
-    """
-
-    index: int
-    window: int | None
-    layer_names: tuple[str, ...]
-    block_size: int = 0
-
-    @property
-    def is_swa(self) -> bool:
-        return self.window is not None
 
 
 def full_bases(groups: Sequence[GroupInfo], keys: dict[int, list[bytes]], gi: int,
@@ -101,46 +81,6 @@ def window_safe_pages(full_present: np.ndarray, swa_present: Sequence[np.ndarray
     prefix = int(missing[0]) if missing.size else full_present.size
     return groups_safe_pages(swa_present, [window_pages(w, page_size) for w in windows], prefix,
                              local_pages)
-
-
-def window_safe_tokens(present: Sequence[np.ndarray], groups: Sequence[GroupInfo], unit: int,
-                       local_tokens: int, max_tokens: int) -> int:
-    """Largest window-safe hit in tokens over groups with their own block sizes.
-
-    Args:
-        present: per group (same order as ``groups``) a bool array, page ``i``
-            (of that group's ``block_size``) is stored; at least
-            ``max_tokens // block_size`` long.
-        groups: the KV-cache groups; every ``block_size`` divides ``unit``.
-        unit: hit granularity in tokens (the lcm of the groups' block sizes:
-            a hit must end on a block boundary of every group).
-        local_tokens: tokens the engine already holds (a multiple of ``unit``);
-            pages below it need not come from storage (for SWA: the engine's
-            own hit keeps the window before it).
-        max_tokens: upper bound of the hit.
-
-    Returns:
-        ``L``, a multiple of ``unit`` in ``[0, max_tokens]``: the largest end
-        such that every full group holds pages ``[local, L)`` and every SWA
-        group the pages covering ``[max(local, L - W), L)``; ``L <= local_tokens``
-        means "nothing to load".  Pure; O(P * groups) numpy, no per-page loop.
-    """
-    if unit <= 0 or any(unit % g.block_size for g in groups):
-        raise ValueError(f"unit {unit} must be a positive multiple of every block size "
-                         f"{[g.block_size for g in groups]}")
-    first, last = local_tokens // unit + 1, max_tokens // unit
-    if last < first:
-        return 0
-    ends = np.arange(first, last + 1, dtype=np.int64) * unit  # candidate ends, tokens
-    ok = np.ones(ends.size, dtype=bool)
-    for pres, g in zip(present, groups):
-        bs = g.block_size
-        pages = last * unit // bs
-        # a full group needs all of [local, L): a window as long as the whole hit
-        wp = window_pages(int(g.window), bs) if g.is_swa else pages  # type: ignore[arg-type]
-        ok &= held_windows(np.asarray(pres, dtype=bool)[:pages], ends // bs, wp, local_tokens // bs)
-    good = ends[ok]
-    return int(good[-1]) if good.size else 0
 
 
 def checkpoint_ends(lo: int, hi: int, unit: int, interval: int | str = "auto",

@@ -6,7 +6,9 @@ tiers hold) from L2's index (owned here, see below) and the store's :class:`~hyb
 found absent for a short while), so a lookup probes the store (``exists``) only
 for keys it has no answer for and that can change its hit (full pages up to the
 first absent one, sliding-window pages from there down only as far as the best
-window needs), and a key is known in one place from its save to its loss.  It
+window needs: the core's lookup, :func:`hybridkv.tiers.lookup.stored_hit`, which
+the core's own L3 read-ahead runs too), and a key is known in one place from its
+save to its loss.  It
 also splits each hit by tier, in vLLM's words (``prompt_tokens_cached_by_source``):
 
 vLLM 0.32 asks the scheduler-side connector, right after ``update_state_after_alloc``,
@@ -35,9 +37,10 @@ import numpy as np
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.tiers.index import StoreIndex
+from hybridkv.tiers.lookup import stored_hit
 
 from .l2 import HostPageIndex
-from .plan import GroupInfo, passed_pages, window_safe_tokens
+from .plan import GroupInfo, passed_pages
 
 __all__ = ["TierView", "l3_source"]
 
@@ -74,74 +77,22 @@ class TierView:
         self.store = store if store is not None else StoreIndex(None)
 
     def hit(self, keys: dict[int, list[bytes]], local_tokens: int, max_tokens: int, unit: int) -> int:
-        """The window-safe hit of a lookup (:func:`.plan.window_safe_tokens`) from what L2
-        (the index, not touched) and L3 hold, asking the store as little as the answer
-        needs.  ``keys``: per group index, the request's keys up to ``max_tokens``;
-        the pages below ``local_tokens`` (the engine's own hit) are never asked.
+        """The window-safe hit of a lookup from what L2 (the index, not touched) and L3
+        hold, asking the store as little as the answer needs: the core's lookup
+        (:func:`hybridkv.tiers.lookup.stored_hit`, the one the core's L3 read-ahead
+        runs), with L2's index as the faster tier.  ``keys``: per group index, the
+        request's keys up to ``max_tokens``; the pages below ``local_tokens`` (the
+        engine's own hit) are never asked.  O(keys) plus the probes."""
+        def held(g: GroupInfo, lo: int, hi: int) -> np.ndarray:
+            return self._in_l2(g.is_swa, keys[g.index][lo:hi])
 
-        The full groups' leading run comes first (:meth:`StoreIndex.leading`: the record
-        answers, unknown keys are probed in growing chunks up to the first absent
-        one); no hit ends past it.  The sliding groups' pages are then asked from the
-        run's end downwards, a window and a unit first, 4x more each round, in one
-        batched probe per round, until the best end found has its window, and every
-        larger end its window, inside what was asked: the hit equals the one from
-        asking every key.  O(keys) plus the probes."""
-        order = list(self.groups.values())
-        flags = {g.index: np.zeros(len(keys[g.index]), dtype=bool) for g in order}
-        los = {g.index: min(len(keys[g.index]), local_tokens // g.block_size) for g in order}
-        end = max_tokens
-        for g in order:
-            if g.is_swa:
-                flags[g.index][:los[g.index]] = True  # the engine's own hit keeps its window
-                continue
-            lo, ks = los[g.index], keys[g.index][los[g.index]:]
-            held = self._in_l2(False, ks)
-            run = min(self.store.leading(ks, held) if ks else 0, max(0, end // g.block_size - lo))
-            flags[g.index][:lo + run] = True
-            end = min(end, (lo + run) * g.block_size)
-        if end <= local_tokens:
-            return 0
-        swa = [g for g in order if g.is_swa]
-        window = max((int(g.window) for g in swa), default=0)
-        span, asked = window + unit, end  # sliding pages are known from ``asked`` up to ``end``
-        while True:
-            lo_tok = max(local_tokens, (end - span) // unit * unit)
-            self._ask_sliding(swa, keys, flags, lo_tok, asked)
-            asked = lo_tok
-            hit = window_safe_tokens([flags[g.index] for g in order], order, unit, local_tokens, end)
-            if lo_tok <= local_tokens or not swa or hit >= lo_tok + window:
-                return hit
-            span *= 4
+        return stored_hit(list(self.groups.values()), keys, held, self.store, local_tokens, max_tokens, unit)[0]
 
     def _in_l2(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:
         """Bool per key: L2's index holds it (not touched; all False without L2)."""
         if self.l2 is None or not keys:
             return np.zeros(len(keys), dtype=bool)
         return self.l2.held(swa, keys)
-
-    def _ask_sliding(self, swa: Sequence[GroupInfo], keys: dict[int, list[bytes]],
-                     flags: dict[int, np.ndarray], lo_tok: int, hi_tok: int) -> None:
-        """Fill ``flags`` for the sliding groups' pages covering ``[lo_tok, hi_tok)``
-        (those above the engine's own hit): L2's index first, the store's record and
-        one batched probe for the rest."""
-        ask: list[bytes] = []
-        where: list[tuple[int, int]] = []
-        for g in swa:
-            ks, f = keys[g.index], flags[g.index]
-            a, b = lo_tok // g.block_size, min(len(ks), hi_tok // g.block_size)
-            idx = [i for i in range(a, b) if not f[i]]
-            if not idx:
-                continue
-            sel = [ks[i] for i in idx]
-            for i, h, k in zip(idx, self._in_l2(True, sel).tolist(), sel):
-                if h:
-                    f[i] = True
-                else:
-                    ask.append(k)
-                    where.append((g.index, i))
-        if ask:
-            for (gi, i), ok in zip(where, self.store.present(ask).tolist()):
-                flags[gi][i] = ok
 
     def touches(self, keys: dict[int, list[bytes]], end: int, interval_s: float) -> list[bytes]:
         """Store keys of a hit ``[0, end)`` to touch now (repair case 3: a prefix served

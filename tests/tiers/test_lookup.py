@@ -1,0 +1,130 @@
+"""hybridkv.tiers.lookup: one window-safe tier lookup for every host.
+
+``stored_hit`` asks the store as little as the answer needs, yet its hit equals
+the one from asking every key (checked against asking everything, for the
+core's two groups and for vLLM-like groups with their own block sizes); the
+core's read-ahead runs it, so a long prompt asks about a window's SWA keys,
+not every page's."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv import CacheConfig
+from hybridkv.eval.model.reference import ReferenceModel, tiny_spec
+from hybridkv.eval.model.verify import verify_requests
+from hybridkv.tiers.index import StoreIndex
+from hybridkv.tiers.lookup import GroupInfo, stored_hit, window_safe_tokens
+from hybridkv.tiers.payload import swa_key
+from hybridkv.tiers.storage import open_backend
+from hybridkv.tiers.tiered import TierConfig, TieredCache
+
+from .faulty import FaultyBackend
+
+
+class Store:
+    """An in-memory store: ``exists`` counts the keys it was asked about."""
+
+    def __init__(self, keys: set[bytes]) -> None:
+        self.keys, self.asked = keys, 0
+
+    def exists(self, keys: list[bytes]) -> list[bool]:
+        self.asked += len(keys)
+        return [k in self.keys for k in keys]
+
+
+def _keys(g: int, n: int) -> list[bytes]:
+    return [bytes([g]) + i.to_bytes(4, "little") for i in range(n)]
+
+
+CORE = (GroupInfo(0, None, block_size=4), GroupInfo(1, 16, block_size=4))  # the core's: one page size
+MIMO = (GroupInfo(0, None, block_size=8), GroupInfo(1, 16, block_size=4), GroupInfo(2, 32, block_size=8))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["core", "mimo"]), st.integers(1, 40), st.data())
+def test_the_hit_equals_asking_every_key_and_asks_no_more(which, units, data):
+    groups = CORE if which == "core" else MIMO
+    unit = 8 if which == "mimo" else 4
+    max_tokens = units * unit
+    local = data.draw(st.integers(0, units)) * unit
+    keys, stored, held = {}, set(), {}
+    for g in groups:
+        n = max_tokens // g.block_size
+        ks = _keys(g.index, n)
+        keys[g.index] = ks
+        in_store = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+        in_l2 = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+        stored |= {k for k, s in zip(ks, in_store) if s}
+        held[g.index] = np.array(in_l2, dtype=bool)
+    store = Store(stored)
+    hit, flags = stored_hit(groups, keys, lambda g, lo, hi: held[g.index][lo:hi], StoreIndex(store.exists),
+                            local, max_tokens, unit)
+    everything = [held[g.index] | np.array([k in stored for k in keys[g.index]], dtype=bool) for g in groups]
+    for g, every in zip(groups, everything):
+        every[:local // g.block_size] = True  # the engine's own hit (its pages, its window)
+    assert hit == window_safe_tokens(everything, groups, unit, local, max_tokens)
+    assert store.asked <= sum(len(k) for k in keys.values())
+    for g in groups:  # what it says some tier holds, some tier does hold
+        assert not (flags[g.index] & ~everything[groups.index(g)]).any()
+
+
+def test_a_missing_first_full_page_costs_one_small_probe():
+    n = 1000
+    keys = {0: _keys(0, n), 1: _keys(1, n)}
+    store = Store(set(keys[1]))  # every window stored, no full page
+    hit, _ = stored_hit(CORE, keys, lambda g, lo, hi: np.zeros(hi - lo, bool), StoreIndex(store.exists),
+                        0, n * 4, 4)
+    assert hit == 0 and store.asked == 16  # the first chunk of full keys, no SWA key
+
+
+SPEC = tiny_spec()
+MODEL = ReferenceModel(SPEC, seed=0)
+FPB, SPB = SPEC.bytes_per_page("full"), SPEC.bytes_per_page("swa")
+
+
+class Probed(FaultyBackend):
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        super().__init__(inner)
+        self.asked: list[bytes] = []
+        self._keys_lock = threading.Lock()
+
+    def exists(self, keys):  # noqa: ANN001, ANN201
+        with self._keys_lock:
+            self.asked += list(keys)
+        return super().exists(keys)
+
+
+def tiered(l3) -> TieredCache:  # noqa: ANN001
+    return TieredCache(SPEC, CacheConfig(budget_bytes=200 * (FPB + SPB), device="cpu"),
+                       tiers=TierConfig(l2_bytes=400 * (FPB + SPB), l3=l3))
+
+
+@pytest.mark.parametrize("length", [401, 161])
+def test_the_core_read_ahead_asks_about_a_window_of_swa_not_every_page(tmp_path: Path, length: int):
+    url = f"file://{tmp_path / 'l3'}"
+    prompt = [("default", np.random.default_rng(31).integers(0, 64, length).astype(np.int32))]
+    a = tiered(url)  # another process fills L3
+    assert verify_requests(prompt, a, MODEL, decode_tokens=0)["mismatched_requests"] == 0
+    assert a.flush(10)
+    a.close()
+    store = Probed(open_backend(url))
+    b = tiered(store)  # empty record, empty L1 and L2: everything comes from L3
+    try:
+        out = verify_requests(prompt, b, MODEL, decode_tokens=0)
+        assert out["mismatched_requests"] == 0 and out["hit_tokens"] == length - 1, out
+        n = (length - 1) // SPEC.page_size
+        full = b.lower_tiers.page_keys(prompt[0][1], "default", n)
+        swa = {swa_key(k) for k in full}
+        asked_swa = [k for k in store.asked if k in swa]
+        # the tail window and one page more, not one SWA key per page of the prompt
+        assert len(asked_swa) <= SPEC.window_pages + 1, (len(asked_swa), n)
+        assert {k for k in store.asked if k not in swa} <= set(full)
+    finally:
+        b.close()
