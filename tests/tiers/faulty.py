@@ -47,3 +47,16 @@ class FaultyBackend:
 
     def touch(self, keys):  # noqa: ANN001, ANN201
         return self._op("touch", self.inner.touch, keys)
+
+
+class Probed(FaultyBackend):
+    """A :class:`FaultyBackend` that remembers every key ``exists`` was asked about."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.asked: list[bytes] = []
+
+    def exists(self, keys):  # noqa: ANN001, ANN201
+        with self._lock:
+            self.asked += list(keys)
+        return super().exists(keys)

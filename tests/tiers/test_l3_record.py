@@ -1,83 +1,41 @@
 """The core's L3 record is the StoreIndex the vLLM connector keeps (one record of
 L3 for every host): the read-ahead asks the store only what the record cannot
 answer, a failed put leaves the record, a key the store lost is a clamped miss
-that leaves it too, so both are written again.  Checked with a real file backend and the reference model
-(every hit's tokens verified)."""
+that leaves it too, so both are written again.  Checked with a real file
+backend and the reference model (every hit's tokens verified)."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
-import torch
 
-from .faulty import FaultyBackend
-from hybridkv import CacheConfig
-from hybridkv.eval.model.reference import ReferenceModel, tiny_spec
-from hybridkv.eval.model.verify import verify_requests
+from .faulty import FaultyBackend, Probed
+from .reference import SPEC, drop_l1_and_l2, prompts, run, tiered
 from hybridkv.tiers.index import StoreIndex
 from hybridkv.tiers.payload import swa_key
 from hybridkv.tiers.storage import open_backend
-from hybridkv.tiers.tiered import TierConfig, TieredCache
-
-torch.set_num_threads(1)
-SPEC = tiny_spec()
-MODEL = ReferenceModel(SPEC, seed=0)
-FPB, SPB = SPEC.bytes_per_page("full"), SPEC.bytes_per_page("swa")
 
 
-class Probed(FaultyBackend):
-    """A file backend that remembers every key ``exists`` was asked about."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__(inner)
-        self.asked: list[bytes] = []
-        self._keys_lock = threading.Lock()
-
-    def exists(self, keys):  # noqa: ANN001, ANN201
-        with self._keys_lock:
-            self.asked += list(keys)
-        return super().exists(keys)
-
-
-def tiered(l3: Any) -> TieredCache:
-    return TieredCache(SPEC, CacheConfig(budget_bytes=60 * (FPB + SPB), device="cpu"),
-                       tiers=TierConfig(l2_bytes=200 * (FPB + SPB), l3=l3))
-
-
-def prompts(n: int, seed: int, length: int = 41) -> list[tuple[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [("default", rng.integers(0, 64, length).astype(np.int32)) for _ in range(n)]
-
-
-def run(cache: TieredCache, ps: list) -> dict[str, Any]:
-    out = verify_requests(ps, cache, MODEL, decode_tokens=0)
-    assert out["mismatched_requests"] == 0, out
-    cache.check_invariants()
-    return out
-
-
-def drop_l1_and_l2(cache: TieredCache) -> None:
-    cache.tree.evict(full_pages=cache.tree.evictable_full_pages(), swa_pages=cache.tree.evictable_swa_pages())
-    cache.clear_l2()
-
-
-def keys_of(cache: TieredCache, ps: list) -> list[bytes]:
+def keys_of(cache, ps: list) -> list[bytes]:  # noqa: ANN001
     co = cache.lower_tiers
     return [k for ns, t in ps for k in co.page_keys(t, ns, (len(t) - 1) // SPEC.page_size)]
 
 
+def served_once(store, n: int, seed: int):  # noqa: ANN001, ANN201
+    """A cache over ``store`` that served ``n`` prompts, its L3 writes flushed:
+    ``(cache, prompts, their full page keys)``."""
+    cache = tiered(store)
+    ps = prompts(n, seed=seed)
+    run(cache, ps)
+    assert cache.flush(10)
+    return cache, ps, keys_of(cache, ps)
+
+
 def test_a_cache_reads_its_own_l3_pages_back_without_asking_the_store_about_them(tmp_path: Path):
     store = Probed(open_backend(f"file://{tmp_path / 'l3'}"))
-    cache = tiered(store)
+    cache, ps, written = served_once(store, 3, seed=21)
     try:
-        ps = prompts(3, seed=21)
-        run(cache, ps)
-        assert cache.flush(10)
-        written = keys_of(cache, ps)
         record = cache.lower_tiers.l3_record
         assert record.held(written).all()  # queued here, so known without a probe
         drop_l1_and_l2(cache)
@@ -97,12 +55,8 @@ def test_a_cache_reads_its_own_l3_pages_back_without_asking_the_store_about_them
 def test_a_failed_put_leaves_the_record_so_the_page_is_written_again(tmp_path: Path):
     store = FaultyBackend(open_backend(f"file://{tmp_path / 'l3'}"))
     store.fail.add("put")
-    cache = tiered(store)
+    cache, ps, written = served_once(store, 2, seed=22)
     try:
-        ps = prompts(2, seed=22)
-        run(cache, ps)
-        assert cache.flush(10)
-        written = keys_of(cache, ps)
         record = cache.lower_tiers.l3_record
         assert not record.held(written).any()  # the puts raised: nothing counts as stored
         assert cache.stats()["l3_record_lost_keys"] >= len(written)
@@ -120,12 +74,8 @@ def test_a_failed_put_leaves_the_record_so_the_page_is_written_again(tmp_path: P
 
 def test_a_page_the_store_lost_is_a_clamped_miss_and_written_again(tmp_path: Path):
     store = Probed(open_backend(f"file://{tmp_path / 'l3'}"))
-    cache = tiered(store)
+    cache, ps, written = served_once(store, 1, seed=23)
     try:
-        ps = prompts(1, seed=23)
-        run(cache, ps)
-        assert cache.flush(10)
-        written = keys_of(cache, ps)
         drop_l1_and_l2(cache)
         store.inner.delete(written[5:6])  # the store evicts a page behind this cache's back
         out = run(cache, ps)  # the record still holds it: the read misses there, the hit stops there

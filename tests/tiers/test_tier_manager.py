@@ -13,41 +13,13 @@ import concurrent.futures
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
-import torch
 
 from .faulty import FaultyBackend
-from hybridkv import CacheConfig
-from hybridkv.eval.model.reference import ReferenceModel, tiny_spec
-from hybridkv.eval.model.verify import verify_requests
+from .reference import prompts, run, tiered
 from hybridkv.tiers.manager import TierManager
 from hybridkv.tiers.storage import open_backend
-from hybridkv.tiers.tiered import TierConfig, TieredCache
-
-torch.set_num_threads(1)
-SPEC = tiny_spec()
-MODEL = ReferenceModel(SPEC, seed=0)
-FPB, SPB = SPEC.bytes_per_page("full"), SPEC.bytes_per_page("swa")
-
-
-def tiered(l3: Any, *, l1_pages: int = 60, l2_pages: int = 200, **kw: Any) -> TieredCache:
-    return TieredCache(SPEC, CacheConfig(budget_bytes=l1_pages * (FPB + SPB), device="cpu"),
-                       tiers=TierConfig(l2_bytes=l2_pages * (FPB + SPB), l3=l3, **kw))
-
-
-def prompts(n: int, seed: int, length: int = 41) -> list[tuple[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [("default", rng.integers(0, 64, length).astype(np.int32)) for _ in range(n)]
-
-
-def run(cache: TieredCache, ps: list) -> dict[str, Any]:
-    out = verify_requests(ps, cache, MODEL, decode_tokens=0)
-    assert out["mismatched_requests"] == 0, out
-    cache.check_invariants()
-    return out
 
 
 @pytest.fixture()
