@@ -153,15 +153,9 @@ class StoreIndex:
             known = self._known
             return np.fromiter((k in known for k in keys), dtype=bool, count=len(keys))
 
-    def record(self, keys: Sequence[bytes], got: Sequence[bool]) -> None:
-        """Record one probe's answers (``got``, one per key) made by the caller:
-        present keys as stored, the others absent for the TTL.  O(n)."""
-        if len(got) != len(keys):
-            raise ValueError(f"got has {len(got)} answers for {len(keys)} keys")
-        with self._lock:
-            self._record(keys, [bool(x) for x in got])
-
     def _record(self, keys: Sequence[bytes], got: list[bool]) -> None:
+        """One probe's answers (under the lock): present keys as stored, the others
+        absent for the TTL.  O(n)."""
         self.counters["probes"] += 1
         self.counters["probed_keys"] += len(keys)
         self._remember([k for k, ok in zip(keys, got) if ok], Known.STORED)

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from .faulty import FaultyBackend, Probed
 from .reference import SPEC, drop_l1_and_l2, prompts, run, tiered
-from hybridkv.tiers.index import StoreIndex
 from hybridkv.tiers.payload import swa_key
 from hybridkv.tiers.storage import open_backend
 
@@ -86,17 +83,3 @@ def test_a_page_the_store_lost_is_a_clamped_miss_and_written_again(tmp_path: Pat
         assert cache.flush(10) and store.inner.exists(written[5:6]) == [True]
     finally:
         cache.close()
-
-
-def test_the_record_records_a_callers_own_probe():
-    idx = StoreIndex(None, absent_ttl_s=2.0, clock=lambda: 0.0)
-    idx.queued([b"a"])
-    assert idx.present([b"a", b"b", b"c"]).tolist() == [True, False, False]  # no probe: unknown is absent
-    idx.record([b"b", b"c"], [True, False])
-    assert idx.present([b"a", b"b", b"c"]).tolist() == [True, True, False]  # c: absent within the TTL
-    st = idx.stats()
-    assert (st["probes"], st["probed_keys"], st["answered_keys"]) == (1, 2, 4)
-    assert idx.held([b"a", b"b", b"c"]).tolist() == [True, True, False]
-    with pytest.raises(ValueError, match="got"):
-        idx.record([b"d"], [])
-    assert idx.held([b"d"]).tolist() == [False] and idx.stats()["probes"] == 1

@@ -7,6 +7,8 @@ within its bound.  Checked against a real file backend."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from hybridkv.tiers.index import Known, StoreIndex
@@ -190,3 +192,38 @@ def test_leading_names_a_bad_argument(kw, match):
     with pytest.raises(ValueError, match=match):
         idx.leading([_k(1), _k(2)], **kw)
     assert idx.stats()["probes"] == 0 and len(idx) == 0
+
+
+def test_held_answers_from_the_record_only():
+    probe = CountingProbe(None)
+    idx = StoreIndex(probe)
+    idx.queued([_k(1)])
+    idx.stored([_k(2)])
+    idx.lost([_k(2)])
+    assert idx.held([_k(1), _k(2), _k(3)]).tolist() == [True, False, False]
+    assert probe.calls == 0 and idx.stats()["answered_keys"] == 0  # not a lookup: nothing counted
+
+
+def test_a_probe_runs_without_the_lock_so_other_threads_go_on():
+    started, release = threading.Event(), threading.Event()
+
+    def slow_probe(keys: list[bytes]) -> list[bool]:
+        started.set()
+        assert release.wait(10)
+        return [False] * len(keys)
+
+    idx = StoreIndex(slow_probe)
+    lookup = threading.Thread(target=lambda: idx.present([_k(1)]))
+    lookup.start()
+    assert started.wait(10)
+    writer = threading.Thread(target=lambda: idx.queued([_k(2)]))  # the engine thread records a write
+    writer.start()
+    writer.join(2)
+    try:
+        assert not writer.is_alive(), "the record's lock was held across the probe"
+        assert idx.held([_k(2), _k(1)]).tolist() == [True, False]
+    finally:
+        release.set()
+        lookup.join(10)
+    assert idx.present([_k(1)], probe=False).tolist() == [False]  # the probe's answer, recorded
+    assert idx.stats()["probes"] == 1
