@@ -161,9 +161,12 @@ class StoreIndex:
         self._remember([k for k, ok in zip(keys, got) if ok], Known.STORED)
         self._set_absent([k for k, ok in zip(keys, got) if not ok], self._clock() + self._ttl)
 
-    def present(self, keys: Sequence[bytes], *, probe: bool = True) -> np.ndarray:
+    def present(self, keys: Sequence[bytes], *, probe: bool = True,
+                deferred: list[bytes] | None = None) -> np.ndarray:
         """Bool per key: whether the store holds it (or will: queued).  Keys with no
-        trusted answer are probed in one batched call when ``probe`` (else absent).
+        trusted answer are probed in one batched call when ``probe`` (else absent);
+        with a ``deferred`` list they are not probed but appended to it (absent for
+        this answer: a caller that probes them elsewhere asks again).
         O(n) plus one probe of the unknown keys."""
         out = np.zeros(len(keys), dtype=bool)
         at: list[int] = []
@@ -176,12 +179,14 @@ class StoreIndex:
                 else:
                     out[i] = known
             self.counters["answered_keys"] += len(keys) - len(at)
-        if at and probe and self._probe is not None:
+        if at and deferred is not None:
+            deferred.extend(keys[i] for i in at)
+        elif at and probe and self._probe is not None:
             self._ask([keys[i] for i in at], at, out)
         return out
 
     def leading(self, keys: Sequence[bytes], held: np.ndarray | None = None, *,
-                first: int = 16, grow: int = 4) -> int:
+                first: int = 16, grow: int = 4, deferred: list[bytes] | None = None) -> int:
         """How many leading ``keys`` the store holds (or will), for a lookup whose hit is
         the leading run: ``held`` (bool per key, optional) marks keys known present
         elsewhere (a faster tier), not asked about.  The record answers first; unknown
@@ -189,7 +194,9 @@ class StoreIndex:
         times more each round, and probing stops at the first absent key: a miss costs
         one small probe, not one key per page of the prompt; a hit of ``n`` unknown
         pages ``O(log n)`` probes.  Answers are recorded as :meth:`present` records
-        them; a probe that fails ends the run there.  O(run) plus the probes."""
+        them; a probe that fails ends the run there.  With a ``deferred`` list nothing
+        is probed: the first chunk's unknown keys are appended to it and the run ends
+        at the first of them.  O(run) plus the probes."""
         for name, v in (("first", first), ("grow", grow)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -215,6 +222,9 @@ class StoreIndex:
                                 stop = j
                                 break
                     j += 1
+            if ask and deferred is not None:
+                deferred.extend(ask)
+                return at[0]
             if ask:
                 got = np.zeros(len(ask), dtype=bool)
                 if self._probe is not None:

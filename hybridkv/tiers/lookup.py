@@ -101,8 +101,8 @@ def window_safe_tokens(present: Sequence[np.ndarray], groups: Sequence[GroupInfo
 
 
 def stored_hit(groups: Sequence[GroupInfo], keys: Mapping[int, Sequence[bytes]], held: Held,
-               store: StoreIndex, local_tokens: int, max_tokens: int, unit: int
-               ) -> tuple[int, dict[int, np.ndarray]]:
+               store: StoreIndex, local_tokens: int, max_tokens: int, unit: int, *,
+               deferred: list[bytes] | None = None) -> tuple[int, dict[int, np.ndarray]]:
     """The window-safe hit over a faster tier and the store (see the module docstring).
 
     Args:
@@ -116,6 +116,11 @@ def stored_hit(groups: Sequence[GroupInfo], keys: Mapping[int, Sequence[bytes]],
             sliding group's window before it counts as held).
         max_tokens: upper bound of the hit.
         unit: hit granularity (see :func:`window_safe_tokens`).
+        deferred: ``None``: the store is probed for keys the record cannot answer.
+            A list: it is never probed; the keys it would have been asked are
+            appended to the list and count as absent (the hit is then a lower
+            bound: probe them elsewhere, e.g. off the engine's thread, and ask
+            again; an empty list means the answer is the record's whole answer).
 
     Returns:
         ``(hit, flags)``: the hit in tokens (``<= local_tokens``: nothing to load)
@@ -133,7 +138,8 @@ def stored_hit(groups: Sequence[GroupInfo], keys: Mapping[int, Sequence[bytes]],
             continue
         lo, n = los[g.index], len(keys[g.index])
         ks = keys[g.index][lo:n]
-        run = min(store.leading(ks, held(g, lo, n)) if ks else 0, max(0, end // g.block_size - lo))
+        run = min(store.leading(ks, held(g, lo, n), deferred=deferred) if ks else 0,
+                  max(0, end // g.block_size - lo))
         flags[g.index][:lo + run] = True
         end = min(end, (lo + run) * g.block_size)
     if end <= local_tokens:
@@ -143,7 +149,7 @@ def stored_hit(groups: Sequence[GroupInfo], keys: Mapping[int, Sequence[bytes]],
     span, asked = window + unit, end  # sliding pages are known from ``asked`` up to ``end``
     while True:
         lo_tok = max(local_tokens, (end - span) // unit * unit)
-        _ask_sliding(swa, keys, flags, held, store, lo_tok, asked)
+        _ask_sliding(swa, keys, flags, held, store, lo_tok, asked, deferred)
         asked = lo_tok
         hit = window_safe_tokens([flags[g.index] for g in order], order, unit, local_tokens, end)
         if lo_tok <= local_tokens or not swa or hit >= lo_tok + window:
@@ -152,7 +158,7 @@ def stored_hit(groups: Sequence[GroupInfo], keys: Mapping[int, Sequence[bytes]],
 
 
 def _ask_sliding(swa: Sequence[GroupInfo], keys: Mapping[int, Sequence[bytes]], flags: dict[int, np.ndarray],
-                 held: Held, store: StoreIndex, lo_tok: int, hi_tok: int) -> None:
+                 held: Held, store: StoreIndex, lo_tok: int, hi_tok: int, deferred: list[bytes] | None) -> None:
     """Fill ``flags`` for the sliding groups' pages covering ``[lo_tok, hi_tok)``:
     the faster tier first, the store's record and one batched probe for the rest."""
     ask: list[bytes] = []
@@ -171,5 +177,5 @@ def _ask_sliding(swa: Sequence[GroupInfo], keys: Mapping[int, Sequence[bytes]], 
                 ask.append(ks[i])
                 where.append((g.index, i))
     if ask:
-        for (gi, i), ok in zip(where, store.present(ask).tolist()):
+        for (gi, i), ok in zip(where, store.present(ask, deferred=deferred).tolist()):
             flags[gi][i] = ok

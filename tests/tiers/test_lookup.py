@@ -70,6 +70,42 @@ def test_the_hit_equals_asking_every_key_and_asks_no_more(which, units, data):
         assert not (flags[g.index] & ~everything[groups.index(g)]).any()
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["core", "mimo"]), st.integers(1, 40), st.data())
+def test_deferred_keys_probed_elsewhere_give_the_same_hit_without_probing_here(which, units, data):
+    """With a ``deferred`` list the store is never asked: the keys it would have been
+    asked are collected; once something else asked them (the vLLM connector's probe
+    thread), asking again with a fresh list gives the probing lookup's hit and
+    collects nothing."""
+    groups = CORE if which == "core" else MIMO
+    unit = 8 if which == "mimo" else 4
+    max_tokens = units * unit
+    local = data.draw(st.integers(0, units)) * unit
+    keys, stored, held = {}, set(), {}
+    for g in groups:
+        n = max_tokens // g.block_size
+        keys[g.index] = _keys(g.index, n)
+        stored |= {k for k, s in zip(keys[g.index], data.draw(st.lists(st.booleans(), min_size=n, max_size=n))) if s}
+        held[g.index] = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)
+
+    def look(record: StoreIndex, deferred: list[bytes] | None) -> int:
+        return stored_hit(groups, keys, lambda g, lo, hi: held[g.index][lo:hi], record, local, max_tokens, unit,
+                          deferred=deferred)[0]
+
+    probing = look(StoreIndex(Store(stored).exists), None)
+    store = Store(stored)
+    record = StoreIndex(store.exists)
+    deferred: list[bytes] = []
+    first = look(record, deferred)
+    assert store.asked == 0 and first <= probing  # nothing asked here; unknown keys count absent
+    if not deferred:
+        assert first == probing
+    look(record, None)  # the probe thread's run: the store's answers land in the record
+    asked = store.asked
+    again: list[bytes] = []
+    assert look(record, again) == probing and not again and store.asked == asked
+
+
 def test_a_missing_first_full_page_costs_one_small_probe():
     n = 1000
     keys = {0: _keys(0, n), 1: _keys(1, n)}

@@ -227,3 +227,22 @@ def test_a_probe_runs_without_the_lock_so_other_threads_go_on():
         lookup.join(10)
     assert idx.present([_k(1)], probe=False).tolist() == [False]  # the probe's answer, recorded
     assert idx.stats()["probes"] == 1
+
+
+def test_deferred_keys_are_collected_not_probed_nor_recorded(store):
+    """With a ``deferred`` list nothing is probed: the keys with no answer are
+    collected and count as absent for this answer only (not recorded: a later
+    probing call still asks them)."""
+    store.put([_k(i) for i in range(10)], [b"v" * 8] * 10)
+    probe = CountingProbe(store)
+    idx = StoreIndex(probe, clock=Clock())
+    idx.queued([_k(0)])
+    deferred: list[bytes] = []
+    assert idx.present([_k(0), _k(1), _k(50)], deferred=deferred).tolist() == [True, False, False]
+    assert deferred == [_k(1), _k(50)] and probe.calls == 0
+    deferred = []
+    assert idx.leading([_k(i) for i in range(10)], first=4, deferred=deferred) == 1
+    assert deferred == [_k(1), _k(2), _k(3), _k(4)] and probe.calls == 0  # the first chunk's unknown keys
+    assert idx.leading([_k(i) for i in range(10)], first=4) == 10 and probe.calls > 0  # asked now
+    deferred = []
+    assert idx.leading([_k(i) for i in range(10)], first=4, deferred=deferred) == 10 and not deferred

@@ -68,6 +68,10 @@ class ConnectorConfig:
             holds before the pages only it holds, and copies down a page the
             device cache gives up that L2 lacks (:mod:`.l1`; default on, as
             hybridkv's own L2 does under write-through).
+        lookup_wait_ms: how long a lookup waits for the store's answer about keys
+            the tiers' record cannot answer (asked on the probe thread, off the
+            scheduler's); past it the lookup answers "ask again later" and the
+            request waits a step, the running ones do not (:mod:`.lookups`).
     """
 
     l3_url: str = "file:hybridkv-l3"
@@ -84,6 +88,7 @@ class ConnectorConfig:
     save_queue_mb: float = 256.0
     async_save: bool = True
     l1_copies_first: bool = True
+    lookup_wait_ms: float = 5.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -122,7 +127,7 @@ class ConnectorConfig:
                     raise ValueError(f"kv_connector_extra_config[{name!r}] must be an "
                                      f"int >= {low}")
                 kw[name] = v
-        for name, low in (("l2_gb", 0.0), ("save_queue_mb", 1.0)):
+        for name, low in (("l2_gb", 0.0), ("save_queue_mb", 1.0), ("lookup_wait_ms", 0.0)):
             if name in extra:
                 v = extra[name]
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= low:

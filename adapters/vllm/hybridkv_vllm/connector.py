@@ -15,12 +15,12 @@ manager, one block table per KV-cache group):
   ids are at its own block size; a hit ends on a multiple of the lcm of all
   block sizes (``self.unit``, also vLLM's scheduler block size).
 * Scheduler: ``get_num_new_matched_tokens`` hashes the prompt into hybridkv's
-  chained page keys (one chain per group), finds which pages the tiers hold
-  in its one record of them (:class:`.sources.TierView`: L2's index and
-  the store's index of what this engine saved, read or probed; the store is
-  asked ``exists`` only for keys with no answer that can change the hit) and returns the largest *window-safe* hit (:func:`hybridkv.tiers.lookup.window_safe_tokens`):
-  full-attention pages for the whole prefix, SWA pages only for the window
-  before the hit end.  Loads are reported asynchronous because that is the
+  chained page keys (one chain per group), finds which pages the tiers hold in
+  its one record of them (:class:`.sources.TierView`: L2's index and what the
+  store holds as far as this engine knows; the store is asked ``exists`` only
+  for keys with no answer that can change the hit, on a probe thread:
+  :mod:`.lookups`) and returns the largest *window-safe* hit: full-attention
+  pages for the whole prefix, SWA pages only for the window before the hit end.  Loads are reported asynchronous because that is the
   path on which vLLM 0.32 accepts per-request load failures for models with
   several KV-cache groups (``failed_recving``; block-level failure reports
   raise for hybrid models): a page that vanished between lookup and load
@@ -82,6 +82,7 @@ from .kvio import GroupBuffers, load_pages
 from .l1 import L1View, copy_down
 from .l2 import HostPageRows, l2_index
 from .logs import logger, route_core_logs
+from .lookups import Lookups
 from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
 from .plan import checkpoint_ends, full_bases, pages_to_save, windows_before
 from .progress import IDLE_WAIT_S, SavesBusy, SavesWatch, WorkerSaves
@@ -156,8 +157,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
               if role == KVConnectorRole.SCHEDULER else None)
         # which full pages vLLM's device cache holds, for L2's eviction (hooked when bound)
         self._l1 = L1View(l2) if l2 is not None and self.cfg.l1_copies_first else None
-        self._tiers = TierView(self.groups, l2, l3_source(self.cfg.l3_url),
-                               StoreIndex(self.backend.exists))
+        self._tiers = TierView(self.groups, l2, l3_source(self.cfg.l3_url), StoreIndex(self.backend.exists))
+        self._lookups = Lookups(self._tiers, self.cfg.lookup_wait_ms / 1000, self._count)
         # worker side
         self._saves_report = WorkerSaves()
         self._buffers: dict[int, GroupBuffers] = {}
@@ -246,14 +247,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def _keys(self, st: ReqState, tokens: int) -> dict[int, list[bytes]]:
         return st.page_keys(tokens, self.groups, self.fingerprints)  # (ReqState.page_keys)
 
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Window-safe external hit beyond ``num_computed_tokens`` (page aligned).
 
         Side-effect free towards vLLM (only caches keys).  Cost: the tiers' record
         (:class:`.sources.TierView`) answers for keys this engine saved, read or
-        probed; the store is asked about the rest up to the first absent full page
-        (growing batched ``exists`` calls), and about the windows below it.
+        probed; the store is asked about the rest on the probe thread (:mod:`.lookups`):
+        ``None`` (ask again later) while that takes longer than ``lookup_wait_ms``.
         """
         unit = self.unit
         max_tokens = (request.num_tokens - 1) // unit * unit  # vLLM must compute >= 1 token
@@ -264,11 +264,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if max_tokens <= num_computed_tokens:
             return 0, False
         keys = self._keys(st, max_tokens)
-        # Pages below the engine's own hit are never read (window_safe_tokens starts there);
-        # pages this engine already handed to its workers' save threads count as present
-        # (the worker's load waits for their store, see SaveThread.wait_keys).
-        hit = self._tiers.hit(keys, num_computed_tokens, max_tokens, unit)
+        # Pages below the engine's own hit are never read; pages handed to the workers' save
+        # threads count as present (the worker's load waits for them: SaveThread.wait_keys).
+        hit = self._lookups.hit(request.request_id, keys, num_computed_tokens, max_tokens, unit)
         self._count(lookups=1)
+        if hit is None:
+            return None, False
         st.hit_tokens = hit if hit > num_computed_tokens else 0
         if not st.hit_tokens:
             return 0, False
@@ -420,6 +421,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         Returns ``(True, None)`` when a save was queued: vLLM then keeps the blocks until the
         worker lists the request in ``finished_sending``."""
         st = self._reqs.pop(request.request_id, None)
+        self._lookups.drop(request.request_id)
         self._pending_loads.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         if st is None:
@@ -571,6 +573,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 return
             self._closed = True
         drained = True
+        self._lookups.close()
         if self._saver is not None:
             drained = self._saver.stop(SHUTDOWN_DRAIN_S)
             if not drained:

@@ -1,0 +1,125 @@
+"""The scheduler side's lookups, with the store asked off the scheduler's thread.
+
+vLLM calls ``get_num_new_matched_tokens`` on its scheduler thread, between
+forward passes: a lookup that waits for the L3 store (a round trip per probe:
+a remote Redis or Mooncake store, a slow disk) holds up every running request's
+next step.  hybridkv's core already asks the store on its read worker, with a
+bounded wait (:class:`hybridkv.tiers.reads.ReadAhead`); :class:`Lookups` gives
+the connector the same shape:
+
+1. the lookup runs on the tiers' record alone (:meth:`.sources.TierView.hit`
+   with a ``deferred`` list): L2's index and what the store is known to hold
+   or lack.  Nothing left to ask: that is the answer.
+2. Otherwise a probe job runs the lookup on the probe thread, over a copy of
+   what L2 holds, asking the store (its answers land in the record), and the
+   scheduler waits for it at most ``wait_s``.  Done in time: the answer is the
+   record's, now complete.
+3. Not done: the lookup answers ``None`` (vLLM 0.32: "ask again later"; the
+   request waits, the others run) and later calls answer from the record once
+   the job is done.  A store that does not answer within ``give_up_s`` is
+   given up on for that request (the record's answer: what it cannot vouch
+   for is computed), and no new probe is queued while one has been running
+   that long.
+
+Every answer is the record's, read on the scheduler thread, so a hit never
+counts a page the record does not hold (a load still clamps to what it reads).
+Not thread-safe: the scheduler's thread calls it; the probe thread touches
+only the record (thread-safe) and its own copies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
+
+from .sources import TierView
+
+__all__ = ["GIVE_UP_S", "Lookups"]
+
+GIVE_UP_S = 2.0  # a probe still running after this long: answer from the record alone
+
+
+class Lookups:
+    """Lookups of one scheduler-side connector (see the module docstring).
+
+    Args:
+        view: the tiers' record (:class:`.sources.TierView`).
+        wait_s: how long a lookup waits for its probe before answering ``None`` (>= 0).
+        count: adds to the connector's counters (``lookups_deferred``, ``lookup_probes``,
+            ``lookup_probes_given_up``: :data:`.metrics.COUNTERS`).
+        give_up_s: how long a probe may run before lookups answer without it (> 0).
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, view: TierView, wait_s: float, count: Callable[..., None], *,
+                 give_up_s: float = GIVE_UP_S, clock: Callable[[], float] = time.monotonic) -> None:
+        for name, v, low_ok in (("wait_s", wait_s, True), ("give_up_s", give_up_s, False)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (v == 0 and not low_ok):
+                raise ValueError(f"{name} must be a number {'>=' if low_ok else '>'} 0, got {v!r}")
+        self.view = view
+        self.wait_s = float(wait_s)
+        self.give_up_s = float(give_up_s)
+        self._count = count
+        self._clock = clock
+        self._pool: ThreadPoolExecutor | None = None  # started by the first probe
+        self._pending: dict[str, tuple[Future, float]] = {}  # request -> its probe, queued at
+        self._running: dict[int, float] = {}  # id of each probe not done -> queued at
+
+    def hit(self, req_id: str, keys: dict[int, list[bytes]], local_tokens: int, max_tokens: int,
+            unit: int) -> int | None:
+        """The window-safe hit of ``req_id``'s lookup (as :meth:`.sources.TierView.hit`),
+        or ``None``: its probe is still running, ask again later.  O(keys), plus the
+        wait for a probe (at most ``wait_s``)."""
+        view = self.view
+        pending = self._pending.get(req_id)
+        if pending is not None:
+            fut, since = pending
+            if not fut.done():
+                if self._clock() - since < self.give_up_s:
+                    return None
+                self._count(lookup_probes_given_up=1)
+            del self._pending[req_id]
+            return view.hit(keys, local_tokens, max_tokens, unit, deferred=[])
+        deferred: list[bytes] = []
+        hit = view.hit(keys, local_tokens, max_tokens, unit, deferred=deferred)
+        if not deferred or self._stuck():
+            return hit
+        fut = self._submit(keys, local_tokens, max_tokens, unit)
+        if self.wait_s and wait_for([fut], timeout=self.wait_s).not_done == set():
+            return view.hit(keys, local_tokens, max_tokens, unit, deferred=[])
+        self._pending[req_id] = (fut, self._clock())
+        self._count(lookups_deferred=1)
+        return None
+
+    def _submit(self, keys: dict[int, list[bytes]], local_tokens: int, max_tokens: int, unit: int) -> Future:
+        """Queue the probe job over copies of the keys and of what L2 holds now."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hybridkv-lookup")
+        copy = {gi: list(ks) for gi, ks in keys.items()}
+        fut = self._pool.submit(self.view.probe, copy, self.view.in_l2(copy), local_tokens, max_tokens, unit)
+        self._running[id(fut)] = self._clock()
+        fut.add_done_callback(lambda f: self._running.pop(id(f), None))
+        self._count(lookup_probes=1)
+        return fut
+
+    def _stuck(self) -> bool:
+        """A probe has been running for ``give_up_s`` or more (the store does not answer)."""
+        now = self._clock()
+        return any(now - t >= self.give_up_s for t in list(self._running.values()))
+
+    def drop(self, req_id: str) -> None:
+        """``req_id`` finished or was aborted: its pending probe is forgotten (it still
+        records its answers).  O(1)."""
+        self._pending.pop(req_id, None)
+
+    def pending(self) -> int:
+        """Lookups waiting for their probe."""
+        return len(self._pending)
+
+    def close(self) -> None:
+        """Stop the probe thread (a probe running finishes on its own)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
