@@ -72,6 +72,7 @@ SOAK = "benchmarks/results/soak.json"
 TIERS_VLLM = "benchmarks/peers/results/tiers_vllm.json"
 TIERS = "benchmarks/results/tiers.json"
 TIER_STALL = "benchmarks/results/tier_stall.json"
+LOOKUP_STALL = "benchmarks/results/lookup_stall_vllm.json"
 TRANSFER = "benchmarks/results/transfer.json"
 TIERS_L3 = "benchmarks/results/tiers_l3.json"
 SGLANG_QUOTED = "benchmarks/peers/results/in_engine_sglang.json"
@@ -884,6 +885,27 @@ def render_tier_stall(load: Loader) -> str:
     )
 
 
+def render_lookup_stall(load: Loader) -> str:
+    """benchmarks/peers/lookup_stall_vllm.py: the scheduler thread held per lookup, by store delay."""
+    out = load(LOOKUP_STALL)
+    cfg, rows = out["config"], out["rows"]
+    modes = (("inline", "asked inline"), ("wait_5ms", "probe thread, `lookup_wait_ms` 5"),
+             ("wait_0", "probe thread, `lookup_wait_ms` 0"))
+    lines = ["| store answers in | " + " | ".join(name for _, name in modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    for delay, r in rows.items():
+        cells = [f"{r[m]['held_ms_p50']:.2f} / {r[m]['held_ms_p99']:.2f} ms (admitted {r[m]['admit_ms_p50']:.1f} ms)"
+                 for m, _ in modes]
+        lines.append(f"| {delay.replace('ms', ' ms')} | " + " | ".join(cells) + " |")
+    hits = {r[m]["hit_tokens"] for r in rows.values() for m, _ in modes}
+    return (
+        f"The scheduler thread held per lookup (p50 / p99), and the prompt's median admission delay, over "
+        f"{cfg['prompts']} new {cfg['tokens']:,}-token prompts, half of them in the store; a deferred lookup is asked "
+        f"again after a simulated {cfg['step_ms']:g} ms engine step:\n\n" + "\n".join(lines) + "\n\n"
+        f"Every mode gave the same hit tokens ({', '.join(f'{h:,}' for h in sorted(hits))}). "
+        + source_line(load, LOOKUP_STALL) + "\n"
+    )
+
+
 _ROUTE_COLS = ("| hit rate | busy max/mean | TTFT p50 s | TTFT p90 s | TTFT p90 (>=32K) s | prefill busy s |",
                "|---|---|---|---|---|---|")
 
@@ -1072,6 +1094,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "kv-groups": (tuple(GROUPS.values()), render_kv_groups),
     "tiers": ((TIERS,), render_tiers),
     "tier-stall": ((TIER_STALL,), render_tier_stall),
+    "lookup-stall": ((LOOKUP_STALL,), render_lookup_stall),
     "transfer": ((TRANSFER,), render_transfer),
     "storage-checksums": ((TIERS_L3,), render_storage_checksums),
     "storage-l3": ((TIERS_L3,), render_storage_l3),
