@@ -11,8 +11,8 @@ new prompts, half of them stored by another engine (every page in the store),
 half not, against a store whose ``exists`` answers after a fixed delay (the
 round trip of a remote store), three ways:
 
-* ``inline``: the store asked on the calling thread (the connector before
-  ``hybridkv_vllm.lookups``; a wait longer than any probe gives the same);
+* ``inline``: the store asked on the calling thread (``TierView.hit``, as the
+  connector did before ``hybridkv_vllm.lookups``);
 * ``wait_5ms``: the default (``lookup_wait_ms=5``);
 * ``wait_0``: never wait (every lookup that needs the store is deferred once).
 
@@ -46,7 +46,7 @@ from hybridkv_vllm.sources import TierView  # noqa: E402
 
 GROUPS = (GroupInfo(0, None, block_size=64), GroupInfo(1, 128, block_size=32))
 UNIT = 64
-MODES = {"inline": 3600.0, "wait_5ms": 0.005, "wait_0": 0.0}
+MODES = {"inline": None, "wait_5ms": 0.005, "wait_0": 0.0}  # lookup_wait_ms / 1000
 
 
 class SlowStore:
@@ -84,8 +84,9 @@ def _run(mode: str, delay_s: float, prompts: list[dict[int, list[bytes]]], store
         for k, v in inc.items():
             counts[k] = counts.get(k, 0) + v
 
-    lookups = Lookups(TierView(GROUPS, None, CacheHitSource.EXTERNAL_UNSPECIFIED, StoreIndex(store.exists)),
-                      MODES[mode], count)
+    view = TierView(GROUPS, None, CacheHitSource.EXTERNAL_UNSPECIFIED, StoreIndex(store.exists))
+    wait_s = MODES[mode]
+    lookups = Lookups(view, wait_s if wait_s is not None else 0.0, count)
     held, admit, hits = [], [], 0
     try:
         for i, keys in enumerate(prompts):
@@ -93,7 +94,8 @@ def _run(mode: str, delay_s: float, prompts: list[dict[int, list[bytes]]], store
             blocked = 0.0
             while True:
                 c0 = time.perf_counter()
-                hit = lookups.hit(str(i), keys, 0, tokens - UNIT, UNIT)
+                hit = (lookups.hit(str(i), keys, 0, tokens - UNIT, UNIT) if wait_s is not None
+                       else view.hit(keys, 0, tokens - UNIT, UNIT))
                 blocked += time.perf_counter() - c0
                 if hit is not None:
                     break
