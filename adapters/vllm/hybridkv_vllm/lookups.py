@@ -12,8 +12,8 @@ the connector the same shape:
    or lack.  Nothing left to ask: that is the answer.
 2. Otherwise a probe job runs the lookup on the probe thread, over a copy of
    what L2 holds, asking the store (its answers land in the record), and the
-   scheduler waits for it at most ``wait_s``.  Done in time: the answer is the
-   record's, now complete.
+   scheduler waits for it at most ``wait_s``.  Done in time: its answer is the
+   record's, now complete (L2 cannot change while the scheduler waits).
 3. Not done: the lookup answers ``None`` (vLLM 0.32: "ask again later"; the
    request waits, the others run) and later calls answer from the record once
    the job is done.  A store that does not answer within ``give_up_s`` is
@@ -87,8 +87,10 @@ class Lookups:
         if not deferred or self._stuck():
             return hit
         fut = self._submit(keys, local_tokens, max_tokens, unit)
-        if self.wait_s and wait_for([fut], timeout=self.wait_s).not_done == set():
-            return view.hit(keys, local_tokens, max_tokens, unit, deferred=[])
+        if self.wait_s and not wait_for([fut], timeout=self.wait_s).not_done:
+            # L2 did not change meanwhile (this thread owns it): the probe's answer is the record's
+            return fut.result() if fut.exception() is None else view.hit(keys, local_tokens, max_tokens, unit,
+                                                                           deferred=[])
         self._pending[req_id] = (fut, self._clock())
         self._count(lookups_deferred=1)
         return None
