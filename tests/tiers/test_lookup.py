@@ -38,6 +38,17 @@ def _keys(g: int, n: int) -> list[bytes]:
     return [bytes([g]) + i.to_bytes(4, "little") for i in range(n)]
 
 
+def _draw(data, groups, max_tokens: int):  # noqa: ANN001, ANN202
+    """Per group: the prompt's keys, which of them the store holds, which L2 holds."""
+    keys, stored, held = {}, set(), {}
+    for g in groups:
+        n = max_tokens // g.block_size
+        keys[g.index] = _keys(g.index, n)
+        stored |= {k for k, s in zip(keys[g.index], data.draw(st.lists(st.booleans(), min_size=n, max_size=n))) if s}
+        held[g.index] = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)
+    return keys, stored, held
+
+
 CORE = (GroupInfo(0, None, block_size=4), GroupInfo(1, 16, block_size=4))  # the core's: one page size
 MIMO = (GroupInfo(0, None, block_size=8), GroupInfo(1, 16, block_size=4), GroupInfo(2, 32, block_size=8))
 
@@ -49,15 +60,7 @@ def test_the_hit_equals_asking_every_key_and_asks_no_more(which, units, data):
     unit = 8 if which == "mimo" else 4
     max_tokens = units * unit
     local = data.draw(st.integers(0, units)) * unit
-    keys, stored, held = {}, set(), {}
-    for g in groups:
-        n = max_tokens // g.block_size
-        ks = _keys(g.index, n)
-        keys[g.index] = ks
-        in_store = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
-        in_l2 = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
-        stored |= {k for k, s in zip(ks, in_store) if s}
-        held[g.index] = np.array(in_l2, dtype=bool)
+    keys, stored, held = _draw(data, groups, max_tokens)
     store = Store(stored)
     hit, flags = stored_hit(groups, keys, lambda g, lo, hi: held[g.index][lo:hi], StoreIndex(store.exists),
                             local, max_tokens, unit)
@@ -81,12 +84,7 @@ def test_deferred_keys_probed_elsewhere_give_the_same_hit_without_probing_here(w
     unit = 8 if which == "mimo" else 4
     max_tokens = units * unit
     local = data.draw(st.integers(0, units)) * unit
-    keys, stored, held = {}, set(), {}
-    for g in groups:
-        n = max_tokens // g.block_size
-        keys[g.index] = _keys(g.index, n)
-        stored |= {k for k, s in zip(keys[g.index], data.draw(st.lists(st.booleans(), min_size=n, max_size=n))) if s}
-        held[g.index] = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)
+    keys, stored, held = _draw(data, groups, max_tokens)
 
     def look(record: StoreIndex, deferred: list[bytes] | None) -> int:
         return stored_hit(groups, keys, lambda g, lo, hi: held[g.index][lo:hi], record, local, max_tokens, unit,

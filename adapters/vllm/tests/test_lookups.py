@@ -27,14 +27,6 @@ GROUPS = (GroupInfo(0, None, block_size=8), GroupInfo(1, 16, block_size=8))
 UNIT = 8
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class GatedStore:
     """``exists`` over a set of keys that blocks until ``gate`` is set and notes the
     threads it ran on."""
@@ -103,14 +95,14 @@ def test_a_fast_store_answers_in_the_same_call_from_the_probe_thread():
 def test_a_store_that_does_not_answer_is_given_up_on():
     keys = _keys(12)
     store = GatedStore({k for ks in keys.values() for k in ks}, gated=True)
-    clock = Clock()
-    lookups, counts = _lookups(store, 0.0, give_up_s=2.0, clock=clock)
+    now = [0.0]
+    lookups, counts = _lookups(store, 0.0, give_up_s=2.0, clock=lambda: now[0])
     try:
         assert lookups.hit("r", keys, 0, 88, UNIT) is None
-        clock.t = 1.0
+        now[0] = 1.0
         assert lookups.hit("r", keys, 0, 88, UNIT) is None
         assert lookups.hit("r2", keys, 0, 88, UNIT) is None and counts["lookup_probes"] == 2  # queued behind it
-        clock.t = 2.5  # no answer yet: the record's (nothing known), not a wait without end
+        now[0] = 2.5  # no answer yet: the record's (nothing known), not a wait without end
         assert lookups.hit("r", keys, 0, 88, UNIT) == 0 and counts["lookup_probes_given_up"] == 1
         assert lookups.hit("r3", keys, 0, 88, UNIT) == 0 and counts["lookup_probes"] == 2  # no new probe queued
         lookups.drop("r2")
