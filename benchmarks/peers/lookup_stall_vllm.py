@@ -13,7 +13,8 @@ round trip of a remote store), three ways:
 
 * ``inline``: the store asked on the calling thread (``TierView.hit``, as the
   connector did before ``hybridkv_vllm.lookups``);
-* ``wait_5ms``: the default (``lookup_wait_ms=5``);
+* ``wait_5ms``: the default (``lookup_wait_ms=5``; a store whose last probes each
+  answered within a quarter of it is asked inline, as the connector does);
 * ``wait_0``: never wait (every lookup that needs the store is deferred once).
 
 A deferred lookup (``None``) is asked again after a simulated engine step
@@ -40,7 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "adapters" / "vllm")]
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from hybridkv.tiers.index import StoreIndex  # noqa: E402
-from hybridkv_vllm.lookups import Lookups  # noqa: E402
+from hybridkv_vllm.lookups import Lookups, TimedProbe  # noqa: E402
 from hybridkv_vllm.plan import GroupInfo  # noqa: E402
 from hybridkv_vllm.sources import TierView  # noqa: E402
 
@@ -84,9 +85,10 @@ def _run(mode: str, delay_s: float, prompts: list[dict[int, list[bytes]]], store
         for k, v in inc.items():
             counts[k] = counts.get(k, 0) + v
 
-    view = TierView(GROUPS, None, CacheHitSource.EXTERNAL_UNSPECIFIED, StoreIndex(store.exists))
+    probe = TimedProbe(store.exists)
+    view = TierView(GROUPS, None, CacheHitSource.EXTERNAL_UNSPECIFIED, StoreIndex(probe))
     wait_s = MODES[mode]
-    lookups = Lookups(view, wait_s if wait_s is not None else 0.0, count)
+    lookups = Lookups(view, wait_s if wait_s is not None else 0.0, count, times=probe)
     held, admit, hits = [], [], 0
     try:
         for i, keys in enumerate(prompts):
@@ -109,7 +111,8 @@ def _run(mode: str, delay_s: float, prompts: list[dict[int, list[bytes]]], store
     return {"held_ms_p50": round(statistics.median(held), 3), "held_ms_p99": round(q(held, n=100)[98], 3),
             "held_ms_total": round(sum(held), 1), "admit_ms_p50": round(statistics.median(admit), 3),
             "admit_ms_p99": round(q(admit, n=100)[98], 3), "hit_tokens": hits, "store_calls": store.calls,
-            "lookups_deferred": counts.get("lookups_deferred", 0)}
+            "lookups_deferred": counts.get("lookups_deferred", 0),
+            "lookup_probes_inline": counts.get("lookup_probes_inline", 0)}
 
 
 def main() -> None:

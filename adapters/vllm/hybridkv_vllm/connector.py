@@ -82,7 +82,7 @@ from .kvio import GroupBuffers, load_pages
 from .l1 import L1View, copy_down
 from .l2 import HostPageRows, l2_index
 from .logs import logger, route_core_logs
-from .lookups import Lookups
+from .lookups import Lookups, TimedProbe
 from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
 from .plan import checkpoint_ends, full_bases, pages_to_save, windows_before
 from .progress import IDLE_WAIT_S, SavesBusy, SavesWatch, WorkerSaves
@@ -151,14 +151,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # a load in the same step would run before the save is submitted).
         self._claimed: set[bytes] = set()
         self._worker_saves = SavesWatch()  # keeps vLLM stepping until saves are counted
-        # The one record of what L2 and L3 hold: keys of save jobs sent to the workers
-        # count as stored while their store may still be queued (a load waits for it).
+        # The one record of what L2 and L3 hold (keys sent to the workers' saves count as stored)
         l2 = (l2_index(kv_cache_config, self.groups, int(self.cfg.l2_gb * (1 << 30)))
               if role == KVConnectorRole.SCHEDULER else None)
         # which full pages vLLM's device cache holds, for L2's eviction (hooked when bound)
         self._l1 = L1View(l2) if l2 is not None and self.cfg.l1_copies_first else None
-        self._tiers = TierView(self.groups, l2, l3_source(self.cfg.l3_url), StoreIndex(self.backend.exists))
-        self._lookups = Lookups(self._tiers, self.cfg.lookup_wait_ms / 1000, self._count)
+        probe = TimedProbe(self.backend.exists)  # a store that answers fast is asked inline (.lookups)
+        self._tiers = TierView(self.groups, l2, l3_source(self.cfg.l3_url), StoreIndex(probe))
+        self._lookups = Lookups(self._tiers, self.cfg.lookup_wait_ms / 1000, self._count, times=probe)
         # worker side
         self._saves_report = WorkerSaves()
         self._buffers: dict[int, GroupBuffers] = {}

@@ -10,11 +10,18 @@ the connector the same shape:
 1. the lookup runs on the tiers' record alone (:meth:`.sources.TierView.hit`
    with a ``deferred`` list): L2's index and what the store is known to hold
    or lack.  Nothing left to ask: that is the answer.
-2. Otherwise a probe job runs the lookup on the probe thread, over a copy of
+2. A store whose last probes each answered within a quarter of ``wait_s``
+   (:class:`TimedProbe`) is asked inline: handing a lookup to the probe thread
+   and back costs more than such an answer (two GIL hand-overs, each up to
+   Python's 5 ms switch interval when a save thread of the same process runs).
+   A store that turns slow costs one slow inline probe (the backend's own
+   timeouts and breaker bound it); its lookups go to the probe thread until
+   its probes are fast again.
+3. Otherwise a probe job runs the lookup on the probe thread, over a copy of
    what L2 holds, asking the store (its answers land in the record), and the
    scheduler waits for it at most ``wait_s``.  Done in time: its answer is the
    record's, now complete (L2 cannot change while the scheduler waits).
-3. Not done: the lookup answers ``None`` (vLLM 0.32: "ask again later"; the
+4. Not done: the lookup answers ``None`` (vLLM 0.32: "ask again later"; the
    request waits, the others run) and later calls answer from the record once
    the job is done.  A store that does not answer within ``give_up_s`` is
    given up on for that request (the record's answer: what it cannot vouch
@@ -30,15 +37,41 @@ only the record (thread-safe) and its own copies.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 
 from .sources import TierView
 
-__all__ = ["GIVE_UP_S", "Lookups"]
+__all__ = ["GIVE_UP_S", "Lookups", "TimedProbe"]
 
 GIVE_UP_S = 2.0  # a probe still running after this long: answer from the record alone
+
+
+class TimedProbe:
+    """A store's ``exists`` that keeps how long its last ``keep`` calls took
+    (whichever thread made them; a call that raised counts too)."""
+
+    def __init__(self, probe: Callable[[list[bytes]], Sequence[bool]], keep: int = 8) -> None:
+        if not callable(probe):
+            raise TypeError(f"probe must be callable, got {type(probe).__name__}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep <= 0:
+            raise ValueError(f"keep must be a positive int, got {keep!r}")
+        self._probe = probe
+        self._last: deque[float] = deque(maxlen=keep)
+
+    def __call__(self, keys: list[bytes]) -> Sequence[bool]:
+        t0 = time.perf_counter()
+        try:
+            return self._probe(keys)
+        finally:
+            self._last.append(time.perf_counter() - t0)
+
+    def answers_within(self, limit_s: float) -> bool:
+        """Its last ``keep`` calls each took less than ``limit_s`` (False before ``keep`` calls)."""
+        last = list(self._last)
+        return len(last) == self._last.maxlen and max(last) < limit_s
 
 
 class Lookups:
@@ -48,12 +81,13 @@ class Lookups:
         view: the tiers' record (:class:`.sources.TierView`).
         wait_s: how long a lookup waits for its probe before answering ``None`` (>= 0).
         count: adds to the connector's counters (``lookups_deferred``, ``lookup_probes``,
-            ``lookup_probes_given_up``: :data:`.metrics.COUNTERS`).
+            ``lookup_probes_inline``, ``lookup_probes_given_up``: :data:`.metrics.COUNTERS`).
+        times: the record's probe, timed (None: never ask inline).
         give_up_s: how long a probe may run before lookups answer without it (> 0).
         clock: monotonic seconds (tests pass their own).
     """
 
-    def __init__(self, view: TierView, wait_s: float, count: Callable[..., None], *,
+    def __init__(self, view: TierView, wait_s: float, count: Callable[..., None], *, times: TimedProbe | None = None,
                  give_up_s: float = GIVE_UP_S, clock: Callable[[], float] = time.monotonic) -> None:
         for name, v, low_ok in (("wait_s", wait_s, True), ("give_up_s", give_up_s, False)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (v == 0 and not low_ok):
@@ -62,6 +96,7 @@ class Lookups:
         self.wait_s = float(wait_s)
         self.give_up_s = float(give_up_s)
         self._count = count
+        self._times = times
         self._clock = clock
         self._pool: ThreadPoolExecutor | None = None  # started by the first probe
         self._pending: dict[str, tuple[Future, float]] = {}  # request -> its probe, queued at
@@ -86,6 +121,9 @@ class Lookups:
         hit = view.hit(keys, local_tokens, max_tokens, unit, deferred=deferred)
         if not deferred or self._stuck():
             return hit
+        if self._times is not None and self.wait_s and self._times.answers_within(self.wait_s / 4):
+            self._count(lookup_probes_inline=1)
+            return view.hit(keys, local_tokens, max_tokens, unit)  # a fast store: asked here
         fut = self._submit(keys, local_tokens, max_tokens, unit)
         if self.wait_s and not wait_for([fut], timeout=self.wait_s).not_done:
             # L2 did not change meanwhile (this thread owns it): the probe's answer is the record's

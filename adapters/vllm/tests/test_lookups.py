@@ -1,11 +1,11 @@
-"""The scheduler side's lookups ask the store off the scheduler's thread
-(``hybridkv_vllm.lookups``): a lookup whose answer needs the store waits for its
-probe at most ``lookup_wait_ms``, then answers "ask again later" (``None``) and
-the request waits while the others run; the hit is then the record's, the same
-one a lookup that probed inline gets.  A store that does not answer is given up
-on.  Through vLLM's real scheduler too: a restarted scheduler over a filled L3
-(every key unknown to its record) gets the same hits with the store never asked
-on the scheduler's thread."""
+"""The scheduler side's lookups keep the store off the scheduler's thread unless it
+answers fast (``hybridkv_vllm.lookups``): a lookup whose answer needs the store
+waits for its probe at most ``lookup_wait_ms``, then answers "ask again later"
+(``None``) and the request waits while the others run; the hit is then the
+record's, the same one a lookup that probed inline gets.  A store whose last
+probes were fast is asked inline; one that does not answer is given up on.
+Through vLLM's real scheduler too: a restarted scheduler over a filled L3 (every
+key unknown to its record) gets the same hits with every lookup deferred."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.tiers.index import StoreIndex
 from hybridkv_vllm.config import ConnectorConfig
-from hybridkv_vllm.lookups import Lookups
+from hybridkv_vllm.lookups import Lookups, TimedProbe
 from hybridkv_vllm.plan import GroupInfo
 from hybridkv_vllm.sources import TierView
 
@@ -127,7 +127,8 @@ def test_a_restarted_scheduler_gets_its_l3_hits_without_asking_the_store_on_its_
     """A filled L3 (one scheduler's conversations), then two fresh schedulers over it
     (their records know nothing): one waits for every probe, one never waits
     (``lookup_wait_ms=0``: every lookup that needs the store is deferred first).
-    They get the same hits; the deferring one never asks the store on its thread."""
+    They get the same hits; the deferring one never asks the store on its thread (the
+    waiting one asks a store that answers fast inline: ``lookup_probes_inline``)."""
     sched, worker = stack(device_pages=70, host_pages=48)
     _conversations(sched, worker, n_conv=2, seed=7)
     hits = {}
@@ -145,8 +146,58 @@ def test_a_restarted_scheduler_gets_its_l3_hits_without_asking_the_store_on_its_
         last = _conversations(sched, worker, n_conv=2, seed=7)
         stats = sched.connector.stats
         hits[wait_ms] = (sorted((c, st.hit_tokens) for c, (_, st) in last.items()), stats["hit_tokens"])
-        assert threads and threading.get_ident() not in threads
-        assert stats["hit_tokens"] > 0
+        assert threads and stats["hit_tokens"] > 0
         if wait_ms == 0:
-            assert stats["lookups_deferred"] > 0
+            assert threading.get_ident() not in threads and stats["lookups_deferred"] > 0
+            assert not stats.get("lookup_probes_inline")
+        else:
+            assert stats["lookup_probes_inline"] > 0 and not stats.get("lookups_deferred")
     assert hits[0] == hits[60_000]
+
+
+def test_a_store_that_answers_fast_is_asked_inline_until_it_turns_slow():
+    """After 8 probes each faster than a quarter of the wait, lookups ask the store on
+    the calling thread; one slow answer sends them back to the probe thread."""
+    keys = {i: _keys(12) for i in range(12)}  # one prompt per lookup, all new to the record
+    for i, ks in keys.items():
+        for g in ks:
+            ks[g] = [bytes([i]) + k for k in ks[g]]
+    store = GatedStore({k for ks in keys.values() for g in ks.values() for k in g[:6]}, gated=False)
+    times = TimedProbe(store.exists)
+    counts: dict[str, int] = {}
+
+    def count(**inc: int) -> None:
+        for k, v in inc.items():
+            counts[k] = counts.get(k, 0) + v
+
+    lookups = Lookups(TierView(GROUPS, None, CacheHitSource.DISK, StoreIndex(times)), 10.0, count, times=times)
+    main = threading.get_ident()
+    try:
+        i = 0
+        while "lookup_probes_inline" not in counts:  # learning the store: on the probe thread
+            assert main not in store.threads and i < 8, (i, counts)  # a lookup probes at least once
+            assert lookups.hit(str(i), keys[i], 0, 88, UNIT) == 48
+            i += 1
+        assert main in store.threads and counts["lookup_probes_inline"] == 1  # 8 fast probes: inline
+        probes = counts["lookup_probes"]
+        real = store.exists
+
+        def slow(ks: list[bytes]) -> list[bool]:
+            threading.Event().wait(3.0)  # slower than a quarter of the 10 s wait
+            return real(ks)
+
+        store.exists = slow  # type: ignore[method-assign]
+        times._probe = slow  # the timed probe wraps the store's exists
+        assert lookups.hit(str(i), keys[i], 0, 88, UNIT) == 48 and counts["lookup_probes_inline"] == 2
+        store.threads.clear()
+        store.exists = real  # type: ignore[method-assign]
+        times._probe = real
+        assert lookups.hit(str(i + 1), keys[i + 1], 0, 88, UNIT) == 48  # back on the probe thread
+        assert main not in store.threads and counts["lookup_probes"] == probes + 1
+        assert counts["lookup_probes_inline"] == 2
+    finally:
+        lookups.close()
+    with pytest.raises(TypeError, match="probe"):
+        TimedProbe(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="keep"):
+        TimedProbe(store.exists, keep=0)
