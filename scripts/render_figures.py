@@ -889,8 +889,8 @@ def render_lookup_stall(load: Loader) -> str:
     """benchmarks/peers/lookup_stall_vllm.py: the scheduler thread held per lookup, by store delay."""
     out = load(LOOKUP_STALL)
     cfg, rows = out["config"], out["rows"]
-    modes = (("inline", "asked inline"), ("wait_5ms", "probe thread, `lookup_wait_ms` 5"),
-             ("wait_0", "probe thread, `lookup_wait_ms` 0"))
+    modes = (("inline", "always asked inline (before)"), ("wait_5ms", "default (`lookup_wait_ms` 5)"),
+             ("wait_0", "`lookup_wait_ms` 0 (probe thread only)"))
     lines = ["| store answers in | " + " | ".join(name for _, name in modes) + " |", "|---" * (len(modes) + 1) + "|"]
     for delay, r in rows.items():
         cells = [f"{r[m]['held_ms_p50']:.2f} / {r[m]['held_ms_p99']:.2f} ms (admitted {r[m]['admit_ms_p50']:.1f} ms)"
@@ -901,7 +901,9 @@ def render_lookup_stall(load: Loader) -> str:
         f"The scheduler thread held per lookup (p50 / p99), and the prompt's median admission delay, over "
         f"{cfg['prompts']} new {cfg['tokens']:,}-token prompts, half of them in the store; a deferred lookup is asked "
         f"again after a simulated {cfg['step_ms']:g} ms engine step:\n\n" + "\n".join(lines) + "\n\n"
-        f"Every mode gave the same hit tokens ({', '.join(f'{h:,}' for h in sorted(hits))}). "
+        f"Every mode gave the same hit tokens ({', '.join(f'{h:,}' for h in sorted(hits))}). With the default, "
+        + ", ".join(f"{r['wait_5ms'].get('lookup_probes_inline', 0)} lookups asked the {d.replace('ms', ' ms')} store "
+                    f"inline" for d, r in rows.items()) + ". "
         + source_line(load, LOOKUP_STALL) + "\n"
     )
 
