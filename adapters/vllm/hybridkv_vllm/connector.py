@@ -20,11 +20,11 @@ manager, one block table per KV-cache group):
   store holds as far as this engine knows; the store is asked ``exists`` only
   for keys with no answer that can change the hit, on a probe thread:
   :mod:`.lookups`) and returns the largest *window-safe* hit: full-attention
-  pages for the whole prefix, SWA pages only for the window before the hit end.  Loads are reported asynchronous because that is the
-  path on which vLLM 0.32 accepts per-request load failures for models with
-  several KV-cache groups (``failed_recving``; block-level failure reports
-  raise for hybrid models): a page that vanished between lookup and load
-  degrades to a recompute, never to garbage KV.
+  pages for the whole prefix, SWA pages only for the window before the hit end.
+  Loads are reported asynchronous because that is the path on which vLLM 0.32
+  accepts per-request load failures for models with several KV-cache groups
+  (``failed_recving``; block-level failure reports raise for hybrid models): a
+  page that vanished between lookup and load degrades to a recompute, never to garbage KV.
 * ``update_state_after_alloc`` turns the hit into per-group (block id, key)
   load lists; SWA groups get only their non-null window blocks.
 * Saves: full pages as soon as a prefill chunk completes them; SWA pages only

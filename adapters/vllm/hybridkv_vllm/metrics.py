@@ -33,7 +33,7 @@ COUNTERS: dict[str, str] = {
     "lookups": "tier lookups of the scheduler-side connector (one per request and attempt)",
     "lookups_deferred": "lookups answered 'ask again later' while their store probe ran off the scheduler's thread",
     "lookup_probes": "store probes of lookups, run on the scheduler side's probe thread",
-    "lookup_probes_inline": "store probes of lookups asked on the scheduler's thread: the store's last probes were fast",
+    "lookup_probes_inline": "store probes of lookups asked on the scheduler's thread (its last probes were fast)",
     "lookup_probes_given_up": "lookups answered from the tiers' record alone: the store did not answer in time",
     "hit_requests": "requests that got an external hit from hybridkv",
     "hit_tokens": "prompt tokens served from hybridkv's L2/L3 instead of being computed",

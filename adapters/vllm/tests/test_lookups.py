@@ -123,7 +123,7 @@ def test_bad_arguments_are_named(kw: dict[str, Any], match: str):
         ConnectorConfig.from_extra({"lookup_wait_ms": -1})
 
 
-def test_a_restarted_scheduler_gets_its_l3_hits_without_asking_the_store_on_its_thread(stack, tmp_path: Path):  # noqa: F811
+def test_a_restarted_scheduler_gets_its_l3_hits_with_every_lookup_deferred(stack, tmp_path: Path):  # noqa: F811
     """A filled L3 (one scheduler's conversations), then two fresh schedulers over it
     (their records know nothing): one waits for every probe, one never waits
     (``lookup_wait_ms=0``: every lookup that needs the store is deferred first).
