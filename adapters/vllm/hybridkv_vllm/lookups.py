@@ -138,7 +138,7 @@ class Lookups:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="hybridkv-lookup")
         copy = {gi: list(ks) for gi, ks in keys.items()}
-        fut = self._pool.submit(self.view.probe, copy, self.view.in_l2(copy), local_tokens, max_tokens, unit)
+        fut = self._pool.submit(self.view.hit, copy, local_tokens, max_tokens, unit, in_l2=self.view.in_l2(copy))
         self._running[id(fut)] = self._clock()
         fut.add_done_callback(lambda f: self._running.pop(id(f), None))
         self._count(lookup_probes=1)

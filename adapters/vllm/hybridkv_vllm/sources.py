@@ -77,7 +77,7 @@ class TierView:
         self.store = store if store is not None else StoreIndex(None)
 
     def hit(self, keys: dict[int, list[bytes]], local_tokens: int, max_tokens: int, unit: int, *,
-            deferred: list[bytes] | None = None) -> int:
+            deferred: list[bytes] | None = None, in_l2: dict[int, np.ndarray] | None = None) -> int:
         """The window-safe hit of a lookup from what L2 (the index, not touched) and L3
         hold, asking the store as little as the answer needs: the core's lookup
         (:func:`hybridkv.tiers.lookup.stored_hit`, the one the core's L3 read-ahead
@@ -85,26 +85,19 @@ class TierView:
         request's keys up to ``max_tokens``; the pages below ``local_tokens`` (the
         engine's own hit) are never asked.  ``deferred``: a list to collect the keys
         the store would be asked instead of asking it (:mod:`.lookups` asks them off
-        the scheduler's thread).  O(keys) plus the probes."""
+        the scheduler's thread).  ``in_l2``: a copy of what L2 held (:meth:`in_l2`),
+        read instead of L2's index, so the call is safe off the scheduler's thread
+        (the record is thread-safe).  O(keys) plus the probes."""
         def held(g: GroupInfo, lo: int, hi: int) -> np.ndarray:
+            if in_l2 is not None:
+                return in_l2[g.index][lo:hi]
             return self._in_l2(g.is_swa, keys[g.index][lo:hi])
 
         return stored_hit(list(self.groups.values()), keys, held, self.store, local_tokens, max_tokens, unit,
                           deferred=deferred)[0]
 
-    def probe(self, keys: dict[int, list[bytes]], in_l2: dict[int, np.ndarray], local_tokens: int,
-              max_tokens: int, unit: int) -> int:
-        """:meth:`hit` over a copy of what L2 held (``in_l2``: per group index, a bool per
-        key), probing the store for what the record cannot answer: safe off the
-        scheduler's thread (the record is thread-safe; L2's index is not read).
-        The answers land in the record; the hit returned is the copy's.  O(keys) plus the probes."""
-        def held(g: GroupInfo, lo: int, hi: int) -> np.ndarray:
-            return in_l2[g.index][lo:hi]
-
-        return stored_hit(list(self.groups.values()), keys, held, self.store, local_tokens, max_tokens, unit)[0]
-
     def in_l2(self, keys: dict[int, list[bytes]]) -> dict[int, np.ndarray]:
-        """Per group index, a bool per key: L2's index holds it now (for :meth:`probe`).  O(keys)."""
+        """Per group index, a bool per key: L2's index holds it now (for :meth:`hit`'s ``in_l2``).  O(keys)."""
         return {gi: self._in_l2(self.groups[gi].is_swa, ks) for gi, ks in keys.items()}
 
     def _in_l2(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:

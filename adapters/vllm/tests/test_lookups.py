@@ -47,13 +47,15 @@ def _keys(n: int) -> dict[int, list[bytes]]:
 
 
 def _lookups(store: GatedStore, wait_s: float, **kw: Any) -> tuple[Lookups, dict[str, int]]:
+    """Lookups over ``store`` (through ``kw['times']``, a timed probe of it, when given)
+    and the counters they add to."""
     counts: dict[str, int] = {}
 
     def count(**inc: int) -> None:
         for k, v in inc.items():
             counts[k] = counts.get(k, 0) + v
 
-    view = TierView(GROUPS, None, CacheHitSource.DISK, StoreIndex(store.exists))
+    view = TierView(GROUPS, None, CacheHitSource.DISK, StoreIndex(kw.get("times") or store.exists))
     return Lookups(view, wait_s, count, **kw), counts
 
 
@@ -164,13 +166,7 @@ def test_a_store_that_answers_fast_is_asked_inline_until_it_turns_slow():
             ks[g] = [bytes([i]) + k for k in ks[g]]
     store = GatedStore({k for ks in keys.values() for g in ks.values() for k in g[:6]}, gated=False)
     times = TimedProbe(store.exists)
-    counts: dict[str, int] = {}
-
-    def count(**inc: int) -> None:
-        for k, v in inc.items():
-            counts[k] = counts.get(k, 0) + v
-
-    lookups = Lookups(TierView(GROUPS, None, CacheHitSource.DISK, StoreIndex(times)), 10.0, count, times=times)
+    lookups, counts = _lookups(store, 10.0, times=times)
     main = threading.get_ident()
     try:
         i = 0
