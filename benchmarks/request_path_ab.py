@@ -14,6 +14,9 @@ and their ratio.
     git worktree add /tmp/old <commit>
     python benchmarks/request_path_ab.py /tmp/old . --rounds 4 [--budget-gb 594] [--step 128,4096,256]
 
+``--l2-gb G`` adds an L2 of G GB (write-through, accounting only) beside L1:
+the tiers' part of the request path (page keys, L1/L2 residency, backups).
+
 Then the batched decode step (``cache.step`` + ``commit_step`` of B requests
 with a C-token context, ``--step B,C,STEPS``), alternated the same way: the
 median of each run's median step, per request.
@@ -38,7 +41,7 @@ from pathlib import Path
 _CHILD = r"""
 import json, pickle, sys, time
 import numpy as np
-root, prompts_path, budget, chunk, preset, page = sys.argv[1:7]
+root, prompts_path, budget, chunk, preset, page, l2 = sys.argv[1:8]
 sys.path.insert(0, root)
 import hybridkv
 assert hybridkv.__file__.startswith(root), hybridkv.__file__
@@ -51,7 +54,11 @@ except ImportError:
 with open(prompts_path, "rb") as f:
     prompts = pickle.load(f)
 spec = ModelSpec.preset(preset, page_size=int(page))
-cache = _make_cache("hybridkv", spec, int(budget), 16384, None)
+tiers = None
+if float(l2):  # an L2 beside L1 (accounting only): the tiers' part of the request path
+    from hybridkv.tiers.tiered import TierConfig
+    tiers = TierConfig(l2_bytes=int(float(l2) * 10**9))
+cache = _make_cache("hybridkv", spec, int(budget), 16384, tiers)
 chunk = int(chunk)
 us, hit, total = [], 0, 0
 for tokens, ns in prompts:
@@ -134,6 +141,8 @@ def main() -> None:
     ap.add_argument("--preset", default="mimo-v2.5-pro")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
+    ap.add_argument("--l2-gb", type=float, default=0.0,
+                    help="with an L2 of this many GB (write-through, accounting only; default 0: L1 alone)")
     ap.add_argument("--step", default="128,4096,256", metavar="B,C,STEPS",
                     help="batched decode step A/B: batch, context, steps (default 128,4096,256; 'none': skip)")
     args = ap.parse_args()
@@ -158,7 +167,7 @@ def main() -> None:
         for i in range(args.rounds):
             for root in roots:
                 res = subprocess.run([sys.executable, "-c", _CHILD, root, path, str(int(args.budget_gb * 10**9)),
-                                      str(args.chunk), args.preset, str(args.page_size)],
+                                      str(args.chunk), args.preset, str(args.page_size), str(args.l2_gb)],
                                      capture_output=True, text=True, check=True, cwd=tmp)
                 r = json.loads(res.stdout.strip().splitlines()[-1])
                 runs[root].append(r)

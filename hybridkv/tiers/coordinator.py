@@ -150,6 +150,24 @@ class TierCoordinator:
                          fingerprint=self.fingerprint, parent=have[-1] if have else None)
         return have + more
 
+    def prompt_keys(self, tokens: np.ndarray, namespace: str, n_pages: int) -> list[bytes]:
+        """Keys of the first ``n_pages`` pages of a prompt: those of its L1 match read
+        off the tree's nodes (named by the insert that added each page, with these
+        same keys), the rest hashed on from the last of them.  A page L1 holds is
+        never hashed again.  O(L1 match pages) plus the hashing of the rest."""
+        have: list[bytes] = []
+        if n_pages > 0:
+            with self.mutex:
+                _, path = self.tree.walk(tokens, namespace, n_pages * self.page_size)
+            for node, k in path:
+                names = node.page_keys
+                part = names[:k] if names is not None else [None]
+                if None in part:  # an unnamed page (a failed naming): hashed from here
+                    have += part[:part.index(None)]
+                    break
+                have += part
+        return self.page_keys(tokens, namespace, n_pages, have)
+
     @property
     def protected(self) -> tuple[set[int], set[int]]:
         """L2 pages (full, SWA) the L2 -> L1 load under way reads: an L2 store made
@@ -160,13 +178,13 @@ class TierCoordinator:
     def prefetch(self, tokens: object, namespace: str = "default") -> PrefetchHandle:
         """Start loading into L2 the L3 pages a later ``begin`` of ``tokens`` would use
         (see :meth:`hybridkv.tiers.tiered.TieredCache.prefetch`).  Raises only for bad
-        arguments.  Runtime on the caller: key hashing O(L), one L1/L2 lookup per page."""
+        arguments.  Runtime on the caller: hashing of the pages past the L1 match, one L1/L2 lookup per page."""
         tokens = as_token_array(tokens)
         if len(tokens) == 0:
             raise ValueError("tokens must not be empty")
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
-        keys = self.page_keys(tokens, namespace, (len(tokens) - 1) // self.page_size)
+        keys = self.prompt_keys(tokens, namespace, (len(tokens) - 1) // self.page_size)
         try:
             return self._start_fetch(tokens, namespace, keys)[0]
         except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
@@ -180,9 +198,9 @@ class TierCoordinator:
         Returns the page keys and the origin per page of the hit (a
         :class:`~hybridkv.lifecycle.TierPlan`) for :meth:`after_begin`.
         Never raises for tier faults (logged, counted, an L1-only answer).
-        Runtime: key hashing O(L), one L2 lookup per page, the wait, the copies."""
+        Runtime: hashing of the pages past the L1 match, one L2 lookup per page, the wait, the copies."""
         n = (len(tokens) - 1) // self.page_size
-        keys = self.page_keys(tokens, namespace, n)
+        keys = self.prompt_keys(tokens, namespace, n)
         origin = np.zeros(n, dtype=np.int8)
         if self.l3 is not None and n:
             self._wait_for_l3(tokens, namespace, keys)
@@ -302,7 +320,7 @@ class TierCoordinator:
         if n <= l1_pages:
             return 0
         try:
-            keys = self.page_keys(tokens, namespace, n)
+            keys = self.prompt_keys(tokens, namespace, n)
             if self.l3 is not None:
                 if wait_l3:
                     self._wait_for_l3(tokens, namespace, keys)
@@ -454,9 +472,18 @@ class TierCoordinator:
         return out
 
     def check_invariants(self) -> None:
-        """L2 accounting, and every page the L1 tree holds is named, as L2 counts it.  O(n)."""
+        """L2 accounting; every page the L1 tree holds is named, as L2 counts it, and
+        by the key of its path (what :meth:`prompt_keys` reads off the nodes).  O(n)."""
         self.host.check_invariants()
         self.backup.check_names()
+        for nd in self.tree.iter_nodes():
+            up = nd.parent.page_keys if nd.parent is not None else None
+            parent = up[-1] if up else None
+            if nd.page_keys is None or (parent is None and nd.parent is not None and nd.parent.parent is not None):
+                continue  # unnamed, or under an unnamed page: prompt_keys hashes there
+            keys = page_keys(nd.key, self.page_size, namespace=nd.namespace, fingerprint=self.fingerprint,
+                             parent=parent)
+            assert all(k is None or k == h for k, h in zip(nd.page_keys, keys)), f"{nd} holds another path's names"
 
 
 _EMPTY = np.zeros(0, dtype=np.int32)

@@ -104,7 +104,7 @@ class TieredCache(HybridKVCache):
         then serves them like any L2 page.  Returns a :class:`PrefetchHandle`
         (already done when there is nothing to fetch, no L3, or the read
         breaker is open).  Raises only for bad arguments.  Runtime on the
-        caller: key hashing O(L) and one L1/L2 lookup per page.
+        caller: hashing of the pages past the L1 match and one L1/L2 lookup per page.
         """
         return self.coordinator.prefetch(tokens, namespace)
 

@@ -204,3 +204,59 @@ def test_the_invariant_check_catches_a_node_named_apart_from_l2s_count():
             cache.check_invariants()
     finally:
         cache.close()
+
+
+def test_the_invariant_check_catches_names_swapped_between_nodes():
+    """Two nodes' names swapped: L2's counts still agree, the path's keys do not
+    (what :meth:`TierCoordinator.prompt_keys` reads off the nodes would be wrong)."""
+    cache = _cache("write_back", l1_pages=40)
+    try:
+        base = np.arange(48, dtype=np.int32)
+        _serve(cache, base)
+        _serve(cache, np.concatenate([base[:24], np.arange(500, 524, dtype=np.int32)]))
+        cache.check_invariants()
+        a, b = [nd for nd in cache.tree.iter_nodes() if not nd.children][:2]
+        a.page_keys, b.page_keys = [b.page_keys[0]] + a.page_keys[1:], [a.page_keys[0]] + b.page_keys[1:]
+        with pytest.raises(AssertionError, match="another path"):
+            cache.check_invariants()
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_prompt_keys_read_the_l1_match_off_the_nodes_and_hash_only_the_rest(policy, monkeypatch):
+    from hybridkv.tiers import coordinator
+
+    cache = _cache(policy, l1_pages=40)
+    co = cache.lower_tiers
+    hashed: list[int] = []
+    real = coordinator.page_keys
+
+    def counting(tokens, page_size, **kw):
+        hashed.append(len(tokens) // page_size)
+        return real(tokens, page_size, **kw)
+
+    try:
+        rng = np.random.default_rng(1)
+        base = rng.integers(0, 1000, 48).astype(np.int32)
+        _serve(cache, base)
+        longer = np.concatenate([base[:40], rng.integers(0, 1000, 24).astype(np.int32)])
+        want = page_keys(longer, P, namespace="default", fingerprint=co.fingerprint)
+        monkeypatch.setattr(coordinator, "page_keys", counting)
+        assert co.prompt_keys(longer, "default", len(want)) == want
+        assert hashed == [len(want) - 40 // P]  # the 10 pages L1 holds were read, not hashed
+        hashed.clear()
+        assert co.prompt_keys(base, "default", 12) == want[:10] + page_keys(
+            base[40:48], P, namespace="default", fingerprint=co.fingerprint, parent=want[9])
+        assert hashed == []  # all 12 from the tree
+        # a node whose naming failed: hashed from its first unnamed page on, the same keys
+        hashed.clear()
+        _, path = cache.tree.walk(longer, "default", len(longer))
+        node = path[0][0]
+        node.page_keys = node.page_keys[:3] + [None] + node.page_keys[4:]
+        assert co.prompt_keys(longer, "default", len(want)) == want
+        assert hashed == [len(want) - 3]
+        hashed.clear()
+        assert co.prompt_keys(longer, "default", 0) == [] and hashed == []
+    finally:
+        cache.close()

@@ -269,7 +269,7 @@ class SGLangTierCoordinator(TierCoordinator):
         4).  Returns the request's ``extra`` (page keys, tier figures) for
         :meth:`checkpoint`.  O(hit pages)."""
         P = self.page_size
-        keys = plan.keys if plan is not None else self.page_keys(tokens, namespace, hit_pages)
+        keys = plan.keys if plan is not None else self.prompt_keys(tokens, namespace, hit_pages)
         origin = plan.origin if plan is not None else np.zeros(0, dtype=np.int8)
         shim = ReqShim(tokens=tokens, namespace=namespace, prefix_len=hit_pages * P, swa_pages=swa_pages)
         self.after_begin(shim, TierPlan(keys, origin))
