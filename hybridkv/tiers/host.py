@@ -111,6 +111,7 @@ class HostTier:
         # Called with (kind, int32 page ids) just before pages go back to ``pool``: the
         # owner encodes a page with a queued L3 write before its data is reused.
         self.free_listeners: list[Callable[[AttnKind, np.ndarray], None]] = []
+        self._freeing: tuple[list[int], list[int]] | None = None  # alloc's victims' pages (full, SWA)
         self.counters = {"evicted_full_pages": 0, "evicted_swa_pages": 0, "stored_full_pages": 0,
                          "stored_swa_pages": 0, "demoted_swa_pages": 0, "dropped_paired_swa_pages": 0,
                          "evicted_l1_copy_pages": 0}
@@ -128,6 +129,21 @@ class HostTier:
         for hook in self.free_listeners:
             hook(AttnKind.SWA, pages)
         (self.pool.free_swa_trusted if own else self.pool.free_swa)(pages)
+
+    def _drop_page(self, kind: int, page: int) -> None:
+        """Free one page this index held (``kind`` 0: full, 1: SWA); inside
+        :meth:`alloc`'s eviction it is gathered and freed at the end."""
+        if self._freeing is not None:
+            self._freeing[kind].append(page)
+        else:
+            (self._free_full, self._free_swa)[kind](np.array([page], dtype=np.int32), own=True)
+
+    def _give_back_gathered(self) -> None:
+        """Free what :meth:`alloc`'s eviction gathered: one call per kind (listeners first)."""
+        gathered, self._freeing = self._freeing, None
+        for pages, free in zip(gathered or (), (self._free_full, self._free_swa)):
+            if pages:
+                free(np.array(pages, dtype=np.int32), own=True)
 
     def lookup_full(self, keys: Sequence[bytes], *, touch: bool = False) -> np.ndarray:
         """Host full page of each key, ``-1`` where absent: int64 ``[n]``.  O(n)."""
@@ -263,15 +279,25 @@ class HostTier:
             return got
         pf, ps = set(int(p) for p in protect), set(int(p) for p in protect_swa)
         stages = ("swa", "copy", "full", "anchor") if self.l1_copies_first else ("swa", "full", "anchor")
-        for stage in ("swa",) if plain_only else stages:
-            while not self.pool.can_alloc(n_full, n_swa):
-                short_full, short_swa, short_bytes = self.pool.shortfall(n_full, n_swa)
-                if stage in ("copy", "full") and not (short_full or short_bytes):
-                    break
-                if stage in ("swa", "anchor") and not (short_swa or short_bytes):
-                    break
-                if not self._evict_one(stage, pf, ps):
-                    break
+        # the victims' pages are freed together at the end; the shortfall counts them
+        # as freed already (every group holds an L2 page: it frees whole), so the
+        # victims are the ones a free per victim would pick
+        gathered = self._freeing = ([], [])
+        try:
+            for stage in ("swa",) if plain_only else stages:
+                while True:
+                    short_full, short_swa, short_bytes = self.pool.shortfall(
+                        n_full, n_swa, freed_full=len(gathered[0]), freed_swa=len(gathered[1]))
+                    if not (short_full or short_swa or short_bytes):
+                        break
+                    if stage in ("copy", "full") and not (short_full or short_bytes):
+                        break
+                    if stage in ("swa", "anchor") and not (short_swa or short_bytes):
+                        break
+                    if not self._evict_one(stage, pf, ps):
+                        break
+        finally:
+            self._give_back_gathered()
         return self.pool.alloc(n_full, n_swa)
 
     def _evict_one(self, stage: str, protect_full: set[int], protect_swa: set[int]) -> bool:
@@ -295,7 +321,7 @@ class HostTier:
         if stage in ("copy", "full"):
             self._copies.pop(victim, None)
             self._gone_full(victim)
-            self._free_full(np.array([page], dtype=np.int32), own=True)
+            self._drop_page(0, page)
             self.counters["evicted_full_pages"] += 1
             if self.listeners:
                 emit(self.listeners, TierEvent("L2", "remove", (victim,)))
@@ -305,7 +331,7 @@ class HostTier:
         return True
 
     def _free_swa_entry(self, key: bytes, page: int) -> None:
-        self._free_swa(np.array([page], dtype=np.int32), own=True)
+        self._drop_page(1, page)
         self.counters["evicted_swa_pages"] += 1
         base = self._base.pop(key, None)
         if base is None:
@@ -366,7 +392,7 @@ class HostTier:
                     continue
                 self._copies.pop(key, None)
                 self._gone_full(key)
-                self._free_full(np.array([page], dtype=np.int32), own=True)
+                self._drop_page(0, page)
                 self.counters["evicted_full_pages"] += 1
                 if self.listeners:
                     emit(self.listeners, TierEvent("L2", "remove", (key,)))
