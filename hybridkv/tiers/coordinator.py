@@ -281,8 +281,12 @@ class TierCoordinator:
             held &= side >= 0
         return full, swa, held, path[-1][0]
 
-    def resident(self, tokens: np.ndarray, namespace: str, keys: list[bytes]) -> Residency:
-        """Where the pages of ``keys`` are in L1 and L2 (under the mutex).  O(pages)."""
+    def resident(self, tokens: np.ndarray, namespace: str, keys: list[bytes], *,
+                 every_swa: bool = True) -> Residency:
+        """Where the pages of ``keys`` are in L1 and L2 (under the mutex).  Without
+        ``every_swa``, L2 is asked for the SWA of only the pages the window-safe hit
+        over L1/L2 depends on (:meth:`_hit_windows`); the other pages read as
+        lacking it.  O(pages)."""
         n = len(keys)
         full = np.zeros(n, dtype=np.int8)
         l1_full, l1_swa, l1_held, deepest = self._l1_path(tokens, namespace, n * self.page_size)
@@ -294,12 +298,35 @@ class TierCoordinator:
         swa = np.zeros(n, dtype=np.int8)
         # an L1 SWA page counts where every sliding group holds it (what a tier copies)
         swa[:n1][l1_held] = PageOrigin.L1
-        need = np.flatnonzero(swa == PageOrigin.NONE)
-        l2_swa = np.full(n, -1, dtype=np.int64)
+        res = Residency(full, swa, l2_full, np.full(n, -1, dtype=np.int64), l1_full, l1_swa, deepest)
+        if every_swa:
+            self._swa_in_l2(res, keys, 0, n)
+        else:
+            self._hit_windows(res, keys)
+        return res
+
+    def _swa_in_l2(self, res: Residency, keys: list[bytes], lo: int, hi: int) -> None:
+        """Fill ``res``'s SWA of pages ``[lo, hi)`` that L1 lacks from L2.  O(hi - lo)."""
+        need = lo + np.flatnonzero(res.swa[lo:hi] == PageOrigin.NONE)
         if need.size:
-            l2_swa[need] = self.host.lookup_swa([swa_key(keys[i]) for i in need.tolist()])
-            swa[need[l2_swa[need] >= 0]] = PageOrigin.L2
-        return Residency(full, swa, l2_full, l2_swa, l1_full, l1_swa, deepest)
+            res.l2_swa[need] = self.host.lookup_swa([swa_key(keys[i]) for i in need.tolist()])
+            res.swa[need[res.l2_swa[need] >= 0]] = PageOrigin.L2
+
+    def _hit_windows(self, res: Residency, keys: list[bytes]) -> None:
+        """Ask L2 for SWA from the end of the pages whose full KV some tier holds
+        downwards, a window first and four times more each round, until the
+        window-safe hit is decided: a hit found with its whole window inside what
+        was asked is the one asking every page gives (an end above it would have
+        its window inside that range too, seen unheld).  O(asked pages)."""
+        wp = max(1, self.spec.window_pages)
+        covered = leading_true(res.full > PageOrigin.NONE)
+        asked, span = covered, wp
+        while asked > 0:
+            start = max(0, covered - span)
+            self._swa_in_l2(res, keys, start, asked)
+            asked, span = start, span * 4
+            if start == 0 or window_safe(res.swa[:covered] > PageOrigin.NONE, wp) >= start + wp:
+                return
 
     def _safe_hit(self, res: Residency) -> int:
         """Window-safe hit pages over L1 and L2 of ``res``: the leading pages whose
@@ -327,7 +354,7 @@ class TierCoordinator:
                 else:
                     self._start_fetch(tokens, namespace, keys)
             with self.mutex:
-                hit = self._safe_hit(self.resident(tokens, namespace, keys))
+                hit = self._safe_hit(self.resident(tokens, namespace, keys, every_swa=False))
         except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
             self.counters["tier_errors"] += 1
             logger.warning("lower-tier hit lookup failed (%s: %s)", type(exc).__name__, exc)
@@ -340,7 +367,7 @@ class TierCoordinator:
         if not keys:
             return np.zeros(0, dtype=np.int8)
         wp = self.spec.window_pages
-        res = self.resident(tokens, namespace, keys)
+        res = self.resident(tokens, namespace, keys, every_swa=False)
         origin = res.full
         hit = self._safe_hit(res)
         if hit == 0:
