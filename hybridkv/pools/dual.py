@@ -154,19 +154,15 @@ class DualPool:
         return (self.budget_bytes - self.full.used * self.full_page_bytes
                 - self.swa.used * self.lead_page_bytes - self._group_used)
 
-    def shortfall(self, n_full: int, n_swa: int, *, freed_full: int = 0,
-                  freed_swa: int = 0) -> tuple[int, int, int]:
+    def shortfall(self, n_full: int, n_swa: int) -> tuple[int, int, int]:
         """What must be freed before ``alloc(n_full, n_swa)`` can succeed.
 
         Returns ``(full_pages, swa_pages, bytes)``: pages missing in each
         pool's capacity and bytes missing in the shared budget (all >= 0).
-        ``freed_full`` / ``freed_swa``: pages an owner is about to free, counted
-        as free already (SWA pages every sliding group holds: they free whole).
         """
-        need_full = max(0, n_full - self.full.num_free - freed_full)
-        need_swa = max(0, n_swa - self.swa.num_free - freed_swa)
-        need_bytes = max(0, (n_full - freed_full) * self.full_page_bytes + (n_swa - freed_swa) * self.swa_page_bytes
-                         - self.free_bytes())
+        need_full = max(0, n_full - self.full.num_free)
+        need_swa = max(0, n_swa - self.swa.num_free)
+        need_bytes = max(0, n_full * self.full_page_bytes + n_swa * self.swa_page_bytes - self.free_bytes())
         return need_full, need_swa, need_bytes
 
     def can_alloc(self, n_full: int, n_swa: int) -> bool:

@@ -94,6 +94,7 @@ class HostTier:
         self._full: OrderedDict[bytes, int] = OrderedDict()
         self._swa: OrderedDict[bytes, int] = OrderedDict()       # plain SWA (evicted first)
         self._anchor: OrderedDict[bytes, int] = OrderedDict()    # tails / checkpoints (last)
+        self._class = {"swa": self._swa, "copy": self._full, "full": self._full, "anchor": self._anchor}
         self._base: dict[bytes, bytes] = {}  # SWA key -> full-KV key of its page (its base)
         self._under: dict[bytes, dict[bytes, None]] = {}  # full-KV key -> SWA keys based on it
         # the full pages as a tree of page keys: a page is evicted only as a leaf
@@ -279,15 +280,20 @@ class HostTier:
             return got
         pf, ps = set(int(p) for p in protect), set(int(p) for p in protect_swa)
         stages = ("swa", "copy", "full", "anchor") if self.l1_copies_first else ("swa", "full", "anchor")
-        # the victims' pages are freed together at the end; the shortfall counts them
-        # as freed already (every group holds an L2 page: it frees whole), so the
-        # victims are the ones a free per victim would pick
+        # the victims' pages are freed together at the end (the pool does not change
+        # meanwhile); the shortfall counts them as freed already (every group holds
+        # an L2 page: it frees whole), so the victims are the ones a free per victim
+        # would pick
         gathered = self._freeing = ([], [])
+        need_full, need_swa, need_bytes = self.pool.shortfall(n_full, n_swa)
+        fpb, spb = self.pool.full_page_bytes, self.pool.swa_page_bytes
         try:
             for stage in ("swa",) if plain_only else stages:
                 while True:
-                    short_full, short_swa, short_bytes = self.pool.shortfall(
-                        n_full, n_swa, freed_full=len(gathered[0]), freed_swa=len(gathered[1]))
+                    freed_full, freed_swa = len(gathered[0]), len(gathered[1])
+                    short_full, short_swa = need_full - freed_full, need_swa - freed_swa
+                    short_bytes = need_bytes - freed_full * fpb - freed_swa * spb
+                    short_full, short_swa, short_bytes = max(0, short_full), max(0, short_swa), max(0, short_bytes)
                     if not (short_full or short_swa or short_bytes):
                         break
                     if stage in ("copy", "full") and not (short_full or short_bytes):
@@ -301,7 +307,7 @@ class HostTier:
         return self.pool.alloc(n_full, n_swa)
 
     def _evict_one(self, stage: str, protect_full: set[int], protect_swa: set[int]) -> bool:
-        table = {"swa": self._swa, "full": self._full, "anchor": self._anchor}.get(stage, self._full)
+        table = self._class[stage]  # the eviction class's table
         victim = None
         if stage == "copy":  # a full page L1 also holds, LRU first (L1 serves what extends it)
             full = self._full
