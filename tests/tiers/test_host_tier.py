@@ -84,13 +84,10 @@ class _PerVictim(HostTier):
         pf, ps = set(int(p) for p in protect), set(int(p) for p in protect_swa)
         stages = ("swa", "copy", "full", "anchor") if self.l1_copies_first else ("swa", "full", "anchor")
         for stage in ("swa",) if plain_only else stages:
+            frees_full = stage in ("copy", "full")  # else a stage of SWA pages
             while not self.pool.can_alloc(n_full, n_swa):
-                short_full, short_swa, short_bytes = self.pool.shortfall(n_full, n_swa)
-                if stage in ("copy", "full") and not (short_full or short_bytes):
-                    break
-                if stage in ("swa", "anchor") and not (short_swa or short_bytes):
-                    break
-                if not self._evict_one(stage, pf, ps):
+                short = self.pool.shortfall(n_full, n_swa)  # what is missing now: pages were freed
+                if not (short[0 if frees_full else 1] or short[2]) or not self._evict_one(stage, pf, ps):
                     break
         return self.pool.alloc(n_full, n_swa)
 
