@@ -157,15 +157,15 @@ class TierCoordinator:
         never hashed again.  O(L1 match pages) plus the hashing of the rest."""
         have: list[bytes] = []
         if n_pages > 0:
-            with self.mutex:
+            with self.mutex:  # as resident: the walk and the names read together
                 _, path = self.tree.walk(tokens, namespace, n_pages * self.page_size)
-            for node, k in path:
-                names = node.page_keys
-                part = names[:k] if names is not None else [None]
-                if None in part:  # an unnamed page (a failed naming): hashed from here
-                    have += part[:part.index(None)]
-                    break
-                have += part
+                for node, k in path:
+                    names = node.page_keys
+                    part = names[:k] if names is not None else [None]
+                    if None in part:  # an unnamed page (a failed naming): hashed from here
+                        have += part[:part.index(None)]
+                        break
+                    have += part
         return self.page_keys(tokens, namespace, n_pages, have)
 
     @property
