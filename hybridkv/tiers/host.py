@@ -142,9 +142,14 @@ class HostTier:
     def _give_back_gathered(self) -> None:
         """Free what :meth:`alloc`'s eviction gathered: one call per kind (listeners first)."""
         gathered, self._freeing = self._freeing, None
-        for pages, free in zip(gathered or (), (self._free_full, self._free_swa)):
-            if pages:
-                free(np.array(pages, dtype=np.int32), own=True)
+        if gathered is None:
+            return
+        try:  # a listener that raises for one kind leaves the other kind's pages freed
+            if gathered[0]:
+                self._free_full(np.array(gathered[0], dtype=np.int32), own=True)
+        finally:
+            if gathered[1]:
+                self._free_swa(np.array(gathered[1], dtype=np.int32), own=True)
 
     def lookup_full(self, keys: Sequence[bytes], *, touch: bool = False) -> np.ndarray:
         """Host full page of each key, ``-1`` where absent: int64 ``[n]``.  O(n)."""

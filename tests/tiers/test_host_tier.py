@@ -156,3 +156,24 @@ def test_eviction_gathers_its_victims_and_picks_those_a_free_per_victim_picks(tw
             tier.check_invariants()
     assert tiers[0].counters["evicted_full_pages"] > 20 and tiers[0].counters["evicted_swa_pages"] > 20
     assert sorted(p for _, ps in freed[0] for p in ps) == sorted(p for _, ps in freed[1] for p in ps)
+
+
+def test_a_listener_failing_on_full_pages_still_lets_the_evicted_swa_pages_go():
+    """A free listener that raises for the full victims (their queued L3 writes could
+    not be encoded) keeps those pages out of the pool (their data may still be read),
+    but the SWA victims of the same eviction are freed."""
+    spec = ModelSpec.preset("mimo-v2.5", page_size=4)
+    tier = HostTier(spec, 3 * spec.bytes_per_page("full") + 2 * spec.bytes_per_page("swa"))
+    f, s = tier.alloc(3, 2)
+    tier.insert_full([b"a", b"b", b"c"], f)
+    tier.insert_swa([b"s1", b"s2"], s, np.array([False, False]))
+
+    def fail_full(kind, pages):
+        if kind.name == "FULL":
+            raise RuntimeError("encode failed")
+
+    tier.free_listeners.append(fail_full)
+    with pytest.raises(RuntimeError, match="encode failed"):
+        tier.alloc(3, 2)  # needs every page: plain SWA goes first, then full KV
+    assert tier.pool.swa.num_used == 0 and tier.pool.full.num_used == 3
+    assert tier.num_full_pages == 0 and tier.num_swa_pages == 0
