@@ -36,6 +36,7 @@ from ..lifecycle import TierPlan
 from ..modes import WritePolicy
 from ..radix.node import NO_PAGE, TreeNode, parts_side
 from ..radix import PageNames
+from ..radix.types import node_names
 from ..spec import AttnKind, ModelSpec
 from ..transfer import prepare_copy
 from .backup import L2Backup
@@ -504,13 +505,12 @@ class TierCoordinator:
         self.host.check_invariants()
         self.backup.check_names()
         for nd in self.tree.iter_nodes():
-            up = nd.parent.page_keys if nd.parent is not None else None
-            parent = up[-1] if up else None
-            if nd.page_keys is None or (parent is None and nd.parent is not None and nd.parent.parent is not None):
-                continue  # unnamed, or under an unnamed page: prompt_keys hashes there
+            names = node_names(nd)
+            if names is None or (names.parents[0] is None and nd.parent.parent is not None):
+                continue  # unnamed, or under an unnamed page (not a root): prompt_keys hashes there
             keys = page_keys(nd.key, self.page_size, namespace=nd.namespace, fingerprint=self.fingerprint,
-                             parent=parent)
-            assert all(k is None or k == h for k, h in zip(nd.page_keys, keys)), f"{nd} holds another path's names"
+                             parent=names.parents[0])
+            assert all(k is None or k == h for k, h in zip(names.keys, keys)), f"{nd} holds another path's names"
 
 
 _EMPTY = np.zeros(0, dtype=np.int32)
