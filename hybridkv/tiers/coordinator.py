@@ -50,6 +50,9 @@ from .reads import Landing, PrefetchHandle, ReadAhead, leading_true, window_safe
 from .storage import StorageBackend, open_backend
 from .writes import L3WriteQueue
 
+#: An L1 walk (:meth:`WindowSafeTree.walk`): each node on the match and its pages matched.
+L1Path = list[tuple[TreeNode, int]]
+
 if TYPE_CHECKING:
     from ..pools import DualPool
     from ..radix import WindowSafeTree
@@ -118,6 +121,7 @@ class TierCoordinator:
                                touch_interval_s=tiers.touch_interval_s, read_breaker=tiers.l3_read_breaker)
                    if self.backend is not None else None)
         self.fingerprint = spec.fingerprint()
+        self.window_pages = spec.window_pages  # pages of the sliding window (the spec is frozen)
         self.mutex = threading.RLock()
         self._stream = (torch.cuda.Stream(device=pool.buffers.device)
                         if real and pool.buffers.device.type == "cuda" else None)
@@ -156,7 +160,17 @@ class TierCoordinator:
         off the tree's nodes (named by the insert that added each page, with these
         same keys), the rest hashed on from the last of them.  A page L1 holds is
         never hashed again.  O(L1 match pages) plus the hashing of the rest."""
+        return self.walk_prompt(tokens, namespace, n_pages)[0]
+
+    def walk_prompt(self, tokens: np.ndarray, namespace: str, n_pages: int) -> tuple[list[bytes], L1Path]:
+        """:meth:`prompt_keys` and the L1 walk it read them off, which :meth:`resident`
+        takes instead of walking the tree again.  Only the engine's thread changes
+        the tree (the tiers' threads change L2 and L3), so on that thread the walk
+        holds until the engine's call returns.  A :meth:`prefetch` from another
+        thread may read a walk the engine changed since: it only picks which pages
+        to read ahead, never what a request is served."""
         have: list[bytes] = []
+        path: L1Path = []
         if n_pages > 0:
             with self.mutex:  # as resident: the walk and the names read together
                 _, path = self.tree.walk(tokens, namespace, n_pages * self.page_size)
@@ -167,7 +181,7 @@ class TierCoordinator:
                         have += part[:part.index(None)]
                         break
                     have += part
-        return self.page_keys(tokens, namespace, n_pages, have)
+        return self.page_keys(tokens, namespace, n_pages, have), path
 
     @property
     def protected(self) -> tuple[set[int], set[int]]:
@@ -185,9 +199,9 @@ class TierCoordinator:
             raise ValueError("tokens must not be empty")
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
-        keys = self.prompt_keys(tokens, namespace, (len(tokens) - 1) // self.page_size)
+        keys, path = self.walk_prompt(tokens, namespace, (len(tokens) - 1) // self.page_size)
         try:
-            return self._start_fetch(tokens, namespace, keys)[0]
+            return self._start_fetch(keys, path)[0]
         except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
             self.counters["tier_errors"] += 1
             logger.warning("L3 prefetch failed (%s: %s)", type(exc).__name__, exc)
@@ -201,13 +215,13 @@ class TierCoordinator:
         Never raises for tier faults (logged, counted, an L1-only answer).
         Runtime: hashing of the pages past the L1 match, one L2 lookup per page, the wait, the copies."""
         n = (len(tokens) - 1) // self.page_size
-        keys = self.prompt_keys(tokens, namespace, n)
+        keys, path = self.walk_prompt(tokens, namespace, n)
         origin = np.zeros(n, dtype=np.int8)
         if self.l3 is not None and n:
-            self._wait_for_l3(tokens, namespace, keys)
+            self._wait_for_l3(keys, path)
         try:
             with self.mutex:
-                origin = self._load(tokens, namespace, keys)
+                origin = self._load(tokens, namespace, keys, path)
         except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
             self.counters["tier_errors"] += 1
             logger.warning("tiered load failed (%s: %s); serving from L1 only", type(exc).__name__, exc)
@@ -244,15 +258,15 @@ class TierCoordinator:
                 logger.warning("anchoring the hit window failed (%s: %s)", type(exc).__name__, exc)
         if self.l3 is not None:  # repair 3: hot prefixes keep their L3 keys alive
             served = [k for k, t in zip(keys[:h], src.tolist()) if t < PageOrigin.L3]
-            served += [swa_key(k) for k in keys[max(0, h - self.spec.window_pages):h]]
+            served += [swa_key(k) for k in keys[max(0, h - self.window_pages):h]]
             self.l3.touch(served)
 
-    def _wait_for_l3(self, tokens: np.ndarray, namespace: str, keys: list[bytes]) -> None:
+    def _wait_for_l3(self, keys: list[bytes], path: L1Path) -> None:
         """Start the read-ahead of what L1/L2 lack and wait for it (bounded; the
         mutex is not held).  Faults are logged and counted."""
         assert self.l3 is not None
         try:
-            handle, probe = self._start_fetch(tokens, namespace, keys)
+            handle, probe = self._start_fetch(keys, path)
             budget = self.tiers.l3_timeout_s
             if not probe and not handle.wait(budget):
                 self.l3.timed_out(budget)
@@ -260,19 +274,18 @@ class TierCoordinator:
             self.counters["tier_errors"] += 1
             logger.warning("L3 fetch failed (%s: %s); serving from L1/L2", type(exc).__name__, exc)
 
-    def _start_fetch(self, tokens: np.ndarray, namespace: str, keys: list[bytes]) -> tuple[PrefetchHandle, bool]:
-        """The read-ahead of ``keys`` (see :meth:`ReadAhead.start`)."""
+    def _start_fetch(self, keys: list[bytes], path: L1Path) -> tuple[PrefetchHandle, bool]:
+        """The read-ahead of ``keys`` (see :meth:`ReadAhead.start`), past the L1 walk ``path``."""
         if self.reads is None or not keys:
             return PrefetchHandle(), False
         with self.mutex:
-            res = self.resident(tokens, namespace, keys)
+            res = self.resident(keys, path)
             return self.reads.start(keys, res.full > PageOrigin.NONE, res.swa > PageOrigin.NONE)
 
-    def _l1_path(self, tokens: np.ndarray, namespace: str, limit: int
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, TreeNode | None]:
-        """Full and SWA page ids of the raw (not window-safe) L1 token match, and
-        where every sliding group holds its page (the nodes' ``swa`` and ``side`` ids)."""
-        _, path = self.tree.walk(tokens, namespace, limit)
+    def _l1_pages(self, path: L1Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, TreeNode | None]:
+        """Full and SWA page ids of the raw (not window-safe) L1 token match ``path``
+        (a :meth:`walk_prompt` walk), and where every sliding group holds its page (the
+        nodes' ``swa`` and ``side`` ids)."""
         if not path:
             return _EMPTY, _EMPTY, np.zeros(0, dtype=bool), None
         full = np.concatenate([nd.full[:k] for nd, k in path])
@@ -282,15 +295,15 @@ class TierCoordinator:
             held &= side >= 0
         return full, swa, held, path[-1][0]
 
-    def resident(self, tokens: np.ndarray, namespace: str, keys: list[bytes], *,
-                 every_swa: bool = True) -> Residency:
-        """Where the pages of ``keys`` are in L1 and L2 (under the mutex).  Without
+    def resident(self, keys: list[bytes], path: L1Path, *, every_swa: bool = True) -> Residency:
+        """Where the pages of ``keys`` are in L1 (its walk ``path``, from :meth:`walk_prompt`)
+        and L2 (under the mutex).  Without
         ``every_swa``, L2 is asked for the SWA of only the pages the window-safe hit
         over L1/L2 depends on (:meth:`_hit_windows`); the other pages read as
         lacking it.  O(pages)."""
         n = len(keys)
         full = np.zeros(n, dtype=np.int8)
-        l1_full, l1_swa, l1_held, deepest = self._l1_path(tokens, namespace, n * self.page_size)
+        l1_full, l1_swa, l1_held, deepest = self._l1_pages(path)
         n1 = len(l1_full)
         full[:n1] = PageOrigin.L1
         l2_full = np.full(n, -1, dtype=np.int64)
@@ -319,7 +332,7 @@ class TierCoordinator:
         window-safe hit is decided: a hit found with its whole window inside what
         was asked is the one asking every page gives (an end above it would have
         its window inside that range too, seen unheld).  O(asked pages)."""
-        wp = max(1, self.spec.window_pages)
+        wp = max(1, self.window_pages)
         covered = leading_true(res.full > PageOrigin.NONE)
         asked, span = covered, wp
         while asked > 0:
@@ -335,7 +348,7 @@ class TierCoordinator:
         tier holds.  Clears ``res.full`` past the covered pages.  O(pages)."""
         covered = leading_true(res.full > PageOrigin.NONE)
         res.full[covered:] = PageOrigin.NONE
-        return window_safe(res.swa[:covered] > PageOrigin.NONE, self.spec.window_pages)
+        return window_safe(res.swa[:covered] > PageOrigin.NONE, self.window_pages)
 
     def lower_hit_pages(self, tokens: np.ndarray, namespace: str, l1_pages: int, *, wait_l3: bool) -> int:
         """Pages past an L1 hit of ``l1_pages`` that L2 (and, with ``wait_l3``, what
@@ -348,27 +361,28 @@ class TierCoordinator:
         if n <= l1_pages:
             return 0
         try:
-            keys = self.prompt_keys(tokens, namespace, n)
+            keys, path = self.walk_prompt(tokens, namespace, n)
             if self.l3 is not None:
                 if wait_l3:
-                    self._wait_for_l3(tokens, namespace, keys)
+                    self._wait_for_l3(keys, path)
                 else:
-                    self._start_fetch(tokens, namespace, keys)
+                    self._start_fetch(keys, path)
             with self.mutex:
-                hit = self._safe_hit(self.resident(tokens, namespace, keys, every_swa=False))
+                hit = self._safe_hit(self.resident(keys, path, every_swa=False))
         except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
             self.counters["tier_errors"] += 1
             logger.warning("lower-tier hit lookup failed (%s: %s)", type(exc).__name__, exc)
             return 0
         return max(0, hit - l1_pages)
 
-    def _load(self, tokens: np.ndarray, namespace: str, keys: list[bytes]) -> np.ndarray:
-        """Make the L1/L2 hit resident in L1 (under the mutex); returns the
+    def _load(self, tokens: np.ndarray, namespace: str, keys: list[bytes], path: L1Path) -> np.ndarray:
+        """Make the L1/L2 hit resident in L1 (under the mutex), past the L1 walk
+        ``path``; returns the
         :class:`PageOrigin` of each page's full KV over the hit.  O(pages)."""
         if not keys:
             return np.zeros(0, dtype=np.int8)
-        wp = self.spec.window_pages
-        res = self.resident(tokens, namespace, keys, every_swa=False)
+        wp = self.window_pages
+        res = self.resident(keys, path, every_swa=False)
         origin = res.full
         hit = self._safe_hit(res)
         if hit == 0:

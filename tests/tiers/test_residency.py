@@ -43,13 +43,13 @@ def test_the_hit_windows_alone_decide_the_hit_as_every_page_does(two_windows, mo
             cut = int(rng.integers(8, len(stem)))
             tokens = np.concatenate([stem[:cut], rng.integers(0, 500, int(rng.integers(1, 40))).astype(np.int32)])
             n = (len(tokens) - 1) // P
-            keys = co.prompt_keys(tokens, "default", n)
+            keys, path = co.walk_prompt(tokens, "default", n)
             with co.mutex:
                 asked.clear()
-                eager = co.resident(tokens, "default", keys)
+                eager = co.resident(keys, path)
                 eager_asked += sum(asked)
                 asked.clear()
-                lazy = co.resident(tokens, "default", keys, every_swa=False)
+                lazy = co.resident(keys, path, every_swa=False)
                 lazy_asked += sum(asked)
                 hit = co._safe_hit(eager)
                 assert co._safe_hit(lazy) == hit
