@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -77,6 +77,8 @@ class Residency:
         l2_full / l2_swa: the L2 page holding it (-1: absent).
         l1_full / l1_swa: page ids of the raw (not window-safe) L1 match.
         deepest: the node that match ends in (None: no L1 match).
+        swa_keys: the SWA keys hashed for the L2 lookup, by page index (the
+            read-ahead reuses them).
     """
 
     full: np.ndarray
@@ -86,6 +88,7 @@ class Residency:
     l1_full: np.ndarray
     l1_swa: np.ndarray
     deepest: TreeNode | None
+    swa_keys: dict[int, bytes] = field(default_factory=dict)
 
 
 class TierCoordinator:
@@ -280,7 +283,8 @@ class TierCoordinator:
             return PrefetchHandle(), False
         with self.mutex:
             res = self.resident(keys, path)
-            return self.reads.start(keys, res.full > PageOrigin.NONE, res.swa > PageOrigin.NONE)
+            return self.reads.start(keys, res.full > PageOrigin.NONE, res.swa > PageOrigin.NONE,
+                                    swa_keys=res.swa_keys)
 
     def _l1_pages(self, path: L1Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, TreeNode | None]:
         """Full and SWA page ids of the raw (not window-safe) L1 token match ``path``
@@ -323,7 +327,9 @@ class TierCoordinator:
         """Fill ``res``'s SWA of pages ``[lo, hi)`` that L1 lacks from L2.  O(hi - lo)."""
         need = lo + np.flatnonzero(res.swa[lo:hi] == PageOrigin.NONE)
         if need.size:
-            res.l2_swa[need] = self.host.lookup_swa([swa_key(keys[i]) for i in need.tolist()])
+            named = [swa_key(keys[i]) for i in need.tolist()]
+            res.swa_keys.update(zip(need.tolist(), named))
+            res.l2_swa[need] = self.host.lookup_swa(named)
             res.swa[need[res.l2_swa[need] >= 0]] = PageOrigin.L2
 
     def _hit_windows(self, res: Residency, keys: list[bytes]) -> None:

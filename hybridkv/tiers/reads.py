@@ -187,11 +187,13 @@ class ReadAhead:
         self._counters = counters
         self._inflight: dict[bytes, Future] = {}  # L3 key -> fetch job loading it
 
-    def start(self, keys: list[bytes], have_full: np.ndarray, have_swa: np.ndarray) -> tuple[PrefetchHandle, bool]:
+    def start(self, keys: list[bytes], have_full: np.ndarray, have_swa: np.ndarray, *,
+              swa_keys: dict[int, bytes] | None = None) -> tuple[PrefetchHandle, bool]:
         """Queue a fetch of what L1/L2 lack (``have_*`` False) for ``keys``, unless in
-        flight (under the mutex).  Returns the handle over this and overlapping
-        in-flight fetches, and whether the new fetch is the read breaker's probe
-        (not to be waited for).  O(len(keys))."""
+        flight (under the mutex).  ``swa_keys``: SWA keys already hashed, by page
+        index (the others are hashed here).  Returns the handle over this and
+        overlapping in-flight fetches, and whether the new fetch is the read
+        breaker's probe (not to be waited for).  O(len(keys))."""
         n = len(keys)
         first_gap = leading_true(have_full)
         if first_gap == n and window_safe(have_swa, self._wp) == n:
@@ -199,7 +201,8 @@ class ReadAhead:
         want_full = np.arange(first_gap, n)[~have_full[first_gap:]]
         want_swa = np.flatnonzero(~have_swa)
         full_keys = [keys[i] for i in want_full.tolist()]
-        swa_keys = [swa_key(keys[i]) for i in want_swa.tolist()]
+        known = swa_keys or {}
+        swa_keys = [known.get(i) or swa_key(keys[i]) for i in want_swa.tolist()]
         inflight = self._inflight
         waits = {id(f): f for f in (inflight.get(k) for k in full_keys + swa_keys) if f is not None}
         if self._l3.read_breaker.state != "closed":

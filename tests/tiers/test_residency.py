@@ -67,3 +67,45 @@ def test_the_hit_windows_alone_decide_the_hit_as_every_page_does(two_windows, mo
         cache.close()
     assert sum(1 for h, from_l2 in hits if h and from_l2) >= 5, hits  # L2's windows took part
     assert lazy_asked < eager_asked / 2, (lazy_asked, eager_asked)
+
+
+def test_the_read_ahead_takes_the_swa_keys_the_residency_hashed(tmp_path, monkeypatch):
+    """An L3 read-ahead reads the SWA keys of the pages L1 / L2 lack off the
+    residency that hashed them for the L2 lookup (none hashed twice), and those
+    keys are the right ones: the windows land in L2 and the next begin hits."""
+    import threading
+
+    import hybridkv.tiers.reads as reads
+
+    spec = tiny_spec()
+    fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
+    cache = TieredCache(spec, CacheConfig(budget_bytes=60 * (fpb + spb), device="meta"),
+                        tiers=TierConfig(l2_bytes=200 * (fpb + spb), l3=f"file://{tmp_path}"))
+    try:
+        tokens = np.random.default_rng(3).integers(0, 500, 90).astype(np.int32)
+        req = cache.begin(tokens)
+        cache.reserve(req, len(tokens) - req.computed)
+        cache.commit(req, len(tokens) - req.computed)
+        cache.finish(req)
+        assert cache.flush()
+        tree = cache.tree
+        tree.evict(full_pages=tree.evictable_full_pages(), swa_pages=tree.evictable_swa_pages())
+        cache.clear_l2()
+        hashed: list[bytes] = []
+        real, caller = reads.swa_key, threading.get_ident()
+
+        def counting(key: bytes) -> bytes:
+            if threading.get_ident() == caller:  # the read-ahead's start, not the read worker
+                hashed.append(key)
+            return real(key)
+
+        monkeypatch.setattr(reads, "swa_key", counting)
+        assert cache.prefetch(tokens).wait(10.0)
+        monkeypatch.undo()
+        assert hashed == [] and cache.host.num_swa_pages > 0
+        again = cache.begin(tokens)
+        assert again.prefix_len >= spec.window, again.prefix_len
+        cache.finish(again, cache=False)
+        cache.check_invariants()
+    finally:
+        cache.close()
