@@ -40,7 +40,8 @@ from pathlib import Path
 HOSTS = {"core": ["hybridkv/cache.py", "hybridkv/allocation.py"],
          "vLLM": ["adapters/vllm/hybridkv_vllm/prefix.py"],
          "SGLang": ["adapters/sglang/hybridkv_sglang/radix_cache.py"]}
-NAMED = ["WindowSafeTree", "HybridKVCache", "TieredCache", "TierCoordinator", "HostTier", "L2Backup"]
+NAMED = ["WindowSafeTree", "Eviction", "WindowAnchors", "MatchLearning", "TreeEvents", "PathLocks", "Lifecycle",
+         "RequestPages", "HybridKVCache", "TieredCache", "TierCoordinator", "HostTier", "L2Backup"]
 
 
 # The harness's modules where they lived beside the library (before ``hybridkv/eval``):
