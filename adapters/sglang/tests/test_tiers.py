@@ -167,6 +167,32 @@ def test_repairs_3_and_4_hits_touch_l3_and_anchor_their_window(page_size, tmp_pa
     cache.close()
 
 
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("l3_swa", ["anchored", "all"])
+def test_repair_4_only_checkpoint_and_tail_windows_reach_l3(page_size, l3_swa, tmp_path):
+    """Repair case 4, the L3 half: L2 holds every SWA page of the prompt (no pressure), but
+    L3 receives only the anchored ones (tail and checkpoint windows): the checkpoint
+    windows ``[128, 256)`` and ``[640, 768)`` reach L3, the SWA of ``[0, 128)`` (in no
+    window a hit can end at) stays in L2 only.  With the selection off (``l3_swa="all"``)
+    L3 receives every SWA page L2 does."""
+    cache, pools = _cache(page_size, _tiers(tmp_path, l3_swa=l3_swa), swa_checkpoint=256)
+    p = _prompt(12, 900)
+    _run(cache, pools, [p])
+    co = cache.coordinator
+    assert co.flush(30)
+    n = len(p) // page_size
+    keys = [swa_key(k) for k in co.page_keys(p.astype(np.int32), "None/None", n)]
+    in_l2 = co.host.lookup_swa(keys) >= 0
+    in_l3 = np.array(co.l3.backend.exists(keys), dtype=bool)
+    first = np.arange(128 // page_size)
+    windows = np.r_[128 // page_size:256 // page_size, 640 // page_size:768 // page_size]
+    assert in_l2.all() and in_l3[windows].all()
+    assert (not in_l3[first].any()) == (l3_swa == "anchored") and in_l3.all() == (l3_swa == "all")
+    st = cache.tier_stats()
+    assert (st["l3_write_pages_ok"] < 2 * n) == (l3_swa == "anchored") and st["tier_errors"] == 0
+    cache.close()
+
+
 # ------------------------------------------------------------------ (d) faults
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_corrupt_l3_files_degrade_to_a_miss_never_a_wrong_hit(page_size, tmp_path):

@@ -284,14 +284,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._count(hit_requests=1, hit_tokens=int(num_external_tokens))
         if st is not None and not st.reported:
             st.reported = True
-            self._record(event="alloc", req=request.request_id,
-                         prompt_tokens=request.num_prompt_tokens,
+            self._record(event="alloc", req=request.request_id, prompt_tokens=request.num_prompt_tokens,
                          external_tokens=int(num_external_tokens))
         if st is not None and self._l1 is not None and st.local_tokens:  # the device's own hit: L1 holds it
             self._l1.held_prefix(self.groups, blocks.blocks, self._keys(st, st.local_tokens), st.local_tokens)
-        if st is not None:  # the whole hit keeps its store entries alive
-            top = st.hit_tokens if hit else st.local_tokens
-            self._touches += self._tiers.touches(self._keys(st, top), top, TOUCH_INTERVAL_S) if top else []
+        if st is not None and (top := st.hit_tokens if hit else st.local_tokens):  # repairs 3, 4: the hit's store
+            hit_keys = self._keys(st, top)  # entries stay alive, the window it ends at is anchored in L2
+            self._touches += self._tiers.touches(hit_keys, top, TOUCH_INTERVAL_S)
+            self._count(l2_anchored_pages=self._tiers.anchor_window(hit_keys, top))
         if not hit:
             return
         assert st is not None

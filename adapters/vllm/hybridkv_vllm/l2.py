@@ -172,6 +172,11 @@ class HostPageIndex:
         """The SWA ``keys`` held in the anchored class.  O(n)."""
         return [k for k, a in zip(keys, self.tier.anchored_swa(keys).tolist()) if a]
 
+    def anchor(self, keys: Sequence[bytes]) -> int:
+        """Move the plain SWA pages of ``keys`` to the anchored class (a hit ended at
+        their window); others are ignored.  Returns pages moved.  O(n)."""
+        return self.tier.anchor(keys)
+
     def demote(self, keys: Sequence[bytes]) -> int:
         """Make the anchored SWA pages of ``keys`` plain (evicted before full pages; a
         finished request's sequence moved past their windows); others are ignored.

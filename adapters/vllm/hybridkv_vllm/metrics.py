@@ -48,6 +48,8 @@ COUNTERS: dict[str, str] = {
     "finish_saves": "end-of-request saves completed (blocks released to vLLM)",
     "l2_demoted_pages": "anchored SWA pages of L2 (its index, on the scheduler side) made plain (evicted before full "
                         "pages): windows a finished request's sequence moved past",
+    "l2_anchored_pages": "plain SWA pages of L2 (its index, on the scheduler side) made anchored (evicted after "
+                         "full pages): the window a hit ended at",
     "l2_rescued_pages": "full pages vLLM's device cache gave up that L2 lacked, copied down to L2 "
                         "before their blocks were reused",
     "touch_keys": "L3 keys touched so a prefix served from the device or L2 stays in L3",

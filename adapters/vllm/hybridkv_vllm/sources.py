@@ -119,6 +119,20 @@ class TierView:
             out += self.store.due_touch(ks[lo:end // g.block_size], interval_s)
         return out
 
+    def anchor_window(self, keys: dict[int, list[bytes]], end: int) -> int:
+        """Anchor in L2 each sliding group's window before a hit's ``end`` (repair case
+        4, as the core's L2 does at ``begin``): evicted after full KV, also where an
+        earlier request's finish had made part of it plain.  ``keys``: per group index,
+        at least ``end`` tokens' worth.  Returns pages moved.  O(window pages)."""
+        if self.l2 is None or end <= 0:
+            return 0
+        out: list[bytes] = []
+        for gi, ks in keys.items():
+            g = self.groups[gi]
+            if g.is_swa:
+                out += ks[max(0, end - int(g.window)) // g.block_size:end // g.block_size]
+        return self.l2.anchor(out) if out else 0
+
     def saved_or_queued(self, key: bytes) -> bool:
         """Whether the store holds ``key`` or this engine queued it.  O(1)."""
         return self.store.state(key) is not None

@@ -367,3 +367,120 @@ def test_every_full_page_l2_keeps_has_its_whole_prefix_in_l2(stack, copies_first
         while up is not None:
             assert up in tier._full, "a held full page whose prefix L2 lost"
             up = tier._parent.get(up)
+
+
+def _prompt_keys(conn: Any, tokens: list[int], ns: str, end: int) -> dict[int, list[bytes]]:
+    """Per group index, the keys of ``tokens``' pages up to ``end`` tokens, as the connector keys them."""
+    from hybridkv_vllm.jobs import ReqState
+
+    class _Req:
+        all_token_ids = tokens
+
+    return conn._keys(ReqState(_Req(), ns), end)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_host_swa_completes_the_device_window_at_the_next_load(stack, monkeypatch,  # noqa: ANN001
+                                                              complete: bool) -> None:
+    """Repair case 2 (host holds SWA the device lacks) in the connector: the device's tree
+    keeps a prompt's full KV but gave up all its SWA, so the device alone has no window-safe
+    hit; L2 holds the window, so the repeat's load reads it host-to-device into the sliding
+    group's blocks: the whole prefix hits from ``host``, L2 serves the full pages and the
+    window pages, and those blocks hold L2's rows (random bytes here, the device zeroed).
+    With the sliding groups' part of the load switched off (``complete=False``) the window's
+    blocks keep stale bytes and L2 serves only the full pages."""
+    import hybridkv_vllm.connector as connector_mod
+
+    real = connector_mod.load_pages
+    loads: list[tuple[bool, list[bytes], list[int]]] = []
+
+    def spy(backend, group, keys, ids, l2=None, swa=False, slots=None):  # noqa: ANN001, ANN202
+        loads.append((swa, list(keys), list(ids)))
+        if swa and not complete:  # the repair off: the device's window is not completed
+            return True, 0, 0
+        return real(backend, group, keys, ids, l2, swa, slots)
+
+    monkeypatch.setattr(connector_mod, "load_pages", spy)
+    sched, worker = stack(device_pages=400, host_pages=4000)
+    conn, mgr = sched.connector, sched.kv_cache_manager
+    for gb in worker._buffers.values():  # the saves copy distinct bytes into L2's rows
+        for lay in gb.layers:
+            lay.tensor.random_(0, 256)
+    rnd = random.Random(17)
+    prompt = [rnd.randrange(4, 30000) for _ in range(700)]
+    req_a = _request(sched, "a", list(prompt))
+    ns = conn._state(req_a).namespace
+    _run(req_a, sched, worker)
+    for gb in worker._buffers.values():  # what the device held is gone; only L2 has the bytes
+        for lay in gb.layers:
+            lay.tensor.zero_()
+    mgr.tree.evict(swa_pages=mgr.tree.evictable_swa_pages())  # the device keeps the full KV only
+    assert mgr.tree.swa_pages_cached == 0 and mgr.tree.full_pages_cached > 0
+    hit = (len(prompt) - 1) // conn.unit * conn.unit
+    req_b = _request(sched, "b", list(prompt))
+    st_b = conn._state(req_b)
+    before = dict(worker.stats)
+    _run(req_b, sched, worker)
+    assert st_b.local_tokens == 0 and st_b.hit_tokens == hit  # the device alone: no hit
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    assert st_b.hit_sources == {CacheHitSource.HOST: hit}
+    keys = _prompt_keys(conn, prompt, ns, hit)
+    full_pages = sum(hit // g.block_size for g in conn.groups if not g.is_swa)
+    window = {g.index: keys[g.index][(hit - WINDOW) // g.block_size:hit // g.block_size]
+              for g in conn.groups if g.is_swa}
+    window_pages = sum(len(ks) for ks in window.values())
+    got_l2 = worker.stats.get("load_pages_l2", 0) - before.get("load_pages_l2", 0)
+    assert got_l2 == full_pages + window_pages * complete and worker.stats["load_failures"] == 0
+    swa_loads = [(ks, ids) for swa, ks, ids in loads if swa]
+    assert sorted(k for ks, _ in swa_loads for k in ks) == sorted(k for ks in window.values() for k in ks)
+    index = conn._tiers.l2.tier
+    for g in conn.groups:
+        if not g.is_swa:
+            continue
+        ids = [i for ks, bids in swa_loads for k, i in zip(ks, bids) if k in set(window[g.index])]
+        rows = torch.empty((len(ids), worker._l2.page_bytes), dtype=torch.uint8)
+        slots = index.lookup_swa(window[g.index]).tolist()
+        assert len(worker._l2.read(True, slots, window[g.index], rows)) == len(ids)  # L2 still holds them
+        blocks = worker._buffers[g.index].gather(ids).view(torch.uint8)
+        assert torch.equal(blocks, rows) == complete
+
+
+@pytest.mark.parametrize("prompt_len, keep_hit", [
+    (641, True), (641, False),  # a's tail is its prompt-end window: that window is anchored whole
+    (700, True), (700, False),  # a's tail (704) moved past it: its first page was made plain at a's finish
+])
+def test_the_window_a_hit_ends_at_stays_anchored_in_l2(stack, monkeypatch, prompt_len: int,
+                                                        keep_hit: bool) -> None:  # noqa: ANN001
+    """Repair case 4 (a hit's window is anchored in L2 so it stays) in the connector: request
+    b hits the device at a's prompt end (640 tokens) and its sequence moves far past it; when
+    b finishes, the window ``[512, 640)`` its hit ended at is still anchored in L2 (not made
+    plain with the other windows b moved past, so L2 gives it up only after full KV).  With the
+    hit's end left out of the windows a finished request keeps (``keep_hit=False``) the
+    window is demoted to plain.  In the ``700`` cases a's finish made the window's first page
+    plain (its tail moved past it): b's hit anchors the whole window again, as the core's
+    ``L2Backup.anchor_hit_window`` does (seen failing before ``TierView.anchor_window``)."""
+    if not keep_hit:
+        real = TierView.passed
+        monkeypatch.setattr(TierView, "passed",  # the last kept end is the hit's
+                            lambda self, keys, end, kept_ends: real(self, keys, end, kept_ends[:-1]))
+    sched, worker = stack(device_pages=400, host_pages=4000)
+    conn = sched.connector
+    rnd = random.Random(19)
+    prompt = [rnd.randrange(4, 30000) for _ in range(prompt_len)]
+    req_a = _request(sched, "a", list(prompt))
+    ns = conn._state(req_a).namespace
+    _run(req_a, sched, worker)
+    hit = (prompt_len - 1) // conn.unit * conn.unit
+    assert hit == 640
+    keys = _prompt_keys(conn, prompt, ns, hit)
+    window = [k for g in conn.groups if g.is_swa for k in keys[g.index][(hit - WINDOW) // g.block_size:]]
+    _, plain, anchored = _classes(_tier(sched))
+    assert window and set(window) <= set(plain) | set(anchored)  # a's prompt-end window is in L2
+    req_b = _request(sched, "b", prompt + [rnd.randrange(4, 30000) for _ in range(300)])
+    st_b = conn._state(req_b)
+    _run(req_b, sched, worker)
+    assert (st_b.hit_tokens or st_b.local_tokens) == hit  # b's hit ends at a's prompt end
+    assert st_b.saved_tokens >= hit + 256  # b's tail moved past that window
+    _, plain, anchored = _classes(_tier(sched))
+    assert (set(window) <= set(anchored)) == keep_hit and (not set(window) & set(plain)) == keep_hit
+    assert _rows_agree(sched, worker)
