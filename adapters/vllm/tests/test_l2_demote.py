@@ -483,4 +483,5 @@ def test_the_window_a_hit_ends_at_stays_anchored_in_l2(stack, monkeypatch, promp
     assert st_b.saved_tokens >= hit + 256  # b's tail moved past that window
     _, plain, anchored = _classes(_tier(sched))
     assert (set(window) <= set(anchored)) == keep_hit and (not set(window) & set(plain)) == keep_hit
+    assert (conn.stats.get("l2_anchored_pages", 0) > 0) == (prompt_len == 700)  # a's finish made a page plain
     assert _rows_agree(sched, worker)
