@@ -385,3 +385,41 @@ def test_write_through_l2_gives_up_its_copies_of_l1_pages_first_and_gets_them_ba
     cache.check_invariants()
     assert (cache.stats()["l1_to_l2_full_pages"] > down) == copies_first
     assert run(cache, prompts[-1])["hit"] == 40  # from L2, content-checked by run()
+
+
+@pytest.mark.parametrize("backup", [True, False])
+def test_repair_device_swa_backed_up_when_l1_frees_it_under_write_back(monkeypatch, backup):
+    """Case 1 (write-back), the L1-free trigger (``L2Backup.on_l1_free``): L2 holds a prefix's
+    full KV but not its SWA; when the L1 tree evicts the SWA pages (full KV stays in L1) they
+    are copied to L2 before the pool hands them out again, so once L1 is emptied the prompt
+    hits whole from L2, content-checked by run() (L1's bytes zeroed first: L2's copies serve it).
+    With the trigger a no-op for SWA (``backup=False``) L2 never gets the window: no hit."""
+    from hybridkv.tiers.backup import L2Backup
+
+    if not backup:
+        real = L2Backup.on_l1_free
+        monkeypatch.setattr(L2Backup, "on_l1_free", lambda self, kind, pages, names:
+                            None if kind is AttnKind.SWA else real(self, kind, pages, names))
+    cache = make(l1_pages=40, policy="write_back")
+    p = np.random.default_rng(13).integers(0, 5000, 33)
+    run(cache, p)
+    keys = cache._page_keys(p, "default", 8)
+    swa_keys = [swa_key(k) for k in keys]
+    node = next(iter(cache.tree.iter_nodes()))
+    cache.lower_tiers.backup.store_l2(AttnKind.FULL, np.array([node.full[i] for i in range(8)]), keys, None)
+    assert (cache.host.lookup_full(keys) >= 0).all() and (cache.host.lookup_swa(swa_keys) < 0).all()
+    before = cache.stats()
+    cache.tree.evict(swa_pages=cache.tree.evictable_swa_pages())  # L1 frees the window, keeps the full KV
+    assert cache.tree.swa_pages_cached == 0 and cache.tree.full_pages_cached > 0
+    have = cache.host.lookup_swa(swa_keys) >= 0
+    assert have[-SPEC.window_pages:].all() == backup and have.any() == backup
+    down = cache.stats()["l1_to_l2_swa_pages"] - before["l1_to_l2_swa_pages"]
+    assert (down >= SPEC.window_pages) == backup and (down == 0) != backup
+    cache.tree.evict(full_pages=cache.tree.evictable_full_pages())
+    assert cache.tree.full_pages_cached == 0
+    for kb in (cache.pool.buffers.full, cache.pool.buffers.swa):  # L1's bytes are gone: only L2's copies are left
+        kb.k.zero_()
+        kb.v.zero_()
+    r = run(cache, p)
+    assert r["hit"] == 32 * backup and r["l2_hit_tokens"] == 32 * backup
+    assert cache.stats()["tier_errors"] == 0

@@ -332,18 +332,18 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                   final: bool, null_id: int) -> PageJob | None:
         """Pages of every group completed in ``(saved_tokens, end_tokens]`` worth storing.
 
-        Full groups: every complete block.  SWA groups: the windows before
-        checkpoints (:func:`.plan.checkpoint_ends`) and (``final``) before the
-        last hit-able end, both on the hit unit (a hit can only end there).  Those
-        windows enter L2 as anchors but for checkpoints off ``anchor_checkpoint`` (plain).
-        """
+        Full groups: every complete block.  SWA groups: the windows before checkpoints
+        (:func:`.plan.checkpoint_ends`), the device hit's end and (``final``) the last
+        hit-able end, all on the hit unit (a hit can only end there).  Those windows enter
+        L2 as anchors but for checkpoints off ``anchor_checkpoint`` (plain)."""
         keys = self._keys(st, end_tokens)
         job = PageJob(st.request.request_id)
         swa_end = end_tokens // self.unit * self.unit
         ckpts = checkpoint_ends(st.saved_tokens, swa_end, self.unit,
                                 self.cfg.checkpoint_interval, self.cfg.checkpoints_per_doubling)
-        k = self.cfg.anchor_checkpoint
-        on_grid = [c for c in ckpts if k and c % k == 0]  # anchors: these and (final) swa_end
+        on_grid = [c for c in ckpts if (k := self.cfg.anchor_checkpoint) and c % k == 0]  # and (final) swa_end
+        if st.saved_tokens < (hit := st.local_tokens) <= swa_end and hit not in ckpts:  # repair 1: a window the
+            ckpts, on_grid = sorted(ckpts + [hit]), on_grid + [hit]  # device hit ended at, if L2 / L3 lost it
         for g in self.groups:
             ids, bs = block_ids[g.index], g.block_size
             if g.is_swa:

@@ -485,3 +485,46 @@ def test_the_window_a_hit_ends_at_stays_anchored_in_l2(stack, monkeypatch, promp
     assert (set(window) <= set(anchored)) == keep_hit and (not set(window) & set(plain)) == keep_hit
     assert (conn.stats.get("l2_anchored_pages", 0) > 0) == (prompt_len == 700)  # a's finish made a page plain
     assert _rows_agree(sched, worker)
+
+
+@pytest.mark.parametrize("extra", [0, 100])
+@pytest.mark.parametrize("copy_down", [True, False])
+def test_a_window_l2_lost_is_copied_down_again(stack, monkeypatch, copy_down: bool,  # noqa: ANN001
+                                               extra: int) -> None:
+    """Repair case 1 (device complete, host deficient) for SWA in the connector: the window a
+    later hit needs (each sliding group's pages of ``[hit - WINDOW, hit)``, a's prompt-end
+    window) leaves L2 (discarded from the index, its worker rows untagged) while the store
+    and the device keep it; a repeat of the prompt hits the device there and its prefill-end
+    save stores the window in L2 again: the index holds every key and the worker's row at
+    each slot is tagged with it.  With ``extra`` tokens after the prompt the window is not
+    b's prompt-end window but the one its device hit ended at (saved since the save plan
+    counts that end; before, L2 stayed without it).  With the old rule (a page the store
+    holds is never saved again, ``copy_down=False``) L2 stays without the window."""
+    if not copy_down:
+        monkeypatch.setattr(TierView, "stored_everywhere",
+                            lambda self, swa, keys: np.array([self.saved_or_queued(k) for k in keys], dtype=bool))
+    sched, worker = stack(device_pages=400, host_pages=4000)
+    conn, tier = sched.connector, _tier(sched)
+    rnd = random.Random(23)
+    prompt = [rnd.randrange(4, 30000) for _ in range(700)]
+    req_a = _request(sched, "a", list(prompt))
+    ns = conn._state(req_a).namespace
+    _run(req_a, sched, worker)
+    hit = (len(prompt) - 1) // conn.unit * conn.unit
+    keys = _prompt_keys(conn, prompt, ns, hit)
+    window = [k for g in conn.groups if g.is_swa for k in keys[g.index][(hit - WINDOW) // g.block_size:]]
+    _, plain, anchored = _classes(tier)
+    assert window and set(window) <= set(plain) | set(anchored)  # a's prompt-end window is in L2
+    tags = worker._l2._tags[True]
+    for slot in tier.lookup_swa(window).tolist():  # L2 loses the window: index and rows
+        tags[slot] = None
+    assert tier.discard(window, swa=True) == len(window)
+    assert all(worker.backend.exists(window))  # the store keeps it
+    req_b = _request(sched, "b", prompt + [rnd.randrange(4, 30000) for _ in range(extra)])
+    st_b = conn._state(req_b)
+    _run(req_b, sched, worker)
+    assert st_b.local_tokens == hit and st_b.hit_tokens == 0  # b holds the window: the device's hit
+    slots = tier.lookup_swa(window)
+    assert (slots >= 0).all() == copy_down and (slots >= 0).any() == copy_down
+    assert all(tags[s] == k for s, k in zip(slots.tolist(), window) if s >= 0)  # the worker wrote those rows
+    assert _rows_agree(sched, worker)
