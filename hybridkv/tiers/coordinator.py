@@ -300,11 +300,10 @@ class TierCoordinator:
         return full, swa, held, path[-1][0]
 
     def resident(self, keys: list[bytes], path: L1Path, *, every_swa: bool = True) -> Residency:
-        """Where the pages of ``keys`` are in L1 (its walk ``path``, from :meth:`walk_prompt`)
-        and L2 (under the mutex).  Without
-        ``every_swa``, L2 is asked for the SWA of only the pages the window-safe hit
-        over L1/L2 depends on (:meth:`_hit_windows`); the other pages read as
-        lacking it.  O(pages)."""
+        """Where the pages of ``keys`` are in L1 (its walk ``path``, from
+        :meth:`walk_prompt`) and L2 (under the mutex).  Without ``every_swa``, L2 is
+        asked for the SWA of only the pages the window-safe hit over L1/L2 depends on
+        (:meth:`_hit_windows`); the other pages read as lacking it.  O(pages)."""
         n = len(keys)
         full = np.zeros(n, dtype=np.int8)
         l1_full, l1_swa, l1_held, deepest = self._l1_pages(path)
