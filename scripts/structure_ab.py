@@ -59,32 +59,27 @@ def _library(root: Path) -> list[Path]:
     return sorted(p for p in (root / "hybridkv").rglob("*.py") if not _is_harness(root, p))
 
 
-def _module(root: Path, p: Path) -> str:
-    parts = list(p.relative_to(root).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def _arch(root: Path):  # noqa: ANN202 - the architecture test's module
+    """The architecture test's analyzers (this checkout's copy), pointed at ``root``."""
+    here = Path(__file__).resolve().parents[1] / "tests" / "core" / "test_architecture.py"
+    spec = importlib.util.spec_from_file_location("_arch", here)
+    arch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(arch)
+    arch.ROOT = root
+    arch.PACKAGES = [root / "hybridkv", root / "adapters/sglang/hybridkv_sglang", root / "adapters/vllm/hybridkv_vllm"]
+    arch.LIBRARY = arch.PACKAGES[0]
+    return arch
 
 
-def _harness_imports(root: Path) -> list[str]:
-    """Imports (any, ``TYPE_CHECKING`` and lazy ones included) of a harness module
-    by a library module; ``__main__`` (``python -m hybridkv``) excepted."""
-    harness = {_module(root, p) for p in (root / "hybridkv").rglob("*.py") if _is_harness(root, p)}
+def _harness_imports(root: Path, arch) -> list[str]:  # noqa: ANN001
+    """Library modules importing a harness module (any import, ``TYPE_CHECKING`` and
+    lazy ones included, as the architecture test reads them); ``__main__``
+    (``python -m hybridkv``) excepted."""
+    harness = {arch._module_name(p) for p in (root / "hybridkv").rglob("*.py") if _is_harness(root, p)}
     out = []
     for p in _library(root):
-        if p.name == "__main__.py":
-            continue
-        pkg = _module(root, p).split(".")
-        pkg = pkg if p.name == "__init__.py" else pkg[:-1]
-        for n in ast.walk(ast.parse(p.read_text())):
-            names = []
-            if isinstance(n, ast.Import):
-                names = [a.name for a in n.names]
-            elif isinstance(n, ast.ImportFrom):
-                base = ".".join(pkg[:len(pkg) - n.level + 1] + ([n.module] if n.module else [])) if n.level \
-                    else (n.module or "")
-                names = [base] + [f"{base}.{a.name}" for a in n.names]
-            hit = sorted({m for m in names if m in harness})
-            if hit:
-                out.append(f"{p.relative_to(root)}:{n.lineno} {hit[0]}")
+        hit = arch._imports(p, ast.parse(p.read_text()), harness) if p.name != "__main__.py" else set()
+        out += [f"{p.relative_to(root)} imports {m}" for m in sorted(hit)]
     return out
 
 
@@ -97,12 +92,7 @@ def _classes(root: Path) -> dict[str, tuple[Path, ast.ClassDef]]:
     return out
 
 
-def _base(b: ast.expr) -> str:
-    b = b.value if isinstance(b, ast.Subscript) else b
-    return b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")
-
-
-def _object(name: str, classes: dict) -> dict:
+def _object(name: str, classes: dict, base_name) -> dict:  # noqa: ANN001
     """Methods, ``self.`` attributes and files of class ``name`` with its library bases."""
     methods, attrs, files, todo, seen = set(), set(), set(), [name], set()
     while todo:
@@ -117,20 +107,13 @@ def _object(name: str, classes: dict) -> dict:
             if (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
                     and n.value.id == "self"):
                 attrs.add(n.attr)
-        todo += [_base(b) for b in node.bases]
+        todo += [base_name(b) for b in node.bases]
     return {"methods": len(methods), "attributes": len(attrs), "files": len(files),
-            "bases": [b for b in seen if b != name]}
+            "bases": sorted(b for b in seen if b != name)}
 
 
-def _shape(root: Path) -> dict:
-    """The architecture test's analyzers (this checkout's copy) pointed at ``root``."""
-    here = Path(__file__).resolve().parents[1] / "tests" / "core" / "test_architecture.py"
-    spec = importlib.util.spec_from_file_location("_arch", here)
-    arch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(arch)
-    arch.ROOT = root
-    arch.PACKAGES = [root / "hybridkv", root / "adapters/sglang/hybridkv_sglang", root / "adapters/vllm/hybridkv_vllm"]
-    arch.LIBRARY = arch.PACKAGES[0]
+def _shape(arch) -> dict:  # noqa: ANN001
+    """The architecture test's findings on the checkout ``arch`` points at."""
     return {"mixins": arch.mixins(), "cycles": [" -> ".join(c) for c in arch.import_cycles()],
             "dict_copies": arch.dict_copies(), "reach_ins": arch.private_reach_ins()}
 
@@ -222,15 +205,16 @@ def _hops(root: Path) -> dict:
 
 
 def figures(root: Path) -> dict:
+    arch = _arch(root)
     classes = _classes(root)
-    objs = {n: _object(n, classes) for n in classes}
+    objs = {n: _object(n, classes, arch._base_name) for n in classes}
     top = sorted(objs.items(), key=lambda kv: -kv[1]["methods"])[:8]
     lib = _library(root)
     return {"library_files": len(lib), "library_lines": sum(len(p.read_text().splitlines()) for p in lib),
             "harness_files": len([p for p in (root / "hybridkv").rglob("*.py") if p not in lib]),
-            "harness_imports": _harness_imports(root),
+            "harness_imports": _harness_imports(root, arch),
             "classes": len(classes), "named": {n: objs[n] for n in NAMED if n in objs}, "largest": dict(top),
-            "shape": _shape(root), "call_sites": _call_sites(root), "hops": _hops(root)}
+            "shape": _shape(arch), "call_sites": _call_sites(root), "hops": _hops(root)}
 
 
 def _sites(s: dict) -> str:
