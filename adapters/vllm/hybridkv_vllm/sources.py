@@ -114,10 +114,15 @@ class TierView:
         request's keys (at least ``end`` tokens' worth).  O(pages of the hit)."""
         out: list[bytes] = []
         for gi, ks in keys.items():
-            g = self.groups[gi]
-            lo = max(0, end - int(g.window)) // g.block_size if g.is_swa else 0
-            out += self.store.due_touch(ks[lo:end // g.block_size], interval_s)
+            out += self.store.due_touch(self._hit_keys(self.groups[gi], ks, end), interval_s)
         return out
+
+    @staticmethod
+    def _hit_keys(g: GroupInfo, keys: list[bytes], end: int) -> list[bytes]:
+        """The keys of group ``g`` a hit ``[0, end)`` needs: every page of a full
+        group, the window before ``end`` of a sliding one.  O(pages)."""
+        lo = max(0, end - int(g.window)) // g.block_size if g.is_swa else 0
+        return keys[lo:end // g.block_size]
 
     def anchor_window(self, keys: dict[int, list[bytes]], end: int) -> int:
         """Anchor in L2 each sliding group's window before a hit's ``end`` (repair case
@@ -128,9 +133,8 @@ class TierView:
             return 0
         out: list[bytes] = []
         for gi, ks in keys.items():
-            g = self.groups[gi]
-            if g.is_swa:
-                out += ks[max(0, end - int(g.window)) // g.block_size:end // g.block_size]
+            if self.groups[gi].is_swa:
+                out += self._hit_keys(self.groups[gi], ks, end)
         return self.l2.anchor(out) if out else 0
 
     def saved_or_queued(self, key: bytes) -> bool:
