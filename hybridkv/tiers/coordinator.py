@@ -382,8 +382,8 @@ class TierCoordinator:
 
     def _load(self, tokens: np.ndarray, namespace: str, keys: list[bytes], path: L1Path) -> np.ndarray:
         """Make the L1/L2 hit resident in L1 (under the mutex), past the L1 walk
-        ``path``; returns the
-        :class:`PageOrigin` of each page's full KV over the hit.  O(pages)."""
+        ``path``; returns the :class:`PageOrigin` of each page's full KV over the
+        hit.  O(pages)."""
         if not keys:
             return np.zeros(0, dtype=np.int8)
         wp = self.window_pages
