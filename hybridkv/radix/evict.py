@@ -24,6 +24,7 @@ import numpy as np
 from .anchors import WindowAnchors
 from .divergence import DivergenceModel
 from .events import TreeEvents
+from .evicted import EvictedRuns
 from .learning import ghost_key
 from .node import NO_PAGE, TreeNode
 from .pins import SwaPins
@@ -63,6 +64,7 @@ class Eviction:
         divergence: hears what the last bytes evicted would have hit.
         events: told about every page removed.
         policy: the retention policy (window, branch points).
+        runs: keeps the pages a leaf gives up as an evicted run (:mod:`~hybridkv.radix.evicted`).
         mode: :class:`~hybridkv.radix.types.SwaEviction`.
         page_size, full_page_bytes, swa_page_bytes: the page geometry.
         side_bytes: with several sliding groups, the bytes of one page of each
@@ -73,7 +75,7 @@ class Eviction:
     """
 
     def __init__(self, index: EvictableIndex, anchors: WindowAnchors, ranking: Ranking, pins: SwaPins,
-                 divergence: DivergenceModel, events: TreeEvents, policy: RetentionPolicy, *,
+                 divergence: DivergenceModel, events: TreeEvents, policy: RetentionPolicy, runs: EvictedRuns, *,
                  mode: SwaEviction, page_size: int, full_page_bytes: int, swa_page_bytes: int,
                  side_bytes: tuple[int, ...] = ()) -> None:
         self.index = index
@@ -83,6 +85,7 @@ class Eviction:
         self.divergence = divergence
         self.events = events
         self.policy = policy
+        self.runs = runs
         self.mode = mode
         # the mode as flags: the checks run per heap push and per node visited, where an
         # enum member lookup costs ~8x a local attribute on Python 3.11
@@ -231,6 +234,7 @@ class Eviction:
         self.ranking.leaf_shrunk(node, ghost, gone)
         if self.events.listeners:
             self.events.emit("remove", node, keep)
+        self.runs.evicted(node, keep)
         if keep:  # trimmed: still a leaf, its tail window now ends at the new end
             node.key = node.key[:keep * size]
             node.full = node.full[:keep]

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..window import safe_pages
 
-__all__ = ["TreeNode", "node_array", "window_safe_pages", "NO_PAGE", "parts_pages", "parts_side"]
+__all__ = ["TreeNode", "EvictedRun", "node_array", "window_safe_pages", "NO_PAGE", "parts_pages", "parts_side"]
 
 NO_PAGE = -1
 EMPTY = np.zeros(0, dtype=np.int32)
@@ -88,11 +88,13 @@ class TreeNode:
             (:class:`~hybridkv.radix.types.PageNames`), cut with the node.
         tier_anchor: with ``page_keys``, bool per page: its SWA ends a window
             the tiers keep (set by the insert, or when a hit ends there).
+        evicted: the runs of pages L1 evicted that continue this node's end (first
+            page's bytes -> run; :mod:`~hybridkv.radix.evicted`), None when none.
     """
 
     __slots__ = ("key", "full", "swa", "side", "children", "parent", "start", "last_access",
                  "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "branched", "points", "mark", "seg", "returns", "gap", "vcls",
-                 "since", "page_keys", "tier_anchor")
+                 "since", "page_keys", "tier_anchor", "evicted")
 
     def __init__(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
                  parent: "TreeNode | None", start: int, namespace: str, tick: int,
@@ -121,6 +123,7 @@ class TreeNode:
         self.since = tick
         self.page_keys: list[bytes | None] | None = None
         self.tier_anchor: np.ndarray | None = None
+        self.evicted: dict[bytes, EvictedRun] | None = None
 
     @property
     def n_pages(self) -> int:
@@ -136,6 +139,21 @@ class TreeNode:
     def __repr__(self) -> str:
         return (f"TreeNode(nid={self.nid}, start={self.start}, pages={self.n_pages}, "
                 f"swa_valid={self.swa_valid}, lock={self.lock}, children={len(self.children)})")
+
+
+class EvictedRun:
+    """Pages L1 evicted, in order: their tokens and names, and the runs evicted
+    from under them (``below``: first page's bytes -> run, None when none)."""
+
+    __slots__ = ("key", "names", "below")
+
+    def __init__(self, key: np.ndarray, names: list[bytes]) -> None:
+        self.key = key
+        self.names = names
+        self.below: dict[bytes, EvictedRun] | None = None
+
+    def __repr__(self) -> str:
+        return f"EvictedRun(pages={len(self.names)}, below={len(self.below or ())})"
 
 
 def window_safe_pages(segments: list[np.ndarray], window_pages: int) -> int:

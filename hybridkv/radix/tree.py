@@ -8,7 +8,8 @@ This module holds the index itself (nodes, walk, match, insert, split, locks,
 invariants); the rest are named collaborators in their own modules, reached
 through public methods: ``anchors`` (:mod:`~hybridkv.radix.anchors`),
 ``eviction`` (:mod:`~hybridkv.radix.evict`), ``learning``, ``events``, ``locks``
-/ ``pins``, ``ranking`` (:mod:`~hybridkv.radix.rankings`) and ``policy``.
+/ ``pins``, ``ranking`` (:mod:`~hybridkv.radix.rankings`), ``policy`` and ``runs``
+(what L1 evicted while a tier below holds it: :mod:`~hybridkv.radix.evicted`).
 
 Invariants (checked by :meth:`WindowSafeTree.check_invariants`):
 
@@ -37,6 +38,7 @@ from .anchors import WindowAnchors
 from .divergence import DivergenceModel
 from .events import TreeEvents, deliver_after
 from .evict import Eviction
+from .evicted import EvictedRuns
 from .learning import MatchLearning
 from .node import NO_PAGE, TreeNode, node_array, parts_pages, parts_side
 from .pins import PathLocks, SwaPins
@@ -46,8 +48,7 @@ from .types import (EMPTY, RANKINGS, SWA_EVICTIONS, InsertResult, LockHandle, Fr
                     PagePool, SideGroup, TreeConfig, TreeEvent, pool_lacks)
 
 __all__ = ["TreeConfig", "TreeEvent", "WindowSafeTree", "MatchResult", "LockHandle", "InsertResult",
-           "PagePool", "RANKINGS", "SWA_EVICTIONS", "as_token_array", "parts_pages",
-           "parts_side"]
+           "PagePool", "RANKINGS", "SWA_EVICTIONS", "as_token_array", "parts_pages", "parts_side"]
 
 
 class WindowSafeTree:
@@ -58,9 +59,8 @@ class WindowSafeTree:
         pool: receives freed pages (:class:`PagePool`).
         full_page_bytes / swa_page_bytes: used to weigh byte-budget eviction.
 
-    Collaborators (attributes, see the module docstring): ``anchors``,
-    ``eviction``, ``learning``, ``events``, ``locks``, ``pins``, ``policy``,
-    ``ranking``, ``divergence``.
+    Collaborators (attributes, see the module docstring): ``anchors``, ``eviction``,
+    ``learning``, ``events``, ``locks``, ``pins``, ``policy``, ``ranking``, ``divergence``, ``runs``.
     """
 
     def __init__(self, config: TreeConfig, pool: PagePool, *, full_page_bytes: int = 1,
@@ -96,14 +96,14 @@ class WindowSafeTree:
         self.anchors = WindowAnchors(self.policy, self.page_size, tuple(g.window_pages for g in self.groups))
         self.learning = MatchLearning(self.policy, self.divergence, ranking, self.page_size, swa_page_bytes,
                                       now=self._now, node_count=lambda: self.num_nodes)
+        self.runs = EvictedRuns(self.page_size)  # what L1 evicted, kept while a tier below enables it
         self.eviction = Eviction(self, self.anchors, ranking, self.pins, self.divergence, self.events, self.policy,
-                                 mode=config.swa_eviction, page_size=self.page_size, full_page_bytes=full_page_bytes,
-                                 swa_page_bytes=swa_page_bytes,
+                                 self.runs, mode=config.swa_eviction, page_size=self.page_size,
+                                 full_page_bytes=full_page_bytes, swa_page_bytes=swa_page_bytes,
                                  side_bytes=tuple(g.page_bytes for g in self.groups))
         self.locks = PathLocks(self.pins, self.anchors, self.eviction, self.policy)
-        # Called with (kind, int32 page ids, PageNames or None) just before the tree gives
-        # pages back to ``pool`` (an eviction, an insert's duplicate): they still hold their
-        # KV, so a tier below can copy them first.  A hook must not call into the tree.
+        # Called with (kind, int32 page ids, PageNames or None) just before the tree gives pages back to
+        # ``pool`` (an eviction, an insert's duplicate): a tier below can copy them first (no tree calls).
         self.free_listeners: list[Callable[[AttnKind, np.ndarray, PageNames | None], None]] = []
         self._pool_free_full = pool.free_full_trusted
         self._pool_free_swa = pool.free_swa_trusted
@@ -484,7 +484,9 @@ class WindowSafeTree:
             leaf.mark = mark
         elif mark == pi and node is not root:  # the prompt ended where the new pages start
             node.mark = mark
-        node.children[leaf.key[:size].tobytes()] = leaf
+        first = leaf.key[:size].tobytes()
+        self.runs.covered(node, first)  # a run L1 evicted there is dropped
+        node.children[first] = leaf
         if len(node.children) > 1:
             node.branched = True
         self.num_nodes += 1
@@ -519,8 +521,7 @@ class WindowSafeTree:
         self.locks.unlock(handle)
 
     def lock_path(self, node: TreeNode | None, swa_pages: np.ndarray) -> LockHandle:
-        """Lock the path to ``node`` and pin ``swa_pages``; see :meth:`PathLocks.lock_path`.
-        O(depth + pages)."""
+        """Lock the path to ``node``, pin ``swa_pages`` (:meth:`PathLocks.lock_path`).  O(depth + pages)."""
         return self.locks.lock_path(node, swa_pages)
 
     def pin_swa(self, pages: np.ndarray, delta: int) -> None:
@@ -593,6 +594,7 @@ class WindowSafeTree:
         assert np.unique(full).size == full.size, "a full page is cached twice"
         assert np.unique(swa).size == swa.size, "a SWA page is cached twice"
         self.pins.check()
+        self.runs.check([*self._roots.values(), *nodes])
         pinned_ids = self.pins.pinned_ids()
         if pinned_ids.size:
             assert np.isin(pinned_ids, swa).all(), "a pinned SWA page is not held by the tree"

@@ -126,6 +126,8 @@ class TierCoordinator:
         self.fingerprint = spec.fingerprint()
         self.window_pages = spec.window_pages  # pages of the sliding window (the spec is frozen)
         self.mutex = threading.RLock()
+        # what L1 evicts stays in its tree as evicted runs, within what L2 can hold
+        tree.runs.enable(max(1, int(tiers.l2_bytes) // max(1, self.host.pool.full_page_bytes)))
         self._stream = (torch.cuda.Stream(device=pool.buffers.device)
                         if real and pool.buffers.device.type == "cuda" else None)
         self.counters = dict.fromkeys(_COUNTERS, 0)
@@ -165,18 +167,25 @@ class TierCoordinator:
         never hashed again.  O(L1 match pages) plus the hashing of the rest."""
         return self.walk_prompt(tokens, namespace, n_pages)[0]
 
-    def walk_prompt(self, tokens: np.ndarray, namespace: str, n_pages: int) -> tuple[list[bytes], L1Path]:
+    def walk_prompt(self, tokens: np.ndarray, namespace: str, n_pages: int, *,
+                    engine: bool = True) -> tuple[list[bytes], L1Path]:
         """:meth:`prompt_keys` and the L1 walk it read them off, which :meth:`resident`
-        takes instead of walking the tree again.  Only the engine's thread changes
-        the tree (the tiers' threads change L2 and L3), so on that thread the walk
-        holds until the engine's call returns.  A :meth:`prefetch` from another
-        thread may read a walk the engine changed since: it only picks which pages
-        to read ahead, never what a request is served."""
+        takes instead of walking the tree again.  Past the L1 match the walk goes on
+        into the runs L1 evicted (:mod:`~hybridkv.radix.evicted`), whose names it
+        reads too; only the pages past both are hashed.  Only the engine's thread
+        changes the tree (the tiers' threads change L2 and L3), so on that thread
+        the walk holds until the engine's call returns; there (``engine``) it also
+        sweeps the runs when due.  A :meth:`prefetch` from another thread may read
+        a walk the engine changed since: it only picks which pages to read ahead,
+        never what a request is served."""
         have: list[bytes] = []
         path: L1Path = []
         if n_pages > 0:
+            tree, limit = self.tree, n_pages * self.page_size
             with self.mutex:  # as resident: the walk and the names read together
-                _, path = self.tree.walk(tokens, namespace, n_pages * self.page_size)
+                if engine and tree.runs.due:
+                    self._sweep_runs()
+                root, path = tree.walk(tokens, namespace, limit)
                 for node, k in path:
                     names = node.page_keys
                     part = names[:k] if names is not None else [None]
@@ -184,7 +193,18 @@ class TierCoordinator:
                         have += part[:part.index(None)]
                         break
                     have += part
+                else:  # the whole match is named: on into the runs at its end, if it ends at a node's end
+                    end = path[-1][0] if path else root
+                    if not path or path[-1][1] == end.n_pages:
+                        have += tree.runs.names(end, tokens, len(have) * self.page_size, limit)
         return self.page_keys(tokens, namespace, n_pages, have), path
+
+    def _sweep_runs(self) -> None:
+        """Cut the tree's evicted runs back to what L2 holds (under the mutex, on the
+        engine's thread).  O(L1 nodes + pages the runs name)."""
+        tree, lookup = self.tree, self.host.lookup_full
+        roots = [tree.root(ns) for ns in tree.namespaces()]
+        tree.runs.sweep(iter([*roots, *tree.iter_nodes()]), lambda keys: lookup(keys) >= 0)
 
     @property
     def protected(self) -> tuple[set[int], set[int]]:
@@ -202,7 +222,7 @@ class TierCoordinator:
             raise ValueError("tokens must not be empty")
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
-        keys, path = self.walk_prompt(tokens, namespace, (len(tokens) - 1) // self.page_size)
+        keys, path = self.walk_prompt(tokens, namespace, (len(tokens) - 1) // self.page_size, engine=False)
         try:
             return self._start_fetch(keys, path)[0]
         except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request

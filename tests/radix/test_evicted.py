@@ -1,0 +1,128 @@
+"""Evicted runs: the pages an L1 eviction gives up stay in the tree as runs at the
+end of what stays, named as they were, until an insert covers them; the
+invariant check catches a run planted where it must not be."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridkv.radix import TreeConfig, WindowSafeTree
+from hybridkv.radix.types import PageNames
+
+from helpers import RecordingPool as Pool
+
+P = 2  # tokens per page
+
+
+def _names(tokens: np.ndarray) -> PageNames:
+    """A name per page spelling its whole prefix (what chained keys are)."""
+    keys = [tokens[:(i + 1) * P].tobytes() for i in range(len(tokens) // P)]
+    return PageNames(keys, np.zeros(len(keys), dtype=bool))
+
+
+def _tree(runs: bool = True) -> WindowSafeTree:
+    t = WindowSafeTree(TreeConfig(P, 2 * P), Pool())
+    if runs:
+        t.runs.enable(1000)
+    return t
+
+
+def _insert(t: WindowSafeTree, tokens: np.ndarray, first_page: int) -> None:
+    n = len(tokens) // P
+    ids = np.arange(first_page, first_page + n, dtype=np.int32)
+    t.insert(tokens, ids, ids, names=_names(tokens))
+
+
+def _walk(t: WindowSafeTree, tokens: np.ndarray) -> list[bytes]:
+    """The names the L1 match and then the runs at its end give, as the tiers read them."""
+    root, path = t.walk(tokens, "default", len(tokens))
+    have = [k for nd, k_ in path for k in nd.page_keys[:k_]]
+    end = path[-1][0] if path else root
+    if not path or path[-1][1] == end.n_pages:
+        have += t.runs.names(end, tokens, len(have) * P, len(tokens))
+    return have
+
+
+def test_a_trimmed_leaf_keeps_its_pages_as_a_run_that_spells_their_names():
+    t = _tree()
+    seq = np.arange(40, dtype=np.int32)
+    _insert(t, seq, 0)
+    freed, _ = t.evict(full_pages=12)
+    assert freed >= 12 and t.full_pages_cached == 20 - freed
+    t.check_invariants()
+    assert t.runs.pages == 20 - t.full_pages_cached > 0
+    assert _walk(t, seq) == _names(seq).keys  # every page named: L1's, then the run's
+    other = np.concatenate([seq[:10], np.arange(500, 520, dtype=np.int32)])
+    assert _walk(t, other) == _names(other).keys[:5]  # the run spells only its own tokens
+
+
+def test_runs_follow_evictions_down_to_the_root_and_off_when_not_enabled():
+    for enabled in (True, False):
+        t = _tree(enabled)
+        a = np.arange(30, dtype=np.int32)
+        b = np.concatenate([a[:10], np.arange(100, 120, dtype=np.int32)])
+        _insert(t, a, 0)
+        _insert(t, b, 100)
+        t.evict(full_pages=t.full_pages_cached)
+        assert t.full_pages_cached == 0
+        t.check_invariants()
+        want = (len(a) + len(b) - 10) // P if enabled else 0
+        assert t.runs.pages == want
+        assert _walk(t, a) == (_names(a).keys if enabled else [])
+        assert _walk(t, b) == (_names(b).keys if enabled else [])
+
+
+def test_an_insert_over_a_run_drops_it_and_the_tree_stays_consistent():
+    t = _tree()
+    a = np.arange(30, dtype=np.int32)
+    _insert(t, a, 0)
+    t.evict(full_pages=t.full_pages_cached)
+    assert t.runs.pages == 15
+    c = np.concatenate([a[:6], np.arange(200, 210, dtype=np.int32)])
+    _insert(t, c, 50)  # a new L1 leaf at the root, over the run's first page
+    t.check_invariants()
+    assert t.runs.pages == 0
+    assert _walk(t, a) == _names(a).keys[:3]  # L1's pages only: the run is gone
+
+
+def test_the_check_catches_a_run_beside_an_l1_child_and_a_wrong_count():
+    t = _tree()
+    a = np.arange(20, dtype=np.int32)
+    _insert(t, a, 0)
+    t.evict(full_pages=4)
+    t.check_invariants()
+    leaf = next(t.iter_nodes())
+    run = next(iter(leaf.evicted.values()))
+    root = t.root("default")
+    root.evicted = {leaf.key[:P].tobytes(): run}  # planted where an L1 child starts too
+    with pytest.raises(AssertionError, match="L1 child"):
+        t.check_invariants()
+    root.evicted = None
+    t.runs.pages += 1
+    with pytest.raises(AssertionError):
+        t.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, True, None])
+def test_enable_rejects_a_bad_limit(bad):
+    t = _tree(False)
+    with pytest.raises(ValueError, match="limit_pages"):
+        t.runs.enable(bad)
+    assert t.runs.limit_pages is None
+
+
+def test_a_sweep_cuts_runs_at_the_first_page_the_tier_lacks():
+    t = _tree()
+    a = np.arange(40, dtype=np.int32)
+    b = np.concatenate([a[:20], np.arange(300, 320, dtype=np.int32)])
+    _insert(t, a, 0)
+    _insert(t, b, 100)
+    t.evict(full_pages=t.full_pages_cached)
+    names_a = _names(a).keys
+    held = set(names_a[:6])  # the tier lost page 6 of a on, and all of b past the fork
+    t.runs.sweep(iter([t.root("default"), *t.iter_nodes()]),
+                 lambda keys: np.array([k in held for k in keys], dtype=bool))
+    t.check_invariants()
+    assert t.runs.pages == 6 and t.runs.sweeps == 1
+    assert _walk(t, a) == names_a[:6] and _walk(t, b) == names_a[:6]
