@@ -13,11 +13,13 @@ the pages L1 gave up, instead of hashing them again.
 What a run says is only names: a name is a function of the page's tokens and
 those before it, so a run is never wrong about a key, whatever the tiers hold
 meanwhile; which tier holds a page is asked of the tier by that key.  The runs
-are kept to what L2 still holds by :meth:`EvictedRuns.sweep`: a run is cut at
-its first page L2 no longer holds, with everything hung below it.  A sweep is
-due once the runs name more than twice ``limit_pages`` pages (L2's capacity in
-full pages), so they stay within that bound and a sweep costs O(1) per page
-evicted, amortized.
+are kept to what the tiers below still hold by :meth:`EvictedRuns.sweep`: a run
+is cut at its first page no tier holds, with everything hung below it (the
+owner, :class:`~hybridkv.tiers.coordinator.TierCoordinator`, counts L2 and what
+L3's record knows, then L2 alone if that leaves more than ``limit_pages``).  A
+sweep is due once the runs name more than twice ``limit_pages`` pages (L2's
+capacity in full pages), so they stay within that bound and a sweep costs O(1)
+per page evicted, amortized.
 
 Invariants (:meth:`EvictedRuns.check`): at each point a run's first page
 differs from every L1 child's there (an insert that adds an L1 leaf over a run

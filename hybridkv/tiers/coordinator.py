@@ -200,11 +200,17 @@ class TierCoordinator:
         return self.page_keys(tokens, namespace, n_pages, have), path
 
     def _sweep_runs(self) -> None:
-        """Cut the tree's evicted runs back to what L2 holds (under the mutex, on the
-        engine's thread).  O(L1 nodes + pages the runs name)."""
-        tree, lookup = self.tree, self.host.lookup_full
-        roots = [tree.root(ns) for ns in tree.namespaces()]
-        tree.runs.sweep(iter([*roots, *tree.iter_nodes()]), lambda keys: lookup(keys) >= 0)
+        """Cut the tree's evicted runs back to what L2 holds, and what L3 holds as far
+        as its record knows while the runs stay within their limit that way (under
+        the mutex, on the engine's thread).  O(L1 nodes + pages the runs name)."""
+        tree, lookup, runs = self.tree, self.host.lookup_full, self.tree.runs
+        nodes = [*(tree.root(ns) for ns in tree.namespaces()), *tree.iter_nodes()]
+        if self.l3 is not None:
+            record = self.l3_record
+            runs.sweep(iter(nodes), lambda keys: (lookup(keys) >= 0) | record.held(keys))
+            if runs.limit_pages is None or runs.pages <= runs.limit_pages:
+                return
+        runs.sweep(iter(nodes), lambda keys: lookup(keys) >= 0)
 
     @property
     def protected(self) -> tuple[set[int], set[int]]:

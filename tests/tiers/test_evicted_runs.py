@@ -120,3 +120,37 @@ def test_runs_are_swept_back_to_what_l2_holds():
         assert held == runs.pages <= runs.limit_pages
     finally:
         cache.close()
+
+
+def test_with_l3_runs_keep_what_only_l3_holds_within_their_limit(tmp_path):
+    """Pages L2 gave up but L3's record holds keep their runs while the runs stay
+    within their limit; past it a sweep keeps only what L2 holds."""
+    spec = tiny_spec()
+    fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
+    cache = TieredCache(spec, CacheConfig(budget_bytes=120 * (fpb + spb), device="meta"),
+                        tiers=TierConfig(l2_bytes=10 * (fpb + spb), l3=f"file://{tmp_path / 'l3'}",
+                                         write_policy="write_through"))
+    runs, co = cache.tree.runs, cache.lower_tiers
+    try:
+        _replay(cache, seed=8, steps=120)
+        assert cache.flush(30.0)
+        in_l2 = in_l3 = 0
+        runs.limit_pages = 10 ** 6  # room for all: the sweep keeps what L3 holds too
+        co._sweep_runs()
+        for node in [cache.tree.root("default"), *cache.tree.iter_nodes()]:
+            stack = [node.evicted or {}]
+            while stack:
+                for run in stack.pop().values():
+                    l2 = co.host.lookup_full(run.names) >= 0
+                    l3 = co.l3_record.held(run.names)
+                    assert (l2 | l3).all()
+                    in_l2 += int(l2.sum())
+                    in_l3 += int((l3 & ~l2).sum())
+                    stack.append(run.below or {})
+        assert in_l3 > 0 and runs.pages == in_l2 + in_l3
+        runs.limit_pages = max(1, in_l2)  # now too many: only L2's pages stay
+        co._sweep_runs()
+        assert runs.pages <= in_l2
+        cache.check_invariants()
+    finally:
+        cache.close()
