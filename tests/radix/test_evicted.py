@@ -126,3 +126,48 @@ def test_a_sweep_cuts_runs_at_the_first_page_the_tier_lacks():
     t.check_invariants()
     assert t.runs.pages == 6 and t.runs.sweeps == 1
     assert _walk(t, a) == names_a[:6] and _walk(t, b) == names_a[:6]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_inserts_matches_and_evictions_keep_every_walk_named_right(seed):
+    """Inserts of shared stems with their own tails, matches that split nodes and
+    lock them for a while, evictions of every size, two namespaces: after each step
+    the invariants hold and every walk over L1 and the runs gives the names the
+    tokens spell."""
+    rng = np.random.default_rng(seed)
+    t = _tree()
+    t.runs.enable(10 ** 6)
+    stems = [rng.integers(0, 50, 60).astype(np.int32) for _ in range(3)]
+    handles = []
+    next_page = from_runs = 0
+    for step in range(300):
+        ns = ("default", "other")[int(rng.integers(0, 2))]
+        stem = stems[int(rng.integers(0, len(stems)))]
+        cut = int(rng.integers(1, len(stem) // P)) * P
+        tail = rng.integers(0, 50, int(rng.integers(0, 5)) * P).astype(np.int32)
+        tokens = np.concatenate([stem[:cut], tail])
+        op = rng.random()
+        if op < 0.45:
+            n = len(tokens) // P
+            ids = np.arange(next_page, next_page + n, dtype=np.int32)
+            next_page += n
+            t.insert(tokens, ids, ids, namespace=ns, names=_names(tokens))
+        elif op < 0.7:
+            m = t.match(tokens, ns, split=True)
+            if m.node is not None and rng.random() < 0.5:
+                handles.append(t.lock(m.node))
+        elif op < 0.8 and handles:
+            t.unlock(handles.pop(int(rng.integers(0, len(handles)))))
+        else:
+            t.evict(full_pages=int(rng.integers(1, 40)))
+        t.check_invariants()
+        probe = np.concatenate([stems[step % len(stems)], rng.integers(0, 50, 2 * P).astype(np.int32)])
+        root, path = t.walk(probe, ns, len(probe))
+        got = [k for nd, k_ in path for k in nd.page_keys[:k_]]
+        end = path[-1][0] if path else root
+        if not path or path[-1][1] == end.n_pages:
+            more = t.runs.names(end, probe, len(got) * P, len(probe))
+            from_runs += len(more)
+            got += more
+        assert got == _names(probe).keys[:len(got)]
+    assert t.runs.pages > 0 and from_runs > 0
