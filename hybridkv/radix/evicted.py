@@ -147,6 +147,7 @@ class EvictedRuns:
 
     def _sweep_at(self, runs: dict[bytes, EvictedRun], held: Callable[[Sequence[bytes]], np.ndarray]) -> None:
         stack = [runs]
+        owners: list[EvictedRun] = []  # runs whose ``below`` was swept (emptied ones become None)
         while stack:
             at = stack.pop()
             for first, run in list(at.items()):
@@ -163,6 +164,10 @@ class EvictedRuns:
                     run.key, run.names = run.key[:n * self.page_size], run.names[:n]
                 if run.below:
                     stack.append(run.below)
+                    owners.append(run)
+        for run in owners:
+            if not run.below:
+                run.below = None
 
     def _drop_all(self, runs: Iterable[EvictedRun]) -> None:
         """Forget ``runs`` and everything below them.  O(runs dropped)."""

@@ -535,8 +535,10 @@ class TierCoordinator:
             self.backend.close()
 
     def stats(self) -> dict[str, Any]:
-        """Tier counters, ``l2_*`` host figures and ``l3_*`` manager/backend counters."""
+        """Tier counters, ``l2_*`` host figures, ``l3_*`` manager/backend counters and
+        the L1 tree's evicted runs (``evicted_run_pages`` named, ``evicted_run_sweeps``)."""
         out = dict(self.counters)
+        out.update(evicted_run_pages=self.tree.runs.pages, evicted_run_sweeps=self.tree.runs.sweeps)
         out.update({f"l2_{k}": v for k, v in self.host.stats().items()})
         if self.l3 is not None:
             out.update(self.l3.stats())

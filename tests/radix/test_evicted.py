@@ -171,3 +171,18 @@ def test_random_inserts_matches_and_evictions_keep_every_walk_named_right(seed):
             got += more
         assert got == _names(probe).keys[:len(got)]
     assert t.runs.pages > 0 and from_runs > 0
+
+
+def test_a_sweep_that_empties_what_hangs_below_a_kept_run_leaves_no_empty_map():
+    t = _tree()
+    a = np.arange(40, dtype=np.int32)
+    b = np.concatenate([a[:20], np.arange(300, 320, dtype=np.int32)])
+    _insert(t, a, 0)
+    _insert(t, b, 100)
+    t.evict(full_pages=t.full_pages_cached)
+    held = set(_names(a).keys[:10])  # the shared run is held whole, neither branch below it
+    t.runs.sweep(iter([t.root("default"), *t.iter_nodes()]),
+                 lambda keys: np.array([k in held for k in keys], dtype=bool))
+    t.check_invariants()  # failed before: the kept run's map below it was left empty
+    (run,) = t.root("default").evicted.values()
+    assert run.below is None and t.runs.pages == 10
