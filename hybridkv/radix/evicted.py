@@ -14,12 +14,13 @@ What a run says is only names: a name is a function of the page's tokens and
 those before it, so a run is never wrong about a key, whatever the tiers hold
 meanwhile; which tier holds a page is asked of the tier by that key.  The runs
 are kept to what the tiers below still hold by :meth:`EvictedRuns.sweep`: a run
-is cut at its first page no tier holds, with everything hung below it (the
-owner, :class:`~hybridkv.tiers.coordinator.TierCoordinator`, counts L2 and what
-L3's record knows, then L2 alone if that leaves more than ``limit_pages``).  A
-sweep is due once the runs name more than twice ``limit_pages`` pages (L2's
-capacity in full pages), so they stay within that bound and a sweep costs O(1)
-per page evicted, amortized.
+is cut at its first page no tier holds, with everything hung below it.  The
+owner (:class:`~hybridkv.tiers.coordinator.TierCoordinator`) sweeps once the
+runs name more than twice its bound (the full pages L2 holds, or the L1 tree's
+node count if larger: :meth:`EvictedRuns.due`), counting L2 and what L3's record
+knows, then L2 alone if that leaves more than the bound.  So the runs stay
+within about twice what L2 holds, and a sweep, O(L1 nodes + pages the runs
+name), costs O(1) per page evicted, amortized.
 
 Invariants (:meth:`EvictedRuns.check`): at each point a run's first page
 differs from every L1 child's there (an insert that adds an L1 leaf over a run
@@ -47,26 +48,24 @@ class EvictedRuns:
     Args:
         page_size: tokens per page.
 
-    Off until :meth:`enable` gives the pages a sweep keeps the runs within
-    (``limit_pages``: L2's capacity in full pages).
+    Off (no run is kept) until :meth:`enable`.
     """
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.limit_pages: int | None = None  # None: off (no run is kept)
+        self.on = False  # keep runs (an owner that sweeps them turns this on)
         self.pages = 0  # pages the runs name
         self.sweeps = 0
 
-    def enable(self, limit_pages: int) -> None:
-        """Keep the runs from now on, within ``limit_pages`` pages (> 0) by sweeps."""
-        if not isinstance(limit_pages, int) or isinstance(limit_pages, bool) or limit_pages <= 0:
-            raise ValueError(f"limit_pages must be an int > 0, got {limit_pages!r}")
-        self.limit_pages = limit_pages
+    def enable(self, on: bool = True) -> None:
+        """Keep runs from now on (``on``), or keep no new one; the owner sweeps them."""
+        if not isinstance(on, bool):
+            raise TypeError(f"on must be a bool, got {type(on).__name__}")
+        self.on = on
 
-    @property
-    def due(self) -> bool:
-        """The runs name more than twice ``limit_pages`` pages: sweep them."""
-        return self.limit_pages is not None and self.pages > 2 * self.limit_pages
+    def due(self, bound: int) -> bool:
+        """The runs name more than twice ``bound`` pages: time to sweep them."""
+        return self.pages > 2 * bound
 
     # ------------------------------------------------------------ the tree's hooks
     def evicted(self, node: TreeNode, keep: int) -> None:
@@ -75,7 +74,7 @@ class EvictedRuns:
         runs at ``node``'s end along.  Only the named leading pages become the run;
         under an unnamed page nothing goes on (the chain of names breaks there).  O(1)
         plus the scan for an unnamed page."""
-        if self.limit_pages is None:
+        if not self.on:
             return
         at_end, node.evicted = node.evicted, None
         names = node.page_keys

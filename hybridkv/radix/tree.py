@@ -96,7 +96,7 @@ class WindowSafeTree:
         self.anchors = WindowAnchors(self.policy, self.page_size, tuple(g.window_pages for g in self.groups))
         self.learning = MatchLearning(self.policy, self.divergence, ranking, self.page_size, swa_page_bytes,
                                       now=self._now, node_count=lambda: self.num_nodes)
-        self.runs = EvictedRuns(self.page_size)  # what L1 evicted, kept while a tier below enables it
+        self.runs = EvictedRuns(self.page_size)  # what L1 evicted (kept once a tier below enables it)
         self.eviction = Eviction(self, self.anchors, ranking, self.pins, self.divergence, self.events, self.policy,
                                  self.runs, mode=config.swa_eviction, page_size=self.page_size,
                                  full_page_bytes=full_page_bytes, swa_page_bytes=swa_page_bytes,

@@ -126,8 +126,7 @@ class TierCoordinator:
         self.fingerprint = spec.fingerprint()
         self.window_pages = spec.window_pages  # pages of the sliding window (the spec is frozen)
         self.mutex = threading.RLock()
-        # what L1 evicts stays in its tree as evicted runs, within what L2 can hold
-        tree.runs.enable(max(1, int(tiers.l2_bytes) // max(1, self.host.pool.full_page_bytes)))
+        tree.runs.enable()  # what L1 evicts stays in its tree as evicted runs (swept in walk_prompt)
         self._stream = (torch.cuda.Stream(device=pool.buffers.device)
                         if real and pool.buffers.device.type == "cuda" else None)
         self.counters = dict.fromkeys(_COUNTERS, 0)
@@ -183,8 +182,9 @@ class TierCoordinator:
         if n_pages > 0:
             tree, limit = self.tree, n_pages * self.page_size
             with self.mutex:  # as resident: the walk and the names read together
-                if engine and tree.runs.due:
-                    self._sweep_runs()
+                bound = max(1, self.host.num_full_pages, tree.num_nodes)
+                if engine and tree.runs.due(bound):
+                    self._sweep_runs(bound)
                 root, path = tree.walk(tokens, namespace, limit)
                 for node, k in path:
                     names = node.page_keys
@@ -199,16 +199,16 @@ class TierCoordinator:
                         have += tree.runs.names(end, tokens, len(have) * self.page_size, limit)
         return self.page_keys(tokens, namespace, n_pages, have), path
 
-    def _sweep_runs(self) -> None:
+    def _sweep_runs(self, bound: int) -> None:
         """Cut the tree's evicted runs back to what L2 holds, and what L3 holds as far
-        as its record knows while the runs stay within their limit that way (under
-        the mutex, on the engine's thread).  O(L1 nodes + pages the runs name)."""
+        as its record knows while that leaves at most ``bound`` pages (under the
+        mutex, on the engine's thread).  O(L1 nodes + pages the runs name)."""
         tree, lookup, runs = self.tree, self.host.lookup_full, self.tree.runs
         nodes = [*(tree.root(ns) for ns in tree.namespaces()), *tree.iter_nodes()]
         if self.l3 is not None:
             record = self.l3_record
             runs.sweep(iter(nodes), lambda keys: (lookup(keys) >= 0) | record.held(keys))
-            if runs.limit_pages is None or runs.pages <= runs.limit_pages:
+            if runs.pages <= bound:
                 return
         runs.sweep(iter(nodes), lambda keys: lookup(keys) >= 0)
 

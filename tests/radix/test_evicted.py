@@ -24,7 +24,7 @@ def _names(tokens: np.ndarray) -> PageNames:
 def _tree(runs: bool = True) -> WindowSafeTree:
     t = WindowSafeTree(TreeConfig(P, 2 * P), Pool())
     if runs:
-        t.runs.enable(1000)
+        t.runs.enable()
     return t
 
 
@@ -104,12 +104,20 @@ def test_the_check_catches_a_run_beside_an_l1_child_and_a_wrong_count():
         t.check_invariants()
 
 
-@pytest.mark.parametrize("bad", [0, -3, 1.5, True, None])
-def test_enable_rejects_a_bad_limit(bad):
+@pytest.mark.parametrize("bad", [0, 1, "yes", None])
+def test_enable_rejects_a_flag_that_is_not_a_bool(bad):
     t = _tree(False)
-    with pytest.raises(ValueError, match="limit_pages"):
+    with pytest.raises(TypeError, match="on must be a bool"):
         t.runs.enable(bad)
-    assert t.runs.limit_pages is None
+    assert t.runs.on is False
+
+
+def test_due_once_the_runs_name_more_than_twice_the_bound():
+    t = _tree()
+    _insert(t, np.arange(40, dtype=np.int32), 0)
+    t.evict(full_pages=t.full_pages_cached)
+    assert t.runs.pages == 20
+    assert t.runs.due(9) and not t.runs.due(10)
 
 
 def test_a_sweep_cuts_runs_at_the_first_page_the_tier_lacks():
@@ -136,7 +144,6 @@ def test_random_inserts_matches_and_evictions_keep_every_walk_named_right(seed):
     tokens spell."""
     rng = np.random.default_rng(seed)
     t = _tree()
-    t.runs.enable(10 ** 6)
     stems = [rng.integers(0, 50, 60).astype(np.int32) for _ in range(3)]
     handles = []
     next_page = from_runs = 0

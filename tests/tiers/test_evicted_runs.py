@@ -74,7 +74,7 @@ def test_walks_read_evicted_names_and_the_cache_decides_as_without_them(policy, 
 
         monkeypatch.setattr(co, "walk_prompt", walk_counted)
         if not runs:
-            cache.tree.runs.limit_pages = None  # off: every page past L1 is hashed
+            cache.tree.runs.enable(False)  # off: every page past L1 is hashed
         named = cache.tree.runs.names
 
         def names_counted(*args):
@@ -107,8 +107,9 @@ def test_runs_are_swept_back_to_what_l2_holds():
     try:
         _replay(cache, seed=8, steps=200)
         assert runs.sweeps >= 1
-        assert runs.pages <= 2 * runs.limit_pages
-        co._sweep_runs()
+        bound = max(co.host.num_full_pages, cache.tree.num_nodes)
+        assert runs.pages <= 2 * bound + 200 // spec.page_size  # (a walk's sweep, then one request's evictions)
+        co._sweep_runs(bound)
         held = 0
         for node in [cache.tree.root("default"), *cache.tree.iter_nodes()]:
             stack = [node.evicted or {}]
@@ -117,7 +118,7 @@ def test_runs_are_swept_back_to_what_l2_holds():
                     assert (co.host.lookup_full(run.names) >= 0).all()
                     held += len(run.names)
                     stack.append(run.below or {})
-        assert held == runs.pages <= runs.limit_pages
+        assert held == runs.pages <= co.host.num_full_pages
         st = cache.stats()
         assert st["evicted_run_pages"] == held and st["evicted_run_sweeps"] == runs.sweeps
     finally:
@@ -137,8 +138,7 @@ def test_with_l3_runs_keep_what_only_l3_holds_within_their_limit(tmp_path):
         _replay(cache, seed=8, steps=120)
         assert cache.flush(30.0)
         in_l2 = in_l3 = 0
-        runs.limit_pages = 10 ** 6  # room for all: the sweep keeps what L3 holds too
-        co._sweep_runs()
+        co._sweep_runs(10 ** 6)  # room for all: the sweep keeps what L3 holds too
         for node in [cache.tree.root("default"), *cache.tree.iter_nodes()]:
             stack = [node.evicted or {}]
             while stack:
@@ -150,8 +150,7 @@ def test_with_l3_runs_keep_what_only_l3_holds_within_their_limit(tmp_path):
                     in_l3 += int((l3 & ~l2).sum())
                     stack.append(run.below or {})
         assert in_l3 > 0 and runs.pages == in_l2 + in_l3
-        runs.limit_pages = max(1, in_l2)  # now too many: only L2's pages stay
-        co._sweep_runs()
+        co._sweep_runs(max(1, in_l2 - 1))  # now too many: only L2's pages stay
         assert runs.pages <= in_l2
         cache.check_invariants()
     finally:
