@@ -12,28 +12,28 @@ the pages L1 gave up, instead of hashing them again.
 
 What a run says is only names: a name is a function of the page's tokens and
 those before it, so a run is never wrong about a key, whatever the tiers hold
-meanwhile; which tier holds a page is asked of the tier by that key.  The runs
-are kept to what the tiers below still hold by :meth:`EvictedRuns.sweep`: a run
-is cut at its first page no tier holds, with everything hung below it.  The
-owner (:class:`~hybridkv.tiers.coordinator.TierCoordinator`) sweeps once the
-runs name more than twice its bound (the full pages L2 holds, or the L1 tree's
-node count if larger: :meth:`EvictedRuns.due`), counting L2 and what L3's record
-knows, then L2 alone if that leaves more than the bound.  So the runs stay
-within about twice what L2 holds, and a sweep, O(L1 nodes + pages the runs
-name), costs O(1) per page evicted, amortized.
+meanwhile; which tier holds a page (L2, L3, none) is asked of the tier by that
+key.  The runs are kept within a cap (:meth:`EvictedRuns.keep_within`; the
+owner, :class:`~hybridkv.tiers.coordinator.TierCoordinator`, gives the number
+of full pages L2 holds): past it the oldest runs go first, with what hangs
+below them.  That costs O(1) per page evicted, amortized, and never more at
+once than the pages one eviction (or one shrink of the cap) added: no sweep
+over the tree, no lookup in a tier.
 
 Invariants (:meth:`EvictedRuns.check`): at each point a run's first page
 differs from every L1 child's there (an insert that adds an L1 leaf over a run
 drops the run: :meth:`EvictedRuns.covered`), runs hang only at node ends, every
-page of a run is named, and ``pages`` counts them all.
+page of a run is named, each run knows the map it hangs in, and ``pages`` counts
+them all (within the cap after each update).
 
 The tree changes the runs only on the engine's thread (its evictions and
-inserts; the owner sweeps there too), like the L1 tree itself.
+inserts; the owner sets the cap there too), like the L1 tree itself.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Sequence
+from collections import deque
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -48,32 +48,40 @@ class EvictedRuns:
     Args:
         page_size: tokens per page.
 
-    Off (no run is kept) until :meth:`enable`.
+    Off (no run is kept) until :meth:`enable`.  Attributes: ``pages`` (pages the
+    runs name), ``dropped`` (pages dropped to stay within the cap), ``cap``.
     """
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.on = False  # keep runs (an owner that sweeps them turns this on)
-        self.pages = 0  # pages the runs name
-        self.sweeps = 0
+        self.on = False  # keep runs (an owner that caps them turns this on)
+        self.cap: int | None = None  # most pages the runs name (None: no cap)
+        self.pages = 0
+        self.dropped = 0
+        self._order: deque[EvictedRun] = deque()  # runs, oldest first (dropped ones skipped)
+        self._live = 0  # runs kept
 
     def enable(self, on: bool = True) -> None:
-        """Keep runs from now on (``on``), or keep no new one; the owner sweeps them."""
+        """Keep runs from now on (``on``), or keep no new one."""
         if not isinstance(on, bool):
             raise TypeError(f"on must be a bool, got {type(on).__name__}")
         self.on = on
 
-    def due(self, bound: int) -> bool:
-        """The runs name more than twice ``bound`` pages: time to sweep them."""
-        return self.pages > 2 * bound
+    def keep_within(self, cap: int) -> None:
+        """Name at most ``cap`` pages (an int >= 0) from now on; the oldest runs go
+        first.  O(runs dropped)."""
+        if not isinstance(cap, (int, np.integer)) or isinstance(cap, bool) or cap < 0:
+            raise ValueError(f"cap must be an int >= 0, got {cap!r}")
+        self.cap = int(cap)
+        self._trim()
 
     # ------------------------------------------------------------ the tree's hooks
     def evicted(self, node: TreeNode, keep: int) -> None:
         """Eviction gives up pages ``[keep:]`` of leaf ``node`` (before it trims
         or removes it): they become a run at the end of what stays, taking the
         runs at ``node``'s end along.  Only the named leading pages become the run;
-        under an unnamed page nothing goes on (the chain of names breaks there).  O(1)
-        plus the scan for an unnamed page."""
+        under an unnamed page nothing goes on (the chain of names breaks there).
+        O(1) plus the scan for an unnamed page, and the runs the cap drops."""
         if not self.on:
             return
         at_end, node.evicted = node.evicted, None
@@ -85,10 +93,8 @@ class EvictedRuns:
             if n:
                 P = self.page_size
                 run = EvictedRun(node.key[keep * P:(keep + n) * P], gone[:n])
-                self.pages += n
-                if n == len(gone):
-                    run.below = at_end
-                    at_end = None
+                if n == len(gone) and at_end:
+                    run.below, at_end = at_end, None  # the map moves whole: its runs' home stays it
         if at_end:
             self._drop_all(at_end.values())
         if run is None:
@@ -98,6 +104,11 @@ class EvictedRuns:
         if host.evicted is None:
             host.evicted = {}
         host.evicted[run.key[:self.page_size].tobytes()] = run
+        run.home = host.evicted
+        self._order.append(run)
+        self._live += 1
+        self.pages += len(run.names)
+        self._trim()
 
     def covered(self, node: TreeNode, first: bytes) -> None:
         """An insert adds an L1 leaf with first page ``first`` at ``node``'s end:
@@ -108,8 +119,6 @@ class EvictedRuns:
             run = runs.pop(first, None)
             if run is not None:
                 self._drop_all((run,))
-                if not runs:
-                    node.evicted = None
 
     # ------------------------------------------------------------------- reads
     def names(self, node: TreeNode, key: np.ndarray, pos: int, limit: int) -> list[bytes]:
@@ -133,40 +142,23 @@ class EvictedRuns:
             runs = run.below
         return out
 
-    # ------------------------------------------------------------------- sweep
-    def sweep(self, nodes: Iterator[TreeNode], held: Callable[[Sequence[bytes]], np.ndarray]) -> None:
-        """Cut every run at its first page ``held`` (bool per name) says L2 lacks,
-        with what hangs below it.  O(L1 nodes + pages the runs name)."""
-        self.sweeps += 1
-        for node in nodes:
-            if node.evicted:
-                self._sweep_at(node.evicted, held)
-                if not node.evicted:
-                    node.evicted = None
-
-    def _sweep_at(self, runs: dict[bytes, EvictedRun], held: Callable[[Sequence[bytes]], np.ndarray]) -> None:
-        stack = [runs]
-        owners: list[EvictedRun] = []  # runs whose ``below`` was swept (emptied ones become None)
-        while stack:
-            at = stack.pop()
-            for first, run in list(at.items()):
-                have = held(run.names)
-                n = len(run.names) if have.all() else int(np.argmin(have))
-                if n < len(run.names):
-                    self.pages -= len(run.names) - n
-                    if run.below:
-                        self._drop_all(run.below.values())
-                    run.below = None
-                    if n == 0:
-                        del at[first]
-                        continue
-                    run.key, run.names = run.key[:n * self.page_size], run.names[:n]
-                if run.below:
-                    stack.append(run.below)
-                    owners.append(run)
-        for run in owners:
-            if not run.below:
-                run.below = None
+    # ------------------------------------------------------------- within the cap
+    def _trim(self) -> None:
+        """Drop the oldest runs (with what hangs below them) until within the cap;
+        compact the order once it holds twice as many dropped runs as kept ones."""
+        order, cap = self._order, self.cap
+        while cap is not None and self.pages > cap and order:
+            run = order.popleft()
+            home = run.home
+            if home is None:
+                continue  # dropped already (covered, or under a dropped run)
+            if home.get(run.key[:self.page_size].tobytes()) is run:
+                del home[run.key[:self.page_size].tobytes()]
+            before = self.pages
+            self._drop_all((run,))
+            self.dropped += before - self.pages
+        if len(order) > 2 * self._live + 64:
+            self._order = deque(r for r in order if r.home is not None)
 
     def _drop_all(self, runs: Iterable[EvictedRun]) -> None:
         """Forget ``runs`` and everything below them.  O(runs dropped)."""
@@ -174,6 +166,8 @@ class EvictedRuns:
         while stack:
             run = stack.pop()
             self.pages -= len(run.names)
+            self._live -= 1
+            run.home = None
             if run.below:
                 stack.extend(run.below.values())
 
@@ -182,11 +176,10 @@ class EvictedRuns:
         """Verify the module docstring's invariants over the tree's ``nodes`` (roots
         included).  O(L1 nodes + pages the runs name)."""
         P = self.page_size
-        total = 0
+        total = runs_seen = 0
         for node in nodes:
-            if node.evicted is None:
+            if not node.evicted:
                 continue
-            assert node.evicted, f"an empty run map on {node}"
             assert not set(node.evicted) & set(node.children), f"a run under an L1 child of {node}"
             stack = [node.evicted]
             while stack:
@@ -195,9 +188,11 @@ class EvictedRuns:
                     n = len(run.names)
                     assert n > 0 and None not in run.names, run
                     assert len(run.key) == n * P and first == run.key[:P].tobytes(), run
+                    assert run.home is at, f"{run} does not know the map it hangs in"
                     total += n
-                    if run.below is not None:
-                        assert run.below, f"an empty run map below {run}"
+                    runs_seen += 1
+                    if run.below:
                         stack.append(run.below)
         assert total == self.pages, (total, self.pages)
-
+        assert runs_seen == self._live, (runs_seen, self._live)
+        assert self.cap is None or self.pages <= self.cap, (self.pages, self.cap)

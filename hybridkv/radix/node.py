@@ -145,12 +145,13 @@ class EvictedRun:
     """Pages L1 evicted, in order: their tokens and names, and the runs evicted
     from under them (``below``: first page's bytes -> run, None when none)."""
 
-    __slots__ = ("key", "names", "below")
+    __slots__ = ("key", "names", "below", "home")
 
     def __init__(self, key: np.ndarray, names: list[bytes]) -> None:
         self.key = key
         self.names = names
         self.below: dict[bytes, EvictedRun] | None = None
+        self.home: dict[bytes, EvictedRun] | None = None  # the map it hangs in (None: dropped)
 
     def __repr__(self) -> str:
         return f"EvictedRun(pages={len(self.names)}, below={len(self.below or ())})"

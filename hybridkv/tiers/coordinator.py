@@ -126,7 +126,7 @@ class TierCoordinator:
         self.fingerprint = spec.fingerprint()
         self.window_pages = spec.window_pages  # pages of the sliding window (the spec is frozen)
         self.mutex = threading.RLock()
-        tree.runs.enable()  # what L1 evicts stays in its tree as evicted runs (swept in walk_prompt)
+        tree.runs.enable()  # what L1 evicts stays in its tree as evicted runs (capped in walk_prompt)
         self._stream = (torch.cuda.Stream(device=pool.buffers.device)
                         if real and pool.buffers.device.type == "cuda" else None)
         self.counters = dict.fromkeys(_COUNTERS, 0)
@@ -174,17 +174,16 @@ class TierCoordinator:
         reads too; only the pages past both are hashed.  Only the engine's thread
         changes the tree (the tiers' threads change L2 and L3), so on that thread
         the walk holds until the engine's call returns; there (``engine``) it also
-        sweeps the runs when due.  A :meth:`prefetch` from another thread may read
-        a walk the engine changed since: it only picks which pages to read ahead,
-        never what a request is served."""
+        caps the runs at the full pages L2 holds.  A :meth:`prefetch` from another
+        thread may read a walk the engine changed since: it only picks which pages
+        to read ahead, never what a request is served."""
         have: list[bytes] = []
         path: L1Path = []
         if n_pages > 0:
             tree, limit = self.tree, n_pages * self.page_size
             with self.mutex:  # as resident: the walk and the names read together
-                bound = max(1, self.host.num_full_pages, tree.num_nodes)
-                if engine and tree.runs.due(bound):
-                    self._sweep_runs(bound)
+                if engine:  # the runs name at most as many pages as L2 holds full pages
+                    tree.runs.keep_within(self.host.num_full_pages)
                 root, path = tree.walk(tokens, namespace, limit)
                 for node, k in path:
                     names = node.page_keys
@@ -198,19 +197,6 @@ class TierCoordinator:
                     if not path or path[-1][1] == end.n_pages:
                         have += tree.runs.names(end, tokens, len(have) * self.page_size, limit)
         return self.page_keys(tokens, namespace, n_pages, have), path
-
-    def _sweep_runs(self, bound: int) -> None:
-        """Cut the tree's evicted runs back to what L2 holds, and what L3 holds as far
-        as its record knows while that leaves at most ``bound`` pages (under the
-        mutex, on the engine's thread).  O(L1 nodes + pages the runs name)."""
-        tree, lookup, runs = self.tree, self.host.lookup_full, self.tree.runs
-        nodes = [*(tree.root(ns) for ns in tree.namespaces()), *tree.iter_nodes()]
-        if self.l3 is not None:
-            record = self.l3_record
-            runs.sweep(iter(nodes), lambda keys: (lookup(keys) >= 0) | record.held(keys))
-            if runs.pages <= bound:
-                return
-        runs.sweep(iter(nodes), lambda keys: lookup(keys) >= 0)
 
     @property
     def protected(self) -> tuple[set[int], set[int]]:
@@ -536,9 +522,10 @@ class TierCoordinator:
 
     def stats(self) -> dict[str, Any]:
         """Tier counters, ``l2_*`` host figures, ``l3_*`` manager/backend counters and
-        the L1 tree's evicted runs (``evicted_run_pages`` named, ``evicted_run_sweeps``)."""
+        the L1 tree's evicted runs (``evicted_run_pages`` named, ``evicted_run_pages_dropped``
+        to stay within their cap)."""
         out = dict(self.counters)
-        out.update(evicted_run_pages=self.tree.runs.pages, evicted_run_sweeps=self.tree.runs.sweeps)
+        out.update(evicted_run_pages=self.tree.runs.pages, evicted_run_pages_dropped=self.tree.runs.dropped)
         out.update({f"l2_{k}": v for k, v in self.host.stats().items()})
         if self.l3 is not None:
             out.update(self.l3.stats())

@@ -99,8 +99,13 @@ def test_the_check_catches_a_run_beside_an_l1_child_and_a_wrong_count():
     with pytest.raises(AssertionError, match="L1 child"):
         t.check_invariants()
     root.evicted = None
+    t.check_invariants()
     t.runs.pages += 1
     with pytest.raises(AssertionError):
+        t.check_invariants()
+    t.runs.pages -= 1
+    run.home = {}
+    with pytest.raises(AssertionError, match="does not know the map"):
         t.check_invariants()
 
 
@@ -112,28 +117,50 @@ def test_enable_rejects_a_flag_that_is_not_a_bool(bad):
     assert t.runs.on is False
 
 
-def test_due_once_the_runs_name_more_than_twice_the_bound():
+@pytest.mark.parametrize("bad", [-1, 1.5, True, None, "3"])
+def test_keep_within_rejects_a_bad_cap_and_keeps_the_runs(bad):
     t = _tree()
     _insert(t, np.arange(40, dtype=np.int32), 0)
     t.evict(full_pages=t.full_pages_cached)
-    assert t.runs.pages == 20
-    assert t.runs.due(9) and not t.runs.due(10)
+    with pytest.raises(ValueError, match="cap"):
+        t.runs.keep_within(bad)
+    assert t.runs.pages == 20 and t.runs.cap is None
 
 
-def test_a_sweep_cuts_runs_at_the_first_page_the_tier_lacks():
+def test_past_the_cap_the_oldest_runs_go_first_with_what_hangs_below_them():
     t = _tree()
     a = np.arange(40, dtype=np.int32)
     b = np.concatenate([a[:20], np.arange(300, 320, dtype=np.int32)])
+    c = np.arange(500, 520, dtype=np.int32)
     _insert(t, a, 0)
     _insert(t, b, 100)
-    t.evict(full_pages=t.full_pages_cached)
-    names_a = _names(a).keys
-    held = set(names_a[:6])  # the tier lost page 6 of a on, and all of b past the fork
-    t.runs.sweep(iter([t.root("default"), *t.iter_nodes()]),
-                 lambda keys: np.array([k in held for k in keys], dtype=bool))
+    t.evict(full_pages=t.full_pages_cached)  # the two branches first, then what they share
+    _insert(t, c, 200)
+    t.evict(full_pages=t.full_pages_cached)  # then c, the newest run
     t.check_invariants()
-    assert t.runs.pages == 6 and t.runs.sweeps == 1
-    assert _walk(t, a) == names_a[:6] and _walk(t, b) == names_a[:6]
+    assert t.runs.pages == 40
+    t.runs.keep_within(30)
+    t.check_invariants()
+    assert t.runs.pages == 30 and t.runs.dropped == 10  # the oldest branch went (10 pages)
+    kept = [w for w in (a, b) if _walk(t, w) == _names(w).keys]
+    assert len(kept) == 1 and _walk(t, c) == _names(c).keys
+    t.runs.keep_within(10)
+    t.check_invariants()
+    assert t.runs.pages == 10 and _walk(t, c) == _names(c).keys  # the shared run went with its branch
+    assert _walk(t, a) == []
+    t.runs.keep_within(0)
+    t.check_invariants()
+    assert t.runs.pages == 0 and t.runs.dropped == 40
+
+
+def test_dropped_runs_do_not_pile_up_in_the_order():
+    t = _tree()
+    for i in range(200):  # each run is covered again by the next insert of the same tokens
+        seq = np.arange(10, dtype=np.int32) + 1000 * (i % 2)
+        _insert(t, seq, 10 * i)
+        t.evict(full_pages=t.full_pages_cached)
+    t.check_invariants()
+    assert len(t.runs._order) <= 2 * t.runs.pages + 64
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -178,18 +205,3 @@ def test_random_inserts_matches_and_evictions_keep_every_walk_named_right(seed):
             got += more
         assert got == _names(probe).keys[:len(got)]
     assert t.runs.pages > 0 and from_runs > 0
-
-
-def test_a_sweep_that_empties_what_hangs_below_a_kept_run_leaves_no_empty_map():
-    t = _tree()
-    a = np.arange(40, dtype=np.int32)
-    b = np.concatenate([a[:20], np.arange(300, 320, dtype=np.int32)])
-    _insert(t, a, 0)
-    _insert(t, b, 100)
-    t.evict(full_pages=t.full_pages_cached)
-    held = set(_names(a).keys[:10])  # the shared run is held whole, neither branch below it
-    t.runs.sweep(iter([t.root("default"), *t.iter_nodes()]),
-                 lambda keys: np.array([k in held for k in keys], dtype=bool))
-    t.check_invariants()  # failed before: the kept run's map below it was left empty
-    (run,) = t.root("default").evicted.values()
-    assert run.below is None and t.runs.pages == 10

@@ -100,58 +100,51 @@ def test_walks_read_evicted_names_and_the_cache_decides_as_without_them(policy, 
     assert hashed_off - hashed_on == read_on, counts  # every page a run named was not hashed
 
 
-def test_runs_are_swept_back_to_what_l2_holds():
+def _run_names(cache: TieredCache) -> list[list[bytes]]:
+    out = []
+    for node in [cache.tree.root("default"), *cache.tree.iter_nodes()]:
+        stack = [node.evicted or {}]
+        while stack:
+            for run in stack.pop().values():
+                out.append(run.names)
+                stack.append(run.below or {})
+    return out
+
+
+def test_runs_stay_within_the_full_pages_l2_holds_the_oldest_going_first():
     spec = tiny_spec()
-    cache = _cache(spec, l1_pages=120, l2_pages=10, policy="write_through")
+    cache = _cache(spec, l1_pages=120, l2_pages=40, policy="write_through")
     runs, co = cache.tree.runs, cache.lower_tiers
     try:
         _replay(cache, seed=8, steps=200)
-        assert runs.sweeps >= 1
-        bound = max(co.host.num_full_pages, cache.tree.num_nodes)
-        assert runs.pages <= 2 * bound + 200 // spec.page_size  # (a walk's sweep, then one request's evictions)
-        co._sweep_runs(bound)
-        held = 0
-        for node in [cache.tree.root("default"), *cache.tree.iter_nodes()]:
-            stack = [node.evicted or {}]
-            while stack:
-                for run in stack.pop().values():
-                    assert (co.host.lookup_full(run.names) >= 0).all()
-                    held += len(run.names)
-                    stack.append(run.below or {})
-        assert held == runs.pages <= co.host.num_full_pages
+        assert runs.dropped > 0 and 0 < runs.pages <= runs.cap
+        co.walk_prompt(np.arange(9, dtype=np.int32), "default", 2)  # a walk sets the cap: L2's full pages
+        assert runs.cap == co.host.num_full_pages
+        named = sum(len(n) for n in _run_names(cache))
         st = cache.stats()
-        assert st["evicted_run_pages"] == held and st["evicted_run_sweeps"] == runs.sweeps
+        assert st["evicted_run_pages"] == named == runs.pages
+        assert st["evicted_run_pages_dropped"] == runs.dropped
     finally:
         cache.close()
 
 
-def test_with_l3_runs_keep_what_only_l3_holds_within_their_limit(tmp_path):
-    """Pages L2 gave up but L3's record holds keep their runs while the runs stay
-    within their limit; past it a sweep keeps only what L2 holds."""
+def test_with_l3_runs_name_pages_only_l3_holds(tmp_path):
+    """A run outlives L2 too: it names pages L2 gave up that L3 holds, and a walk
+    reads those names (the keys the L3 lookup asks by) as hashing would give them."""
     spec = tiny_spec()
     fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
     cache = TieredCache(spec, CacheConfig(budget_bytes=120 * (fpb + spb), device="meta"),
-                        tiers=TierConfig(l2_bytes=10 * (fpb + spb), l3=f"file://{tmp_path / 'l3'}",
+                        tiers=TierConfig(l2_bytes=40 * (fpb + spb), l3=f"file://{tmp_path / 'l3'}",
                                          write_policy="write_through"))
-    runs, co = cache.tree.runs, cache.lower_tiers
+    co = cache.lower_tiers
     try:
-        _replay(cache, seed=8, steps=120)
+        _replay(cache, seed=8, steps=120)  # checks every walk's names against hashing
         assert cache.flush(30.0)
-        in_l2 = in_l3 = 0
-        co._sweep_runs(10 ** 6)  # room for all: the sweep keeps what L3 holds too
-        for node in [cache.tree.root("default"), *cache.tree.iter_nodes()]:
-            stack = [node.evicted or {}]
-            while stack:
-                for run in stack.pop().values():
-                    l2 = co.host.lookup_full(run.names) >= 0
-                    l3 = co.l3_record.held(run.names)
-                    assert (l2 | l3).all()
-                    in_l2 += int(l2.sum())
-                    in_l3 += int((l3 & ~l2).sum())
-                    stack.append(run.below or {})
-        assert in_l3 > 0 and runs.pages == in_l2 + in_l3
-        co._sweep_runs(max(1, in_l2 - 1))  # now too many: only L2's pages stay
-        assert runs.pages <= in_l2
+        only_l3 = 0
+        for names in _run_names(cache):
+            l2 = co.host.lookup_full(names) >= 0
+            only_l3 += int((co.l3_record.held(names) & ~l2).sum())
+        assert only_l3 > 0
         cache.check_invariants()
     finally:
         cache.close()
