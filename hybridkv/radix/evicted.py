@@ -1,4 +1,4 @@
-"""Evicted runs: what L1 evicted stays in the tree while a tier below may hold it.
+"""Evicted runs: what L1 evicted stays in the tree, named, within a cap.
 
 With lower tiers every page the tree caches has a name (its chained page key,
 :class:`~hybridkv.radix.types.PageNames`).  When eviction trims a leaf or
@@ -16,9 +16,8 @@ meanwhile; which tier holds a page (L2, L3, none) is asked of the tier by that
 key.  The runs are kept within a cap (:meth:`EvictedRuns.keep_within`; the
 owner, :class:`~hybridkv.tiers.coordinator.TierCoordinator`, gives the number
 of full pages L2 holds): past it the oldest runs go first, with what hangs
-below them.  That costs O(1) per page evicted, amortized, and never more at
-once than the pages one eviction (or one shrink of the cap) added: no sweep
-over the tree, no lookup in a tier.
+below them.  Each run is dropped at most once, so that costs O(1) per run
+made, amortized: no sweep over the tree, no lookup in a tier.
 
 Invariants (:meth:`EvictedRuns.check`): at each point a run's first page
 differs from every L1 child's there (an insert that adds an L1 leaf over a run
