@@ -10,6 +10,11 @@ first passes they must stop growing: a cache serving requests for days may not
 keep evicted nodes alive through stale heap entries.
 
     python -m hybridkv.eval.soak --passes 5 --json         # the shared conversation trace
+    python -m hybridkv.eval.soak --l2-gb 594 --hbm-gb 59   # with an L2 (accounting only) below L1
+
+With ``--l2-gb`` the cache is a :class:`~hybridkv.tiers.tiered.TieredCache`: its
+L2 index and the L1 tree's evicted runs (:mod:`hybridkv.radix.evicted`) must
+stop growing too.
 """
 
 from __future__ import annotations
@@ -69,9 +74,16 @@ def index_sizes(cache: HybridKVCache, depth: int = 3) -> dict[str, int]:
 
 
 def soak(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int, *, passes: int = 5,
-         chunk: int = CHUNK, swa_checkpoint: int = SWA_CHECKPOINT, progress: bool = False) -> list[dict[str, Any]]:
-    """Replay ``requests`` ``passes`` times through one cache; one record per pass."""
-    cache = HybridKVCache(spec, CacheConfig(budget_bytes=budget_bytes, swa_checkpoint=swa_checkpoint))
+         chunk: int = CHUNK, swa_checkpoint: int = SWA_CHECKPOINT, progress: bool = False,
+         l2_bytes: int = 0) -> list[dict[str, Any]]:
+    """Replay ``requests`` ``passes`` times through one cache; one record per pass.
+    ``l2_bytes`` > 0: a tiered cache with an L2 of that many bytes (accounting only)."""
+    config = CacheConfig(budget_bytes=budget_bytes, swa_checkpoint=swa_checkpoint)
+    if l2_bytes > 0:
+        from ..tiers.tiered import TierConfig, TieredCache
+        cache: HybridKVCache = TieredCache(spec, config, tiers=TierConfig(l2_bytes=l2_bytes))
+    else:
+        cache = HybridKVCache(spec, config)
     tracing = tracemalloc.is_tracing()
     if not tracing:
         tracemalloc.start()
@@ -96,6 +108,8 @@ def soak(requests: Sequence[TraceRequest], spec: ModelSpec, budget_bytes: int, *
     finally:
         if not tracing:
             tracemalloc.stop()
+        if l2_bytes > 0:
+            cache.close()
     return records
 
 
@@ -130,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hbm-gb", type=float, default=594.0, help="KV budget in GB (10^9 bytes, default 594)")
     ap.add_argument("--model", default="mimo-v2.5-pro", help="model preset (default mimo-v2.5-pro)")
     ap.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
+    ap.add_argument("--l2-gb", type=float, default=0.0,
+                    help="an L2 of this many GB below L1 (accounting only; default 0: none)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     shared = default_shared_traces()
@@ -138,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no trace given and no shared traces found")
     reqs = load_trace(path, limit=args.limit)
     spec = ModelSpec.preset(args.model, page_size=args.page_size)
-    records = soak(reqs, spec, int(args.hbm_gb * 1e9), passes=args.passes, progress=not args.json)
+    records = soak(reqs, spec, int(args.hbm_gb * 1e9), passes=args.passes, progress=not args.json,
+                   l2_bytes=int(args.l2_gb * 1e9))
     g = growth(records) if len(records) >= 3 else {}
     heaps = lazy_heaps(records)
     # a lazy heap within its rebuild limit is bounded whatever its saw-tooth phase

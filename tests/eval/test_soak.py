@@ -70,3 +70,20 @@ def test_lazy_heaps_stay_within_their_rebuild_limit():
     # the next push past the limit rebuilds; between pushes, evicted nodes lower the
     # limit (4 entries each) while their stale entries wait: O(nodes) all the same
     assert worst <= 1.5, worst
+
+
+def test_a_tiered_soak_holds_its_l2_index_and_evicted_runs_bounded():
+    """With an L2 below L1 the L1 tree keeps what it evicts as evicted runs: replaying
+    new traffic again and again, the runs stay within the full pages L2 holds and no
+    index (L2's, the runs' order) nor the heap keeps growing."""
+    reqs = load_trace(bundled_sample(), limit=300)
+    spec = ModelSpec.preset("mimo-v2.5-pro", page_size=64)
+    records = soak(reqs, spec, 20 * 10**9, passes=4, l2_bytes=60 * 10**9)
+    assert all(r["hit_tokens"] > 0 for r in records)
+    idx = records[-1]["indexes"]
+    assert idx["tree.runs._order"] > 0  # the runs took part
+    assert idx["tree.runs._order"] <= 2 * idx["lower_tiers.host._full"] + 64
+    g = growth(records, after=2)
+    assert g["heap_bytes"] < 0.15, (g["heap_bytes"], [r["heap_bytes"] for r in records])
+    for name in ("tree.runs._order", "lower_tiers.host._full", "lower_tiers.host._parent", "lower_tiers.host._l1"):
+        assert g[name] < 0.15, (name, [r["indexes"][name] for r in records])
