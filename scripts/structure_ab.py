@@ -17,8 +17,9 @@ Figures per checkout, all read from the code (``ast``) or from one traced run:
 - **hops**: a tiny tiered cache (L1 meta, L2, L3 in a local directory) serves a
   prompt, loses it from L1 and L2, and serves it again; every call into the
   library's functions from that ``begin`` until the first read of a lower tier
-  is recorded (all threads): for L2 the first call into ``tiers/host.py``, for
-  L3 the first into ``tiers/storage/``.  Printed: the calls, the functions on
+  is recorded (all threads): for L2 the first page lookup in ``tiers/host.py``
+  (``HostTier.lookup_*``: reading L2's size is not a read of a page), for L3 the
+  first call into ``tiers/storage/``.  Printed: the calls, the functions on
   the stack at the read, the files passed in order, and how many times control
   came back into ``tiers/coordinator.py`` from another file.
 
@@ -169,7 +170,7 @@ _TRACE = textwrap.dedent('''
                 return
             with lock:
                 calls.append((threading.get_ident(), f[len(lib):], frame.f_code.co_name))
-                if f.startswith(target):
+                if f.startswith(target) and (tier == "L3" or frame.f_code.co_name.startswith("lookup")):
                     done.append(1)
                     fr = frame
                     while fr is not None:

@@ -13,17 +13,18 @@ the pages L1 gave up, instead of hashing them again.
 What a run says is only names: a name is a function of the page's tokens and
 those before it, so a run is never wrong about a key, whatever the tiers hold
 meanwhile; which tier holds a page (L2, L3, none) is asked of the tier by that
-key.  The runs are kept within a cap (:meth:`EvictedRuns.keep_within`; the
-owner, :class:`~hybridkv.tiers.coordinator.TierCoordinator`, gives the number
-of full pages L2 holds): past it the oldest runs go first, with what hangs
-below them.  Each run is dropped at most once, so that costs O(1) per run
+key.  The runs are kept within a cap (:meth:`EvictedRuns.cap_by`; the owner,
+:class:`~hybridkv.tiers.coordinator.TierCoordinator`, gives the number of full
+pages L2 holds, read each time a run is made and at each walk): past it the
+oldest runs go first, with what hangs below them.  Each run is dropped at most once, so that costs O(1) per run
 made, amortized: no sweep over the tree, no lookup in a tier.
 
 Invariants (:meth:`EvictedRuns.check`): at each point a run's first page
 differs from every L1 child's there (an insert that adds an L1 leaf over a run
 drops the run: :meth:`EvictedRuns.covered`), runs hang only at node ends, every
 page of a run is named, each run knows the map it hangs in, and ``pages`` counts
-them all (within the cap after each update).
+them all.  The cap is a bound the runs are brought back within whenever a run is
+made or :meth:`EvictedRuns.trim` runs (a tier may shrink in between).
 
 The tree changes the runs only on the engine's thread (its evictions and
 inserts; the owner sets the cap there too), like the L1 tree itself.
@@ -32,7 +33,7 @@ inserts; the owner sets the cap there too), like the L1 tree itself.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -48,13 +49,13 @@ class EvictedRuns:
         page_size: tokens per page.
 
     Off (no run is kept) until :meth:`enable`.  Attributes: ``pages`` (pages the
-    runs name), ``dropped`` (pages dropped to stay within the cap), ``cap``.
+    runs name), ``dropped`` (pages dropped to stay within the cap).
     """
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.on = False  # keep runs (an owner that caps them turns this on)
-        self.cap: int | None = None  # most pages the runs name (None: no cap)
+        self._cap_of: Callable[[], int] | None = None  # most pages the runs name (None: no cap)
         self.pages = 0
         self.dropped = 0
         self._order: deque[EvictedRun] = deque()  # runs, oldest first (dropped ones skipped)
@@ -71,8 +72,21 @@ class EvictedRuns:
         first.  O(runs dropped)."""
         if not isinstance(cap, (int, np.integer)) or isinstance(cap, bool) or cap < 0:
             raise ValueError(f"cap must be an int >= 0, got {cap!r}")
-        self.cap = int(cap)
-        self._trim()
+        fixed = int(cap)
+        self.cap_by(lambda: fixed)
+
+    def cap_by(self, cap_of: Callable[[], int]) -> None:
+        """Name at most ``cap_of()`` pages, read each time a run is made and at each
+        :meth:`trim` (e.g. what a tier holds now).  O(runs dropped)."""
+        if not callable(cap_of):
+            raise TypeError(f"cap_of must be callable, got {type(cap_of).__name__}")
+        self._cap_of = cap_of
+        self.trim()
+
+    @property
+    def cap(self) -> int | None:
+        """The cap now (None: none)."""
+        return None if self._cap_of is None else self._cap_of()
 
     # ------------------------------------------------------------ the tree's hooks
     def evicted(self, node: TreeNode, keep: int) -> None:
@@ -107,7 +121,7 @@ class EvictedRuns:
         self._order.append(run)
         self._live += 1
         self.pages += len(run.names)
-        self._trim()
+        self.trim()
 
     def covered(self, node: TreeNode, first: bytes) -> None:
         """An insert adds an L1 leaf with first page ``first`` at ``node``'s end:
@@ -142,9 +156,10 @@ class EvictedRuns:
         return out
 
     # ------------------------------------------------------------- within the cap
-    def _trim(self) -> None:
+    def trim(self) -> None:
         """Drop the oldest runs (with what hangs below them) until within the cap;
-        compact the order once it holds twice as many dropped runs as kept ones."""
+        compact the order once it holds twice as many dropped runs as kept ones.
+        O(runs dropped), amortized."""
         order, cap = self._order, self.cap
         while cap is not None and self.pages > cap and order:
             run = order.popleft()
@@ -194,4 +209,3 @@ class EvictedRuns:
                         stack.append(run.below)
         assert total == self.pages, (total, self.pages)
         assert runs_seen == self._live, (runs_seen, self._live)
-        assert self.cap is None or self.pages <= self.cap, (self.pages, self.cap)

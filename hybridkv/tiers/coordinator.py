@@ -126,7 +126,10 @@ class TierCoordinator:
         self.fingerprint = spec.fingerprint()
         self.window_pages = spec.window_pages  # pages of the sliding window (the spec is frozen)
         self.mutex = threading.RLock()
-        tree.runs.enable()  # what L1 evicts stays in its tree as evicted runs (capped in walk_prompt)
+        # what L1 evicts stays in its tree as evicted runs, naming at most as many pages as L2
+        # holds full pages (a size read: no lock, the engine's thread makes the runs)
+        tree.runs.enable()
+        tree.runs.cap_by(lambda: self.host.num_full_pages)
         self._stream = (torch.cuda.Stream(device=pool.buffers.device)
                         if real and pool.buffers.device.type == "cuda" else None)
         self.counters = dict.fromkeys(_COUNTERS, 0)
@@ -174,7 +177,7 @@ class TierCoordinator:
         reads too; only the pages past both are hashed.  Only the engine's thread
         changes the tree (the tiers' threads change L2 and L3), so on that thread
         the walk holds until the engine's call returns; there (``engine``) it also
-        caps the runs at the full pages L2 holds.  A :meth:`prefetch` from another
+        brings the runs back within their cap (the full pages L2 holds).  A :meth:`prefetch` from another
         thread may read a walk the engine changed since: it only picks which pages
         to read ahead, never what a request is served."""
         have: list[bytes] = []
@@ -182,8 +185,8 @@ class TierCoordinator:
         if n_pages > 0:
             tree, limit = self.tree, n_pages * self.page_size
             with self.mutex:  # as resident: the walk and the names read together
-                if engine:  # the runs name at most as many pages as L2 holds full pages
-                    tree.runs.keep_within(self.host.num_full_pages)
+                if engine:  # back within their cap if L2 shrank since the last run was made
+                    tree.runs.trim()
                 root, path = tree.walk(tokens, namespace, limit)
                 for node, k in path:
                     names = node.page_keys

@@ -128,23 +128,37 @@ def test_runs_stay_within_the_full_pages_l2_holds_the_oldest_going_first():
         cache.close()
 
 
-def test_with_l3_runs_name_pages_only_l3_holds(tmp_path):
-    """A run outlives L2 too: it names pages L2 gave up that L3 holds, and a walk
-    reads those names (the keys the L3 lookup asks by) as hashing would give them."""
+def test_with_l3_the_cache_decides_as_without_runs(tmp_path):
+    """With an L3 below L2 (a file store) the walks read runs' names too (checked
+    against hashing in every walk), and every request's hit, split by tier, is the
+    one the cache without runs gives."""
     spec = tiny_spec()
     fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
-    cache = TieredCache(spec, CacheConfig(budget_bytes=120 * (fpb + spb), device="meta"),
-                        tiers=TierConfig(l2_bytes=40 * (fpb + spb), l3=f"file://{tmp_path / 'l3'}",
-                                         write_policy="write_through"))
-    co = cache.lower_tiers
-    try:
-        _replay(cache, seed=8, steps=120)  # checks every walk's names against hashing
-        assert cache.flush(30.0)
-        only_l3 = 0
-        for names in _run_names(cache):
-            l2 = co.host.lookup_full(names) >= 0
-            only_l3 += int((co.l3_record.held(names) & ~l2).sum())
-        assert only_l3 > 0
-        cache.check_invariants()
-    finally:
-        cache.close()
+    out = []
+    for runs in (True, False):
+        cache = TieredCache(spec, CacheConfig(budget_bytes=120 * (fpb + spb), device="meta"),
+                            tiers=TierConfig(l2_bytes=40 * (fpb + spb), l3=f"file://{tmp_path / str(runs)}",
+                                             write_policy="write_through", l3_timeout_s=30.0))
+        cache.tree.runs.enable(runs)
+        try:
+            got = []
+            rng = np.random.default_rng(4)
+            stems = [rng.integers(0, 500, 200).astype(np.int32) for _ in range(6)]
+            for _ in range(80):
+                stem = stems[int(rng.integers(0, len(stems)))]
+                tokens = np.concatenate([stem[:int(rng.integers(8, len(stem)))], rng.integers(0, 500, 9).astype(np.int32)])
+                assert cache.flush(30.0)  # every write landed: the same L3 for both
+                req = cache.begin(tokens)
+                got.append((req.computed, tuple(sorted(req.extra.get("tiers", {}).items()))))
+                left = len(tokens) - req.computed
+                cache.reserve(req, left)
+                cache.commit(req, left)
+                cache.finish(req)
+                cache.check_invariants()
+            out.append(got)
+            if runs:
+                assert cache.tree.runs.pages > 0
+        finally:
+            cache.close()
+    assert out[0] == out[1]
+    assert sum(1 for _, t in out[0] if dict(t).get("l3_hit_tokens", 0) > 0) > 0, out[0]  # L3 served some
