@@ -16,8 +16,9 @@ meanwhile; which tier holds a page (L2, L3, none) is asked of the tier by that
 key.  The runs are kept within a cap (:meth:`EvictedRuns.cap_by`; the owner,
 :class:`~hybridkv.tiers.coordinator.TierCoordinator`, gives the number of full
 pages L2 holds, read each time a run is made and at each walk): past it the
-oldest runs go first, with what hangs below them.  Each run is dropped at most once, so that costs O(1) per run
-made, amortized: no sweep over the tree, no lookup in a tier.
+oldest runs go first, with what hangs below them.  Each run is dropped at most
+once, so that costs O(1) per run made, amortized: no sweep over the tree, no
+lookup in a tier.
 
 Invariants (:meth:`EvictedRuns.check`): at each point a run's first page
 differs from every L1 child's there (an insert that adds an L1 leaf over a run
@@ -37,7 +38,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .node import EvictedRun, TreeNode
+from .node import EvictedRun, TreeNode, common_pages
 
 __all__ = ["EvictedRuns"]
 
@@ -144,10 +145,7 @@ class EvictedRuns:
             run = runs.get(key[pos:pos + P].tobytes())
             if run is None:
                 break
-            rk = run.key
-            m = min(len(rk), limit - pos)
-            b = key[pos:pos + m]
-            k = m // P if b.tobytes().startswith(rk[:m]) else int(np.argmax(rk[:m] != b)) // P
+            k = common_pages(run.key, key, pos, limit, P)
             out += run.names[:k]
             pos += k * P
             if k < len(run.names):
@@ -166,8 +164,9 @@ class EvictedRuns:
             home = run.home
             if home is None:
                 continue  # dropped already (covered, or under a dropped run)
-            if home.get(run.key[:self.page_size].tobytes()) is run:
-                del home[run.key[:self.page_size].tobytes()]
+            first = run.key[:self.page_size].tobytes()
+            if home.get(first) is run:
+                del home[first]
             before = self.pages
             self._drop_all((run,))
             self.dropped += before - self.pages

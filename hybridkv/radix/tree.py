@@ -40,7 +40,7 @@ from .events import TreeEvents, deliver_after
 from .evict import Eviction
 from .evicted import EvictedRuns
 from .learning import MatchLearning
-from .node import NO_PAGE, TreeNode, node_array, parts_pages, parts_side
+from .node import NO_PAGE, TreeNode, common_pages, node_array, parts_pages, parts_side
 from .pins import PathLocks, SwaPins
 from .policy import RetentionPolicy
 from .rankings import Ranking, make_ranking
@@ -202,16 +202,6 @@ class WindowSafeTree:
     def namespaces(self) -> list[str]:
         return list(self._roots)
 
-    def _common_pages(self, node_key: np.ndarray, key: np.ndarray, pos: int, limit: int) -> int:
-        """Number of whole pages on which ``node_key`` equals ``key[pos:]`` (<= limit)."""
-        m = min(len(node_key), limit - pos)
-        b = key[pos:pos + m]
-        # memcmp of one copy against the node's buffer (startswith takes any contiguous
-        # buffer; both are m tokens): one copy instead of two tobytes, far cheaper than array_equal
-        if b.tobytes().startswith(node_key[:m]):
-            return m // self.page_size
-        return int(np.argmax(node_key[:m] != b)) // self.page_size
-
     def walk(self, key: np.ndarray, namespace: str, limit: int) -> tuple[TreeNode, list[tuple[TreeNode, int]]]:
         """Follow ``key[:limit]``; returns root and [(node, matched_pages)].  O(depth + L/P)."""
         root = self._roots.get(namespace)
@@ -228,7 +218,7 @@ class WindowSafeTree:
             if m > limit - pos:
                 m = limit - pos
             b = key[pos:pos + m]
-            if b.tobytes().startswith(ck[:m]):  # see _common_pages
+            if b.tobytes().startswith(ck[:m]):  # common_pages, inlined on this hot path
                 k = m // size
             else:
                 k = int(np.argmax(ck[:m] != b)) // size
@@ -431,7 +421,7 @@ class WindowSafeTree:
             child = node.children.get(key[pi * size:(pi + 1) * size].tobytes())
             if child is None:
                 break
-            k = self._common_pages(child.key, key, pi * size, len(key))
+            k = common_pages(child.key, key, pi * size, len(key), size)
             if k < len(child.full):
                 self._split(child, k)
                 child = child.parent

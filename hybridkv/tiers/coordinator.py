@@ -177,9 +177,10 @@ class TierCoordinator:
         reads too; only the pages past both are hashed.  Only the engine's thread
         changes the tree (the tiers' threads change L2 and L3), so on that thread
         the walk holds until the engine's call returns; there (``engine``) it also
-        brings the runs back within their cap (the full pages L2 holds).  A :meth:`prefetch` from another
-        thread may read a walk the engine changed since: it only picks which pages
-        to read ahead, never what a request is served."""
+        brings the runs back within their cap (the full pages L2 holds).  A
+        :meth:`prefetch` from another thread may read a walk the engine changed
+        since: it only picks which pages to read ahead, never what a request is
+        served."""
         have: list[bytes] = []
         path: L1Path = []
         if n_pages > 0:
