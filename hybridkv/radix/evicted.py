@@ -135,6 +135,24 @@ class EvictedRuns:
                 self._drop_all((run,))
 
     # ------------------------------------------------------------------- reads
+    def along(self, root: TreeNode, path: list[tuple[TreeNode, int]], key: np.ndarray, limit: int) -> list[bytes]:
+        """Names of ``key``'s leading pages that the tree spells: those of the L1
+        walk ``path`` (``WindowSafeTree.walk`` of ``key`` from ``root``) up to its
+        first unnamed page, then, when the whole walk is named and ends at a node's
+        end, the runs' there (:meth:`names`) up to ``limit`` tokens.  The pages past
+        them are the caller's to hash.  O(pages of the walk and the runs read)."""
+        have: list[bytes] = []
+        for node, k in path:
+            names = node.page_keys
+            part = names[:k] if names is not None else [None]
+            if None in part:  # an unnamed page (a failed naming): hashed from here
+                return have + part[:part.index(None)]
+            have += part
+        end = path[-1][0] if path else root
+        if not path or path[-1][1] == end.n_pages:  # on into the runs at its end
+            have += self.names(end, key, len(have) * self.page_size, limit)
+        return have
+
     def names(self, node: TreeNode, key: np.ndarray, pos: int, limit: int) -> list[bytes]:
         """Names of the pages of ``key[pos:limit]`` (page aligned) that the runs
         at ``node``'s end spell, in order, up to the first page none does.  O(pages read)."""

@@ -189,17 +189,7 @@ class TierCoordinator:
                 if engine:  # back within their cap if L2 shrank since the last run was made
                     tree.runs.trim()
                 root, path = tree.walk(tokens, namespace, limit)
-                for node, k in path:
-                    names = node.page_keys
-                    part = names[:k] if names is not None else [None]
-                    if None in part:  # an unnamed page (a failed naming): hashed from here
-                        have += part[:part.index(None)]
-                        break
-                    have += part
-                else:  # the whole match is named: on into the runs at its end, if it ends at a node's end
-                    end = path[-1][0] if path else root
-                    if not path or path[-1][1] == end.n_pages:
-                        have += tree.runs.names(end, tokens, len(have) * self.page_size, limit)
+                have = tree.runs.along(root, path, tokens, limit)
         return self.page_keys(tokens, namespace, n_pages, have), path
 
     @property

@@ -80,10 +80,11 @@ from .groups import fingerprints, groups_from_config
 from .jobs import HybridKVMetadata, PageJob, ReqState
 from .kvio import GroupBuffers, load_pages
 from .l1 import L1View, copy_down
-from .l2 import HostPageRows, l2_index
+from .l2 import HostPageRows, host_rows, l2_index
 from .logs import logger, route_core_logs
 from .lookups import Lookups, TimedProbe
 from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
+from .names import TreeNames, bind_names
 from .plan import checkpoint_ends, full_bases, pages_to_save, windows_before
 from .progress import IDLE_WAIT_S, SavesBusy, SavesWatch, WorkerSaves
 from .saver import SaveThread
@@ -159,6 +160,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         probe = TimedProbe(self.backend.exists)  # a store that answers fast is asked inline (.lookups)
         self._tiers = TierView(self.groups, l2, l3_source(self.cfg.l3_url), StoreIndex(probe))
         self._lookups = Lookups(self._tiers, self.cfg.lookup_wait_ms / 1000, self._count, times=probe)
+        self._names: TreeNames | None = None  # keys kept on hybridkv's device tree (bound: .names)
         # worker side
         self._saves_report = WorkerSaves()
         self._buffers: dict[int, GroupBuffers] = {}
@@ -174,6 +176,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("HybridKVConnector role=%s l3=%s l2_gb=%s unit=%d groups=%s", role.name,
                     self.cfg.l3_url, self.cfg.l2_gb, self.unit,
                     [(g.index, g.window, g.block_size, len(g.layer_names)) for g in self.groups])
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """With hybridkv's prefix manager, its tree keeps the pages' keys (:mod:`.names`)."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._names = bind_names(self.groups, kv_cache_manager, self._reqs, self._keys, self._tiers.l2)
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         """Follow the pool's removals of cached blocks (:mod:`.l1`)."""
@@ -197,16 +204,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                     self._interval[k] = self._interval.get(k, 0) + int(v)
 
     def _record(self, **event: Any) -> None:
-        """Append one JSON line to the stats file.
-
-        Every line carries ``totals``, this role's counters so far, so the
-        last line of a (role, pid) holds its final totals even when the
-        process is killed: with vLLM's default ``--shutdown-timeout 0`` the
-        API server SIGKILLs the engine and worker processes right after
-        SIGTERM, before any shutdown hook runs.  One ``O_APPEND`` write per
-        line: lines of both roles and of several processes never interleave
-        and a kill never leaves half a line.
-        """
+        """Append one JSON line to the stats file.  Every line carries ``totals``, this
+        role's counters so far, so the last line of a (role, pid) holds its final totals
+        even when the process is killed (vLLM's default ``--shutdown-timeout 0``: the API
+        server SIGKILLs the engine and workers right after SIGTERM, before any shutdown
+        hook runs).  One ``O_APPEND`` write per line: lines of both roles and of several
+        processes never interleave and a kill never leaves half a line."""
         if self._stats_fd is None:
             return
         event.update(role=self.role.name.lower(), pid=os.getpid(), t=time.time())
@@ -263,6 +266,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         st.hit_tokens, st.hit_sources, st.local_tokens = 0, {}, num_computed_tokens
         if max_tokens <= num_computed_tokens:
             return 0, False
+        if self._names is not None and not st.keys:  # the leading pages' keys off the tree
+            self._count(tree_named_pages=self._names.seed(st, max_tokens))
         keys = self._keys(st, max_tokens)
         # Pages below the engine's own hit are never read; pages handed to the workers' save
         # threads count as present (the worker's load waits for them: SaveThread.wait_keys).
@@ -426,6 +431,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._loading.pop(request.request_id, None)
         if st is None:
             return False, None
+        if self._names is not None:  # the prefix manager's insert (after this) names its pages
+            self._names.keep(st)
         computed = min(request.num_computed_tokens, len(request.all_token_ids))
         save = self.cfg.save_on_finish and any(block_ids) and computed >= min(g.block_size for g in self.groups)
         job = self._save_job(st, block_ids, computed, True, self._null_block_id()) if save else None
@@ -469,17 +476,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Wrap vLLM's per-layer KV tensors per group (no copy, no registration cost)."""
         n = self._kv_cache_config.num_blocks
         self._buffers = {g.index: GroupBuffers(kv_caches, g.layer_names, n) for g in self.groups}
-        page_bytes = {b.page_bytes for b in self._buffers.values()}
-        budget = int(self.cfg.l2_gb * (1 << 30))
-        if budget <= 0:
-            self._l2 = None
-        elif len(page_bytes) != 1:
-            # vLLM equalises page bytes across groups; if a layout ever does not, the
-            # host rows cannot be shared, so go without L2 rather than guess.
-            logger.warning("hybridkv: groups differ in page bytes %s; L2 disabled",
-                           sorted(page_bytes))
-        else:  # the rows the scheduler's index of L2 assigns (same budget and page bytes)
-            self._l2 = HostPageRows(page_bytes.pop(), budget)
+        # the rows the scheduler's index of L2 assigns (same budget and page bytes)
+        self._l2 = host_rows({b.page_bytes for b in self._buffers.values()}, int(self.cfg.l2_gb * (1 << 30)))
         self._saver = SaveThread(self.backend, self._buffers, self._l2,
                                  {g.index: g.is_swa for g in self.groups},
                                  int(self.cfg.save_queue_mb * (1 << 20)), self._count,

@@ -50,12 +50,14 @@ import torch
 from hybridkv.spec import AttnKind, KVShape, ModelSpec
 from hybridkv.tiers.host import HostTier
 
+from .logs import logger
+
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from .plan import GroupInfo
 
-__all__ = ["HostPageIndex", "HostPageRows", "l2_index"]
+__all__ = ["HostPageIndex", "HostPageRows", "host_rows", "l2_index"]
 
 
 class HostPageIndex:
@@ -269,3 +271,16 @@ def l2_index(kv_cache_config: KVCacheConfig, groups: Sequence[GroupInfo], budget
         return None
     windows = [int(g.window) for g in groups if g.is_swa] or [1]
     return HostPageIndex(page_bytes.pop(), budget_bytes, min(windows))
+
+
+def host_rows(page_bytes: set[int], budget_bytes: int) -> HostPageRows | None:
+    """The worker's L2 rows for groups of ``page_bytes`` (each group's page: one block
+    of its layers) and the index's budget; None without L2 (``budget_bytes <= 0``),
+    or where the groups differ in page bytes: the rows cannot be shared then, so the
+    worker goes without L2 rather than guess (vLLM equalises page bytes across groups)."""
+    if budget_bytes <= 0:
+        return None
+    if len(page_bytes) != 1:
+        logger.warning("hybridkv: groups differ in page bytes %s; L2 disabled", sorted(page_bytes))
+        return None
+    return HostPageRows(next(iter(page_bytes)), budget_bytes)

@@ -35,6 +35,8 @@ COUNTERS: dict[str, str] = {
     "lookup_probes": "store probes of lookups, run on the scheduler side's probe thread",
     "lookup_probes_inline": "store probes of lookups asked on the scheduler's thread (its last probes were fast)",
     "lookup_probes_given_up": "lookups answered from the tiers' record alone: the store did not answer in time",
+    "tree_named_pages": "prompt pages whose keys a lookup read off hybridkv's device tree (its pages and evicted "
+                        "runs) instead of hashing them",
     "hit_requests": "requests that got an external hit from hybridkv",
     "hit_tokens": "prompt tokens served from hybridkv's L2/L3 instead of being computed",
     "load_pages": "pages loaded into vLLM's KV cache (all groups)",

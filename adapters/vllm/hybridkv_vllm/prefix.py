@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from hybridkv.lifecycle import Lifecycle
-from hybridkv.radix import LockHandle, TreeConfig, WindowSafeTree
+from hybridkv.radix import LockHandle, PageNames, TreeConfig, WindowSafeTree
 from hybridkv.spec import window_pages
 from hybridkv_vllm.blocks import BlockPagePool, Layout, PrefixOptions, SwaHold, classify_groups
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -53,6 +53,9 @@ from vllm.v1.request import RequestStatus
 __all__ = ["BlockPagePool", "HybridKVCacheManager", "Layout", "PrefixOptions", "classify_groups"]
 
 _NO_PAGE = -1
+#: names of a request's pages ``[0, n)`` for an insert: ``(request, first page to name, n)`` -> names
+#: (None below the first page), or None (unnamed)
+Namer = Callable[[Any, int, int], "PageNames | None"]
 _ALLOC_SIG = inspect.signature(KVCacheManager.allocate_slots)
 
 
@@ -132,6 +135,8 @@ class HybridKVCacheManager(KVCacheManager):
                                       ranking=options.ranking)
         self.pool = BlockPagePool(self.block_pool)
         self._live: dict[str, _Live] = {}
+        self._namer: Namer | None = None  # the connector's names of inserted pages (:meth:`name_pages`)
+        self._runs_cap: Callable[[], int] | None = None
         self.counters = {"lookups": 0, "hit_tokens": 0, "raw_match_tokens": 0, "inserted_pages": 0,
                          "held_swa_pages": 0, "released_holds": 0, "evicted_blocks": 0,
                          "insert_skipped": 0, "checkpoint_unlocked": 0}
@@ -142,6 +147,20 @@ class HybridKVCacheManager(KVCacheManager):
                                    swa_page_bytes=self.swa_layout.blocks_per_page)
         # begin, the release rule, the insert and the lock moves every host shares
         self.lifecycle = Lifecycle(self.tree)
+        if self._runs_cap is not None:
+            self.tree.runs.enable()
+            self.tree.runs.cap_by(self._runs_cap)
+
+    def name_pages(self, namer: Namer, runs_cap: Callable[[], int]) -> None:
+        """Keep the lower tiers' names of the pages the tree caches (``namer``, the
+        connector's page keys) and, past eviction, as evicted runs named within
+        ``runs_cap()`` pages (:mod:`hybridkv.radix.evicted`): the connector reads
+        them off the tree (:mod:`.names`) instead of hashing a prompt again."""
+        if not callable(namer) or not callable(runs_cap):
+            raise TypeError("namer and runs_cap must be callable")
+        self._namer, self._runs_cap = namer, runs_cap
+        self.tree.runs.enable()
+        self.tree.runs.cap_by(runs_cap)
 
     # ------------------------------------------------------------ helpers
     @staticmethod
@@ -375,8 +394,9 @@ class HybridKVCacheManager(KVCacheManager):
         tokens = np.asarray(request.all_token_ids[:n * P], dtype=np.int32)
         # start is this request's own (its counted hit, or its last chunk's insert):
         # chunks of one prompt are not reuses of each other (continued)
+        names = self._namer(request, lo, n) if self._namer is not None else None
         res = self.lifecycle.insert(live.handle, lo, tokens, full, swa, self.namespace(request),
-                                    mark=request.num_prompt_tokens // P, continued=True)
+                                    mark=request.num_prompt_tokens // P, continued=True, names=names)
         assert res is not None  # lock_ends_at held above, and nothing ran in between
         self.counters["inserted_pages"] += res.new_pages
         return res.node

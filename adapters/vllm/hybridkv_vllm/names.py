@@ -1,0 +1,140 @@
+"""The connector's page keys kept on the prefix manager's tree, one tree for L1 and the tiers' names.
+
+With hybridkv's device prefix cache (``--scheduler-cls``, :mod:`.prefix`) the
+connector and the tree run on vLLM's scheduler thread side by side.  As in the
+core (:meth:`hybridkv.tiers.coordinator.TierCoordinator.walk_prompt`), the tree
+keeps the name of each page it caches: here, the connector's chained keys of
+every KV-cache group for that page (each group's keys are at its own block
+size; a tree page holds ``page_size // block_size`` blocks of each group), one
+``bytes`` per page, the groups' keys in the connector's group order
+(:data:`~hybridkv.tiers.keys.KEY_BYTES` each).  What the tree evicts stays
+named as evicted runs (:mod:`hybridkv.radix.evicted`), within a cap: the full
+pages L2's index holds (without L2, the device's own page count).
+
+A lookup then reads the keys of a prompt's leading pages off the tree (its L1
+walk, then the runs where that walk ends, :meth:`EvictedRuns.along
+<hybridkv.radix.evicted.EvictedRuns.along>`) and hashes only the pages past
+them.  A name is a function of the page's tokens and those before it, under the
+connector's namespace (its ``namespace`` and the request's cache salt, which the
+tree's namespace includes), so a name read off the tree is the key hashing would
+give, whatever the tiers hold meanwhile; which tier holds a page is still asked
+of L2's index and L3's record by that key (:mod:`.sources`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import numpy as np
+
+from hybridkv.radix import PageNames
+from hybridkv.tiers.keys import KEY_BYTES
+
+from .jobs import ReqState
+from .l2 import HostPageIndex
+from .plan import GroupInfo
+
+__all__ = ["FINISHING_MAX", "TreeNames", "bind_names"]
+
+#: finished requests whose state waits for the prefix manager's insert (a delayed free:
+#: until the worker's finish save is done); past it the oldest go (their pages stay unnamed)
+FINISHING_MAX = 4096
+
+
+class TreeNames:
+    """Names of the tree's pages, made from and read back into the connector's keys.
+
+    Args:
+        groups: the connector's KV-cache groups, in its order.
+        manager: the prefix manager (its ``tree`` and ``namespace``; the tree is
+            rebuilt by a prefix-cache reset, so it is read each time).
+        page_size: tokens per tree page (a multiple of every group's block size:
+            :meth:`fits`).
+    """
+
+    def __init__(self, groups: Sequence[GroupInfo], manager: Any, page_size: int) -> None:
+        if not self.fits(groups, page_size):
+            raise ValueError(f"page_size {page_size} is not a multiple of every group's block size")
+        self.groups = list(groups)
+        self.manager = manager
+        self.page_size = page_size
+        self.per_page = [page_size // g.block_size for g in self.groups]
+        self.width = sum(self.per_page) * KEY_BYTES  # bytes of one page's name
+        self._finishing: OrderedDict[str, ReqState] = OrderedDict()
+
+    @staticmethod
+    def fits(groups: Sequence[GroupInfo], page_size: int) -> bool:
+        """Every group has a whole number of blocks in a tree page."""
+        return page_size > 0 and all(g.block_size > 0 and page_size % g.block_size == 0 for g in groups)
+
+    def names(self, keys: dict[int, list[bytes]], lo: int, n: int) -> PageNames:
+        """Names of pages ``[0, n)`` from ``keys`` (per group index, at least ``n``
+        pages' worth), None below page ``lo`` (the part the insert skips).  O((n - lo) * groups)."""
+        cols = [(keys[g.index], k) for g, k in zip(self.groups, self.per_page)]
+        out: list[bytes | None] = [None] * lo
+        out += [b"".join(b"".join(ks[i * k:(i + 1) * k]) for ks, k in cols) for i in range(lo, n)]
+        return PageNames(out, np.zeros(n, dtype=bool))
+
+    def seed(self, st: ReqState, limit: int) -> int:
+        """Fill ``st.keys`` (still empty) with the keys of the request's leading pages
+        the tree names, up to ``limit`` tokens (page aligned).  Returns the pages
+        named.  On the scheduler's thread (the tree's own).  O(depth + pages read)."""
+        if st.keys or limit < self.page_size:
+            return 0
+        tree = self.manager.tree
+        limit = limit // self.page_size * self.page_size
+        tokens = np.asarray(st.request.all_token_ids[:limit], dtype=np.int32)  # the tree's token dtype
+        tree.runs.trim()  # back within the cap if L2 shrank since the last run was made
+        root, path = tree.walk(tokens, self.manager.namespace(st.request), limit)
+        names = tree.runs.along(root, path, tokens, limit)
+        if not names:
+            return 0
+        assert all(len(nm) == self.width for nm in names), "a tree name of another group layout"
+        off = 0
+        for g, k in zip(self.groups, self.per_page):
+            st.keys[g.index] = [nm[off + j * KEY_BYTES:off + (j + 1) * KEY_BYTES] for nm in names for j in range(k)]
+            off += k * KEY_BYTES
+        return len(names)
+
+    # ------------------------------------------------------------ finished requests
+    def keep(self, st: ReqState) -> None:
+        """Keep a finished request's state until the prefix manager's insert names its
+        pages (vLLM frees its blocks after the connector's ``request_finished``, or
+        later for a delayed free); at most :data:`FINISHING_MAX` are kept, oldest out.  O(1)."""
+        self._finishing[st.request.request_id] = st
+        while len(self._finishing) > FINISHING_MAX:
+            self._finishing.popitem(last=False)
+
+    def state(self, request_id: str, live: dict[str, ReqState]) -> ReqState | None:
+        """The connector's state of a request: live (``live``), or finished and kept
+        (:meth:`keep`; handed out once).  O(1)."""
+        return live.get(request_id) or self._finishing.pop(request_id, None)
+
+
+def bind_names(groups: Sequence[GroupInfo], manager: Any, live: dict[str, ReqState],
+               keys_of: Callable[[ReqState, int], dict[int, list[bytes]]],
+               l2: HostPageIndex | None) -> TreeNames | None:
+    """Keep names on ``manager``'s tree when it is hybridkv's prefix manager (its
+    ``name_pages``) and its pages fit every group's blocks; None otherwise.  The
+    names come from the connector's state (``live``: its requests by id, then
+    :meth:`TreeNames.keep`) and keys (``keys_of(state, tokens)``); the evicted
+    runs are capped at the full tree pages L2's index (``l2``) holds, or at the
+    device's pages without L2."""
+    page_size = getattr(manager, "page_size", 0)
+    if not hasattr(manager, "name_pages") or not TreeNames.fits(groups, page_size):
+        return None
+    names = TreeNames(groups, manager, page_size)
+    per = sum(k for g, k in zip(names.groups, names.per_page) if not g.is_swa) or 1
+    device = manager.block_pool.num_gpu_blocks
+
+    def cap() -> int:  # full blocks of every full group per tree page
+        return (l2.tier.num_full_pages if l2 is not None else device) // per
+
+    def namer(request: Any, lo: int, n: int) -> PageNames | None:
+        st = names.state(request.request_id, live)
+        return None if st is None else names.names(keys_of(st, n * page_size), lo, n)
+
+    manager.name_pages(namer, cap)
+    return names
