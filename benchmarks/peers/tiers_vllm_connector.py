@@ -139,6 +139,8 @@ def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], dev
             # device cache was about to give up that L2 lacked, copied down (the rule's price in copies)
             l2 = view.l2.tier.stats() if tiers and view is not None and view.l2 is not None else {}
             l1 = getattr(sched.connector, "_l1", None)
+            # prompt pages whose keys the lookups read off the device tree instead of hashing
+            named = sched.connector.stats.get("tree_named_pages") if tiers else None
             if l2 and l1 is not None:
                 l2["rescued_full_pages"] = l1.rescued
         finally:
@@ -147,7 +149,8 @@ def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], dev
                   host_bytes if tiers else 0)
     out.update({"num_gpu_blocks": sched.kv_cache_config.num_blocks, "block_size": sched.block_size,
                 "kv_cache_groups": len(sched.kv_cache_config.kv_cache_groups), "steps": totals["steps"],
-                "store_record": record, "l2_end": l2, "wall_s": round(time.perf_counter() - t0, 1),
+                "store_record": record, "l2_end": l2, **({} if named is None else {"tree_named_pages": named}),
+                "wall_s": round(time.perf_counter() - t0, 1),
                 "version": f"{tv._vllm_version(False, False).split(' Scheduler')[0]} {SCHEDULER_CLS}"
                            + (" + HybridKVConnector" if tiers else "")})
     return out

@@ -24,6 +24,11 @@ which cached blocks stay:
   ranking); the tree returns a block with ``BlockPool.free_blocks`` and drops
   its hash (``evict_blocks``) so vLLM's KV events say it is gone.
 
+* **names** (with hybridkv's connector, :meth:`HybridKVCacheManager.name_pages`):
+  each inserted page carries the connector's keys of it, and what eviction
+  gives up stays named as evicted runs; the connector's lookups read a
+  prompt's keys off the tree (:mod:`.names`).
+
 vLLM's own hash table still records every computed block (``cache_blocks``:
 BlockStored events, its metrics) but is never read for a hit.  Blocks vLLM
 cached that the tree does not keep lose their hash when the request ends, so
