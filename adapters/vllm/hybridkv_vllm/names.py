@@ -83,19 +83,25 @@ class TreeNames:
         named.  On the scheduler's thread (the tree's own).  O(depth + pages read)."""
         if st.keys or limit < self.page_size:
             return 0
-        tree = self.manager.tree
+        tree, mgr = self.manager.tree, self.manager
         limit = limit // self.page_size * self.page_size
-        tokens = np.asarray(st.request.all_token_ids[:limit], dtype=np.int32)  # the tree's token dtype
+        rid, looked = mgr.looked_up  # the manager's lookup of this request, just before: its tokens
+        if rid == st.request.request_id and len(looked) >= limit:
+            tokens = looked[:limit]
+        else:
+            tokens = np.asarray(st.request.all_token_ids[:limit], dtype=np.int32)  # the tree's token dtype
         tree.runs.trim()  # back within the cap if L2 shrank since the last run was made
         root, path = tree.walk(tokens, self.manager.namespace(st.request), limit)
         names = tree.runs.along(root, path, tokens, limit)
         if not names:
             return 0
-        assert all(len(nm) == self.width for nm in names), "a tree name of another group layout"
+        blob = b"".join(names)
+        assert len(blob) == len(names) * self.width, "a tree name of another group layout"
+        cols = np.frombuffer(blob, dtype=f"V{KEY_BYTES}").reshape(len(names), -1)  # a key per column
         off = 0
-        for g, k in zip(self.groups, self.per_page):
-            st.keys[g.index] = [nm[off + j * KEY_BYTES:off + (j + 1) * KEY_BYTES] for nm in names for j in range(k)]
-            off += k * KEY_BYTES
+        for g, k in zip(self.groups, self.per_page):  # void items come back as bytes, NULs kept
+            st.keys[g.index] = cols[:, off:off + k].reshape(-1).tolist()
+            off += k
         return len(names)
 
     # ------------------------------------------------------------ finished requests

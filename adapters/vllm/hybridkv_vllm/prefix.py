@@ -142,6 +142,9 @@ class HybridKVCacheManager(KVCacheManager):
         self._live: dict[str, _Live] = {}
         self._namer: Namer | None = None  # the connector's names of inserted pages (:meth:`name_pages`)
         self._runs_cap: Callable[[], int] | None = None
+        #: the last request ``get_computed_blocks`` looked up and its tokens (the connector's
+        #: lookup, right after it, walks the tree with them: :mod:`.names`)
+        self.looked_up: tuple[str, np.ndarray] = ("", np.empty(0, np.int32))
         self.counters = {"lookups": 0, "hit_tokens": 0, "raw_match_tokens": 0, "inserted_pages": 0,
                          "held_swa_pages": 0, "released_holds": 0, "evicted_blocks": 0,
                          "insert_skipped": 0, "checkpoint_unlocked": 0}
@@ -210,6 +213,7 @@ class HybridKVCacheManager(KVCacheManager):
             self._track(request, LockHandle(None), 0, 0)
             return self.empty_kv_cache_blocks, 0, 0
         tokens = np.asarray(request.all_token_ids[:limit], dtype=np.int32)  # the tree's token dtype
+        self.looked_up = (request.request_id, tokens)
         # vLLM looks a waiting request up again each step it cannot admit it: only the
         # first lookup is a use the ranking learns from (recency, returns)
         live = self._live.get(request.request_id)
