@@ -73,6 +73,7 @@ TIERS_VLLM = "benchmarks/peers/results/tiers_vllm.json"
 TIERS = "benchmarks/results/tiers.json"
 TIER_STALL = "benchmarks/results/tier_stall.json"
 LOOKUP_STALL = "benchmarks/results/lookup_stall_vllm.json"
+LOOKUP_KEYS = "benchmarks/results/lookup_keys_vllm.json"
 TRANSFER = "benchmarks/results/transfer.json"
 TIERS_L3 = "benchmarks/results/tiers_l3.json"
 SGLANG_QUOTED = "benchmarks/peers/results/in_engine_sglang.json"
@@ -908,6 +909,27 @@ def render_lookup_stall(load: Loader) -> str:
     )
 
 
+def render_lookup_keys(load: Loader) -> str:
+    """benchmarks/peers/lookup_keys_vllm.py: a vLLM lookup with the keys read off the tree, and hashed."""
+    out = load(LOOKUP_KEYS)
+    lines = ["| trace | requests | device / L2 GB | pages named | per lookup, names (median / mean) "
+             "| hashed (median / mean) | names / hashed (median) | rows identical |", "|---" * 8 + "|"]
+    for r in out["rows"]:
+        a, b = r["names"], r["hashed"]
+        lines.append(f"| {r['trace']} | {r['requests']:,} | {r['l1_gb']:g} / {r['host_gb']:g} "
+                     f"| {a['tree_named_pages']:,} | {a['median_us'] / 1000:.2f} / {a['mean_us'] / 1000:.2f} ms "
+                     f"| {b['median_us'] / 1000:.2f} / {b['mean_us'] / 1000:.2f} ms | {r['ratio_median']:.3f}x "
+                     f"| {'yes' if r['rows_identical'] else 'NO'} |")
+    return (
+        "A lookup's time on vLLM's scheduler thread (`get_num_new_matched_tokens`, the whole lookup: keys, "
+        "L2's index, the store's record), with the keys of a prompt's leading pages read off hybridkv's device "
+        "tree and with every key hashed, in alternated rounds of the same replay (MiMo-V2.5-Pro's seven KV-cache "
+        "groups, a file L3, the worker stood in); \"rows identical\": the hit tokens, their split by tier, "
+        "and L2's end state are the same both ways:\n\n" + "\n".join(lines) + "\n\n"
+        + source_line(load, LOOKUP_KEYS) + "\n"
+    )
+
+
 _ROUTE_COLS = ("| hit rate | busy max/mean | TTFT p50 s | TTFT p90 s | TTFT p90 (>=32K) s | prefill busy s |",
                "|---|---|---|---|---|---|")
 
@@ -1097,6 +1119,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "tiers": ((TIERS,), render_tiers),
     "tier-stall": ((TIER_STALL,), render_tier_stall),
     "lookup-stall": ((LOOKUP_STALL,), render_lookup_stall),
+    "lookup-keys": ((LOOKUP_KEYS,), render_lookup_keys),
     "transfer": ((TRANSFER,), render_transfer),
     "storage-checksums": ((TIERS_L3,), render_storage_checksums),
     "storage-l3": ((TIERS_L3,), render_storage_l3),

@@ -8,8 +8,9 @@ connector (``tiers_vllm_connector.run_hybridkv_vllm``: the worker stood in, a fi
 L3 and an L2), once with the names and once with them switched off, alternating
 rounds, and prints per lookup (``get_num_new_matched_tokens``, the scheduler
 thread's whole lookup) the median and mean time, the pages named, and whether
-the two runs' rows (hit tokens, their split by tier, steps, L2's end) are the
-same -- they must be.  Run with the vLLM venv's python::
+the two runs' rows (hit tokens, their split by tier, L2's end) are the same --
+they must be (the steps are printed: a lookup deferred while its store probe
+runs costs a step, and which are deferred follows the probe thread's timing).  Run with the vLLM venv's python::
 
     adapters/vllm/.venv/bin/python benchmarks/peers/lookup_keys_vllm.py --limit 1000 --l1-gb 8 --host-gb 60
 """
@@ -32,7 +33,9 @@ import tiers_vllm as tv  # noqa: E402
 import tiers_vllm_connector as tc  # noqa: E402
 
 GB = 10**9
-SAME = ("hit_tokens", "l1_hit_tokens", "l2_hit_tokens", "l3_hit_tokens", "steps", "l2_end")
+#: what must not change (the steps may: a lookup deferred while its store probe runs costs one step, and
+#: which are deferred follows the probe thread's timing)
+SAME = ("hit_tokens", "l1_hit_tokens", "l2_hit_tokens", "l3_hit_tokens", "l2_end")
 
 
 def _timed(sink: list[float]) -> Callable[[Any], Any]:
@@ -66,6 +69,15 @@ def one_run(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], l1: int, host
     return row, times
 
 
+def merge(path: Path, row: dict[str, Any], command: str) -> None:
+    """Put ``row`` into the result file at ``path`` (its ``rows``, replacing one of the
+    same trace) with the ``command`` that made it; the file's provenance is kept."""
+    data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    data["rows"] = [r for r in data["rows"] if r["trace"] != row["trace"]] + [{**row, "command": command}]
+    data["rows"].sort(key=lambda r: r["trace"])
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--traces", default=str(HERE.parents[1].parent / "shared" / "traces"))
@@ -77,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds of (names, no names), alternated (default 2)")
     p.add_argument("--model", default="mimo-v2.5-pro")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json-out", default=None, help="merge the row into this result file's rows (by trace)")
     args = p.parse_args(argv)
     if args.limit <= 0 or args.sessions < 0 or args.l1_gb <= 0 or args.host_gb <= 0 or args.rounds <= 0:
         p.error("--limit, --l1-gb, --host-gb and --rounds must be positive")
@@ -103,10 +116,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "per_round_median_us": [round(m, 1) for m, _, _ in per_round],
                       "tree_named_pages": runs[names][0][0].get("tree_named_pages", 0)}
     first = runs[True][0][0]
-    out["rows_identical"] = all(row[k] == first[k] for rs in runs.values() for row, _ in rs for k in SAME)
+    out["differs"] = sorted({k for rs in runs.values() for row, _ in rs for k in SAME if row[k] != first[k]})
+    out["rows_identical"] = not out["differs"]
+    out["steps"] = {label: [row["steps"] for row, _ in runs[names]] for names, label in ((True, "names"),
+                                                                                         (False, "hashed"))}
     out["hit_tokens"] = first["hit_tokens"]
     out["ratio_median"] = round(out["names"]["median_us"] / out["hashed"]["median_us"], 3)
     out["ratio_mean"] = round(out["names"]["mean_us"] / out["hashed"]["mean_us"], 3)
+    if args.json_out:
+        merge(Path(args.json_out), out, " ".join(["adapters/vllm/.venv/bin/python", "benchmarks/peers/lookup_keys_vllm.py",
+                                                  *(argv if argv is not None else sys.argv[1:])]))
     if args.json:
         print(json.dumps(out, indent=1))
     else:
