@@ -140,7 +140,8 @@ def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], dev
             l2 = view.l2.tier.stats() if tiers and view is not None and view.l2 is not None else {}
             l1 = getattr(sched.connector, "_l1", None)
             # prompt pages whose keys the lookups read off the device tree instead of hashing
-            named = sched.connector.stats.get("tree_named_pages") if tiers else None
+            named = ({k: sched.connector.stats.get(k, 0) for k in ("tree_named_pages", "reloaded_held_tokens")}
+                     if tiers else {})
             if l2 and l1 is not None:
                 l2["rescued_full_pages"] = l1.rescued
         finally:
@@ -149,7 +150,7 @@ def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], dev
                   host_bytes if tiers else 0)
     out.update({"num_gpu_blocks": sched.kv_cache_config.num_blocks, "block_size": sched.block_size,
                 "kv_cache_groups": len(sched.kv_cache_config.kv_cache_groups), "steps": totals["steps"],
-                "store_record": record, "l2_end": l2, **({} if named is None else {"tree_named_pages": named}),
+                "store_record": record, "l2_end": l2, **named,
                 "wall_s": round(time.perf_counter() - t0, 1),
                 "version": f"{tv._vllm_version(False, False).split(' Scheduler')[0]} {SCHEDULER_CLS}"
                            + (" + HybridKVConnector" if tiers else "")})

@@ -302,6 +302,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         assert st is not None
         end = st.hit_tokens
         start = end - int(num_external_tokens)
+        if self._names is not None:  # repair case 2: full KV the device holds, loaded again
+            self._count(reloaded_held_tokens=self._names.reloaded(request.request_id, start, end))
         keys = self._keys(st, end)
         job = PageJob(request.request_id)
         pages: dict[int, tuple[list[int], list[bytes]]] = {}  # per group: page indices, keys

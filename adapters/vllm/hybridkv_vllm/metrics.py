@@ -37,6 +37,9 @@ COUNTERS: dict[str, str] = {
     "lookup_probes_given_up": "lookups answered from the tiers' record alone: the store did not answer in time",
     "tree_named_pages": "prompt pages whose keys a lookup read off hybridkv's device tree (its pages and evicted "
                         "runs) instead of hashing them",
+    "reloaded_held_tokens": "hit tokens whose full KV hybridkv's device tree holds, loaded again from L2 / L3 "
+                            "with the window the device lacked (repair case 2: vLLM hands the connector only the "
+                            "window-safe device hit)",
     "hit_requests": "requests that got an external hit from hybridkv",
     "hit_tokens": "prompt tokens served from hybridkv's L2/L3 instead of being computed",
     "load_pages": "pages loaded into vLLM's KV cache (all groups)",

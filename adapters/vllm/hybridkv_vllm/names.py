@@ -104,6 +104,13 @@ class TreeNames:
             off += k
         return len(names)
 
+    def reloaded(self, request_id: str, start: int, end: int) -> int:
+        """Of a load of tokens ``[start, end)``, the tokens whose full KV the device's tree
+        holds: repair case 2 in vLLM (the device holds a prompt's full KV but not the
+        window its hit needs) loads them again, as vLLM hands the connector only the
+        window-safe device hit.  O(1)."""
+        return max(0, min(self.manager.device_full_tokens(request_id), end) - start)
+
     # ------------------------------------------------------------ finished requests
     def keep(self, st: ReqState) -> None:
         """Keep a finished request's state until the prefix manager's insert names its

@@ -226,6 +226,12 @@ class HybridKVCacheManager(KVCacheManager):
         self.counters["hit_tokens"] += hit.pages * P
         return self.create_kv_cache_blocks(self._blocks_of(*hit.page_ids())), hit.pages * P, 0
 
+    def device_full_tokens(self, request_id: str) -> int:
+        """Tokens of the request's last lookup whose full KV the tree holds (its match
+        before the window rule; 0 for a request not known).  O(1)."""
+        live = self._live.get(request_id)
+        return live.raw_pages * self.page_size if live is not None else 0
+
     def _track(self, request: Any, handle: LockHandle, hit_pages: int, raw_pages: int) -> None:
         live = self._live.get(request.request_id)
         if live is None:
