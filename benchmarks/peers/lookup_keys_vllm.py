@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -71,9 +72,12 @@ def one_run(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], l1: int, host
 
 def merge(path: Path, row: dict[str, Any], command: str) -> None:
     """Put ``row`` into the result file at ``path`` (its ``rows``, replacing one of the
-    same trace) with the ``command`` that made it; the file's provenance is kept."""
+    same trace) with the ``command`` that made it and the commit checked out; the
+    file's provenance is kept."""
     data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"rows": []}
-    data["rows"] = [r for r in data["rows"] if r["trace"] != row["trace"]] + [{**row, "command": command}]
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip()
+    data["rows"] = [r for r in data["rows"] if r["trace"] != row["trace"]] + [{**row, "command": command,
+                                                                               "commit": commit}]
     data["rows"].sort(key=lambda r: r["trace"])
     path.write_text(json.dumps(data, indent=1) + "\n")
 
