@@ -926,6 +926,10 @@ def render_lookup_keys(load: Loader) -> str:
         "tree and with every key hashed, in alternated rounds of the same replay (MiMo-V2.5-Pro's seven KV-cache "
         "groups, a file L3, the worker stood in); \"rows identical\": the hit tokens, their split by tier, "
         "and L2's end state are the same both ways:\n\n" + "\n".join(lines) + "\n\n"
+        + "Each round's median, names / hashed: " + "; ".join(
+            f"{r['trace']} " + ", ".join(f"{a / 1000:.2f} / {b / 1000:.2f} ms" for a, b in
+                                         zip(r["names"]["per_round_median_us"], r["hashed"]["per_round_median_us"]))
+            for r in out["rows"]) + " (2 vCPUs: rounds of one mode spread; see the file's note). "
         + source_line(load, LOOKUP_KEYS) + "\n"
     )
 

@@ -14,8 +14,9 @@ What a run says is only names: a name is a function of the page's tokens and
 those before it, so a run is never wrong about a key, whatever the tiers hold
 meanwhile; which tier holds a page (L2, L3, none) is asked of the tier by that
 key.  The runs are kept within a cap (:meth:`EvictedRuns.cap_by`; the owner,
-:class:`~hybridkv.tiers.coordinator.TierCoordinator`, gives the number of full
-pages L2 holds, read each time a run is made and at each walk): past it the
+:class:`~hybridkv.tiers.coordinator.TierCoordinator` or vLLM's prefix manager
+with hybridkv's connector, gives the number of full pages L2 holds, read each
+time a run is made and at each walk): past it the
 oldest runs go first, with what hangs below them.  Each run is dropped at most
 once, so that costs O(1) per run made, amortized: no sweep over the tree, no
 lookup in a tier.
