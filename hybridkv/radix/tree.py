@@ -231,6 +231,16 @@ class WindowSafeTree:
             node = child
         return root, path
 
+    def walk_names(self, key: np.ndarray, namespace: str, limit: int, *, trim: bool = True
+                   ) -> tuple[list[bytes], list[tuple[TreeNode, int]]]:
+        """:meth:`walk`, and the names of ``key``'s leading pages that it and the evicted runs at its end
+        spell (:meth:`EvictedRuns.along`); ``trim`` (the engine's thread only) first brings the runs
+        back within their cap.  O(depth + L/P)."""
+        if trim:
+            self.runs.trim()
+        root, path = self.walk(key, namespace, limit)
+        return self.runs.along(root, path, key, limit), path
+
     def match(self, key: object, namespace: str = "default", *, max_len: int | None = None,
               split: bool = False, touch: bool = True) -> MatchResult:
         """Longest window-safe cached prefix of ``key`` in ``namespace``.

@@ -186,10 +186,7 @@ class TierCoordinator:
         if n_pages > 0:
             tree, limit = self.tree, n_pages * self.page_size
             with self.mutex:  # as resident: the walk and the names read together
-                if engine:  # back within their cap if L2 shrank since the last run was made
-                    tree.runs.trim()
-                root, path = tree.walk(tokens, namespace, limit)
-                have = tree.runs.along(root, path, tokens, limit)
+                have, path = tree.walk_names(tokens, namespace, limit, trim=engine)
         return self.page_keys(tokens, namespace, n_pages, have), path
 
     @property

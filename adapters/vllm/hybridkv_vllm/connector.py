@@ -266,7 +266,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         st.hit_tokens, st.hit_sources, st.local_tokens = 0, {}, num_computed_tokens
         if max_tokens <= num_computed_tokens:
             return 0, False
-        if self._names is not None and not st.keys:  # the leading pages' keys off the tree
+        if self._names is not None:  # the leading pages' keys off the tree (a first lookup)
             self._count(tree_named_pages=self._names.seed(st, max_tokens))
         keys = self._keys(st, max_tokens)
         # Pages below the engine's own hit are never read; pages handed to the workers' save

@@ -83,16 +83,14 @@ class TreeNames:
         named.  On the scheduler's thread (the tree's own).  O(depth + pages read)."""
         if st.keys or limit < self.page_size:
             return 0
-        tree, mgr = self.manager.tree, self.manager
+        mgr = self.manager
         limit = limit // self.page_size * self.page_size
         rid, looked = mgr.looked_up  # the manager's lookup of this request, just before: its tokens
         if rid == st.request.request_id and len(looked) >= limit:
             tokens = looked[:limit]
         else:
             tokens = np.asarray(st.request.all_token_ids[:limit], dtype=np.int32)  # the tree's token dtype
-        tree.runs.trim()  # back within the cap if L2 shrank since the last run was made
-        root, path = tree.walk(tokens, self.manager.namespace(st.request), limit)
-        names = tree.runs.along(root, path, tokens, limit)
+        names, _ = mgr.tree.walk_names(tokens, mgr.namespace(st.request), limit)  # the runs trimmed first
         if not names:
             return 0
         blob = b"".join(names)

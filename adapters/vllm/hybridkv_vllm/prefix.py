@@ -155,6 +155,10 @@ class HybridKVCacheManager(KVCacheManager):
                                    swa_page_bytes=self.swa_layout.blocks_per_page)
         # begin, the release rule, the insert and the lock moves every host shares
         self.lifecycle = Lifecycle(self.tree)
+        self._keep_runs()
+
+    def _keep_runs(self) -> None:
+        """The tree keeps evicted runs within the connector's cap, once it names pages."""
         if self._runs_cap is not None:
             self.tree.runs.enable()
             self.tree.runs.cap_by(self._runs_cap)
@@ -167,8 +171,7 @@ class HybridKVCacheManager(KVCacheManager):
         if not callable(namer) or not callable(runs_cap):
             raise TypeError("namer and runs_cap must be callable")
         self._namer, self._runs_cap = namer, runs_cap
-        self.tree.runs.enable()
-        self.tree.runs.cap_by(runs_cap)
+        self._keep_runs()
 
     # ------------------------------------------------------------ helpers
     @staticmethod
