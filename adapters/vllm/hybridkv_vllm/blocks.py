@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-__all__ = ["OPTION_NAMES", "BlockPagePool", "Layout", "PrefixOptions", "SwaHold", "classify_groups"]
+__all__ = ["OPTION_NAMES", "BlockPagePool", "HitRows", "Layout", "PrefixOptions", "SwaHold", "classify_groups"]
 
 
 class SwaHold(StrMode):
@@ -253,3 +253,54 @@ class BlockPagePool(OneWindowPool):
     def free_swa_trusted(self, pages: np.ndarray) -> None:
         """Give back the tree's reference on every block of SWA ``pages``."""
         self._free(pages)
+
+
+class HitRows:
+    """The blocks a hit hands vLLM (``get_computed_blocks``), per KV-cache group.
+
+    Args:
+        pool: the tree's pages (:class:`BlockPagePool`).
+        full, swa: the full and sliding-window layouts (:func:`classify_groups`).
+        windows: each sliding-window group's window in tokens, in ``swa.groups`` order.
+        n_groups: vLLM's KV-cache groups.
+        page_size: tokens per tree page.
+    """
+
+    def __init__(self, pool: BlockPagePool, full: Layout, swa: Layout, windows: list[int], n_groups: int,
+                 page_size: int) -> None:
+        self.pool, self.full, self.swa, self.windows, self.n_groups = pool, full, swa, windows, n_groups
+        self.page_size = page_size
+
+    def rows(self, full: np.ndarray, swa: np.ndarray, end: int | None = None,
+             safe: int | None = None) -> tuple[list[Any], ...] | None:
+        """Per group, the blocks of a hit's pages (``full`` and ``swa`` page ids): full
+        groups all, sliding-window groups the blocks their own window reads before
+        ``end`` (the tokens vLLM counts computed; default the hit's end), vLLM's null
+        block before them.  The tree holds SWA on the ``window_pages`` pages before a
+        window-safe hit, which cover every group's window.  A window repair passes
+        ``safe``, the hit's window-safe part: window blocks at or past it are None
+        (fresh blocks go there), and a window block the device lacks below it makes
+        the answer None.  O(pages)."""
+        pool, lay, P = self.pool, self.swa, self.page_size
+        null = pool.block_pool.null_block
+        out: list[list[Any]] = [[] for _ in range(self.n_groups)]
+        for p in full.tolist():
+            for gid, part in zip(self.full.groups, self.full.split(pool.blocks(p))):
+                out[gid].extend(part)
+        n = int(full.size)
+        top = n * P if end is None else end
+        fresh_from = n * P if safe is None else safe
+        for j, (gid, k, window) in enumerate(zip(lay.groups, lay.per_page, self.windows)):
+            bs = P // k
+            row: list[Any] = [null] * (n * k)
+            for i in range(max(0, top - window + 1) // bs, n * k):  # vLLM's blocks
+                if i * bs >= fresh_from:
+                    row[i] = None
+                    continue
+                page = int(swa[i // k])
+                if page < 0:
+                    assert safe is not None, "a window-safe hit without its window"
+                    return None
+                row[i] = lay.split(pool.blocks(page))[j][i % k]
+            out[gid] = row
+        return tuple(out)

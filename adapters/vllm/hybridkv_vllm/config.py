@@ -72,6 +72,11 @@ class ConnectorConfig:
             the tiers' record cannot answer (asked on the probe thread, off the
             scheduler's); past it the lookup answers "ask again later" and the
             request waits a step, the running ones do not (:mod:`.lookups`).
+        repair_windows: with hybridkv's device prefix cache (``--scheduler-cls``),
+            a prompt whose full KV the device holds but whose window only a lower
+            tier holds takes the device's full KV and loads only the window and
+            what lies past the device (repair case 2; default on).  ``False``: the
+            device's window-safe hit, with its full KV loaded again.
     """
 
     l3_url: str = "file:hybridkv-l3"
@@ -89,6 +94,7 @@ class ConnectorConfig:
     async_save: bool = True
     l1_copies_first: bool = True
     lookup_wait_ms: float = 5.0
+    repair_windows: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -108,7 +114,7 @@ class ConnectorConfig:
                 if not isinstance(extra[name], str):
                     raise TypeError(f"kv_connector_extra_config[{name!r}] must be a str")
                 kw[name] = extra[name]
-        for name in ("save_on_finish", "async_save", "l1_copies_first"):
+        for name in ("save_on_finish", "async_save", "l1_copies_first", "repair_windows"):
             if name in extra:
                 kw[name] = _as_bool(name, extra[name])
         if extra.get("checkpoint_interval") == "auto":

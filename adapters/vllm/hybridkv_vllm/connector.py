@@ -8,55 +8,42 @@ Load it without patching vLLM::
                            "kv_connector_extra_config": {"l3_url": "file:///var/cache/hkv"}}'
 
 How it maps onto vLLM 0.32 (``SupportsHMA``: vLLM keeps its hybrid KV-cache
-manager, one block table per KV-cache group):
+manager, one block table per KV-cache group; docs/vllm.md has the whole story):
 
-* Groups may have different block sizes (vLLM equalises page bytes: MiMo-V2's
-  full group gets block 64, its SWA groups 32).  Each group's keys and block
-  ids are at its own block size; a hit ends on a multiple of the lcm of all
-  block sizes (``self.unit``, also vLLM's scheduler block size).
-* Scheduler: ``get_num_new_matched_tokens`` hashes the prompt into hybridkv's
-  chained page keys (one chain per group), finds which pages the tiers hold in
-  its one record of them (:class:`.sources.TierView`: L2's index and what the
-  store holds as far as this engine knows; the store is asked ``exists`` only
-  for keys with no answer that can change the hit, on a probe thread:
-  :mod:`.lookups`) and returns the largest *window-safe* hit: full-attention
-  pages for the whole prefix, SWA pages only for the window before the hit end.
-  Loads are reported asynchronous because that is the path on which vLLM 0.32
-  accepts per-request load failures for models with several KV-cache groups
-  (``failed_recving``; block-level failure reports raise for hybrid models): a
-  page that vanished between lookup and load degrades to a recompute, never to garbage KV.
+* Groups may have different block sizes; each group's keys and block ids are at
+  its own block size, and a hit ends on a multiple of the lcm of all block
+  sizes (``self.unit``, also vLLM's scheduler block size).
+* Scheduler: ``get_num_new_matched_tokens`` keys the prompt (hybridkv's chained
+  page keys, one chain per group; read off hybridkv's device tree where bound,
+  :mod:`.names`), finds what the tiers hold in its one record of them
+  (:class:`.sources.TierView`; the store is asked ``exists`` only where the
+  record has no answer that can change the hit, on a probe thread:
+  :mod:`.lookups`) and returns the largest *window-safe* hit: full pages for
+  the whole prefix, SWA pages only for the window before the hit end.  Loads
+  are asynchronous: the path on which vLLM 0.32 accepts per-request load
+  failures for hybrid models (``failed_recving``), so a page that vanished
+  degrades to a recompute, never to garbage KV.  With hybridkv's prefix manager,
+  a hit whose full KV the device holds loads only the window (:mod:`.repair`).
 * ``update_state_after_alloc`` turns the hit into per-group (block id, key)
   load lists; SWA groups get only their non-null window blocks.
 * Saves: full pages as soon as a prefill chunk completes them; SWA pages only
-  for the windows a later hit can end at (prompt end, request end, checkpoints).
-  The finish save holds the request's blocks until the worker reports it.
-* Worker: ``register_kv_caches`` wraps vLLM's per-layer tensors per group
-  (:class:`.kvio.GroupBuffers`); loads run in ``start_load_kv``; saves leave
-  the step (:mod:`.saver`): ``wait_for_save`` copies a prefill chunk's pages
-  out of vLLM's blocks and queues the L2/L3 store on a background thread;
-  finish saves copy out on that thread too, under vLLM's delayed-free
-  protocol (the request is listed in ``finished_sending`` once its blocks
-  are copied out).
-* Counters reach vLLM's KV-connector stats (:mod:`.metrics`: the ``KV Transfer
-  metrics`` log line, ``vllm:hybridkv_*_total`` on ``/metrics``); the engine
-  steps until the workers' saves are counted (:mod:`.progress`), so an idle
-  server's ``/metrics`` equals the stats file (one JSON line per event, and a
-  ``shutdown`` line with the totals after the save thread drained).
-* L2 (``l2_gb``): the scheduler side owns its one index (:class:`.l2.HostPageIndex`,
-  hybridkv's ``HostTier``) and names in each job the host rows to read or write;
-  each worker keeps only the rows (:class:`.l2.HostPageRows`, tagged with their
-  keys).  Saves go to L2 and through to L3, loads read L2 first (L3 reads fill
-  L2); the index decides hits and splits them by source (``host`` / ``disk``:
-  :mod:`.sources`).
+  for the windows a later hit can end at (prompt end, request end,
+  checkpoints).  The finish save holds the request's blocks until the worker
+  reports it.
+* Worker: loads run in ``start_load_kv``; saves leave the step (:mod:`.saver`,
+  a background thread; finish saves under vLLM's delayed-free protocol).
+* Counters reach vLLM's KV-connector stats and ``/metrics`` (:mod:`.metrics`,
+  :mod:`.progress`) and the stats file (one JSON line per event).
+* L2 (``l2_gb``): the scheduler side owns its one index (:class:`.l2.HostPageIndex`)
+  and names in each job the host rows to read or write; workers keep only the
+  rows (:class:`.l2.HostPageRows`).  Saves go to L2 and through to L3, loads
+  read L2 first; the index splits hits by source (:mod:`.sources`).
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import math
-import os
-import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -83,10 +70,11 @@ from .l1 import L1View, copy_down
 from .l2 import HostPageRows, host_rows, l2_index
 from .logs import logger, route_core_logs
 from .lookups import Lookups, TimedProbe
-from .metrics import COUNTERS, HybridKVPromMetrics, HybridKVStats
+from .metrics import Counters, HybridKVPromMetrics, HybridKVStats
 from .names import TreeNames, bind_names
 from .plan import checkpoint_ends, full_bases, pages_to_save, windows_before
 from .progress import IDLE_WAIT_S, SavesBusy, SavesWatch, WorkerSaves
+from .repair import device_tokens, swa_load_from
 from .saver import SaveThread
 from .sources import TierView, l3_source
 
@@ -134,14 +122,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                                          self.cfg.model_id)
         self.backend = open_backend(self.cfg.l3_url, **dict(self.cfg.backend_options or {}))
         route_core_logs()
-        self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # totals (stats file)
-        self._interval: dict[str, int] = {}  # increments since the last vLLM stats pull
-        self._stats_lock = threading.Lock()
-        self._stats_fd: int | None = None
-        self._closed = False
-        if self.cfg.stats_file:
-            self._stats_fd = os.open(self.cfg.stats_file,
-                                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._counters = Counters(role.name.lower(), self.cfg.stats_file)
+        self.stats = self._counters.totals  # the totals (the stats file's)
         # scheduler side
         self._reqs: dict[str, ReqState] = {}
         self._pending_loads: dict[str, PageJob] = {}
@@ -181,6 +163,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """With hybridkv's prefix manager, its tree keeps the pages' keys (:mod:`.names`)."""
         super().bind_kv_cache_manager(kv_cache_manager)
         self._names = bind_names(self.groups, kv_cache_manager, self._reqs, self._keys, self._tiers.l2)
+        if self._names is not None and self.cfg.repair_windows:  # repair case 2 (:mod:`.repair`)
+            kv_cache_manager.repair_windows(self._window_hit)
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         """Follow the pool's removals of cached blocks (:mod:`.l1`)."""
@@ -196,34 +180,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ stats
     def _count(self, **inc: int) -> None:
-        """Add to the totals and to the increments vLLM pulls next (thread-safe)."""
-        with self._stats_lock:
-            for k, v in inc.items():
-                if v:
-                    self.stats[k] = self.stats.get(k, 0) + int(v)
-                    self._interval[k] = self._interval.get(k, 0) + int(v)
+        self._counters.count(**inc)
 
     def _record(self, **event: Any) -> None:
-        """Append one JSON line to the stats file.  Every line carries ``totals``, this
-        role's counters so far, so the last line of a (role, pid) holds its final totals
-        even when the process is killed (vLLM's default ``--shutdown-timeout 0``: the API
-        server SIGKILLs the engine and workers right after SIGTERM, before any shutdown
-        hook runs).  One ``O_APPEND`` write per line: lines of both roles and of several
-        processes never interleave and a kill never leaves half a line."""
-        if self._stats_fd is None:
-            return
-        event.update(role=self.role.name.lower(), pid=os.getpid(), t=time.time())
-        with self._stats_lock:
-            if self._stats_fd is None:
-                return
-            event["totals"] = dict(self.stats)
-            os.write(self._stats_fd, (json.dumps(event) + "\n").encode())
+        self._counters.record(**event)
 
     def get_kv_connector_stats(self) -> HybridKVStats | None:
         """Counter increments since the last call (vLLM aggregates workers and the
         scheduler side, logs them and feeds ``/metrics``)."""
-        with self._stats_lock:
-            data, self._interval = self._interval, {}
+        data = self._counters.pull()
         return HybridKVStats(data=data) if data else None
 
     @classmethod
@@ -257,28 +222,51 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         (:class:`.sources.TierView`) answers for keys this engine saved, read or
         probed; the store is asked about the rest on the probe thread (:mod:`.lookups`):
         ``None`` (ask again later) while that takes longer than ``lookup_wait_ms``.
+        A window repair the prefix manager took (:mod:`.repair`) is the hit as planned.
         """
-        unit = self.unit
-        max_tokens = (request.num_tokens - 1) // unit * unit  # vLLM must compute >= 1 token
-        if self.cfg.max_hit_tokens:
-            max_tokens = min(max_tokens, self.cfg.max_hit_tokens // unit * unit)
         st = self._state(request)  # every request gets state: its pages are saved later
+        planned, st.repair = st.repair, None
+        if planned is not None and planned[1] == num_computed_tokens:  # the device's part is handed over
+            st.repair, st.hit_tokens, st.hit_sources, st.local_tokens = planned, planned[2], {}, num_computed_tokens
+            return planned[2] - num_computed_tokens, True
         st.hit_tokens, st.hit_sources, st.local_tokens = 0, {}, num_computed_tokens
-        if max_tokens <= num_computed_tokens:
-            return 0, False
-        if self._names is not None:  # the leading pages' keys off the tree (a first lookup)
-            self._count(tree_named_pages=self._names.seed(st, max_tokens))
-        keys = self._keys(st, max_tokens)
-        # Pages below the engine's own hit are never read; pages handed to the workers' save
-        # threads count as present (the worker's load waits for them: SaveThread.wait_keys).
-        hit = self._lookups.hit(request.request_id, keys, num_computed_tokens, max_tokens, unit)
-        self._count(lookups=1)
+        hit = self._hit(request, st, num_computed_tokens)
         if hit is None:
             return None, False
         st.hit_tokens = hit if hit > num_computed_tokens else 0
         if not st.hit_tokens:
             return 0, False
         return st.hit_tokens - num_computed_tokens, True
+
+    def _hit(self, request: Request, st: ReqState, local: int, device_full: int = 0) -> int | None:
+        """The tiers' window-safe hit past the device's ``local`` tokens (0: none past it;
+        None: ask again later).  ``device_full``: see :meth:`.sources.TierView.hit`."""
+        unit = self.unit
+        max_tokens = (request.num_tokens - 1) // unit * unit  # vLLM must compute >= 1 token
+        if self.cfg.max_hit_tokens:
+            max_tokens = min(max_tokens, self.cfg.max_hit_tokens // unit * unit)
+        if max_tokens <= local:
+            return 0
+        if self._names is not None:  # the leading pages' keys off the tree (a first lookup)
+            self._count(tree_named_pages=self._names.seed(st, max_tokens))
+        keys = self._keys(st, max_tokens)
+        # Pages below the engine's own hit are never read; pages handed to the workers' save
+        # threads count as present (the worker's load waits for them: SaveThread.wait_keys).
+        self._count(lookups=1)
+        return self._lookups.hit(request.request_id, keys, local, max_tokens, unit, device_full=device_full)
+
+    def _window_hit(self, request: Request, safe: int, full: int) -> tuple[int, int] | None:
+        """The prefix manager's question for a window repair (:mod:`.repair`), asked at each
+        of its lookups (``full <= safe``: none to look for): ``(local, end)``, ``(0, 0)``
+        for none, None: ask again later.  On the scheduler's thread."""
+        st = self._state(request)
+        st.repair = None  # a plan lasts from this question to the load it plans
+        end = self._hit(request, st, safe, device_full=full) if full > safe else 0
+        local = end and device_tokens(self._tiers, self.groups, self._keys(st, end), safe, full, end, self.unit,
+                                      self._names.page_size if self._names is not None else self.unit)
+        if local:
+            st.repair = (safe, local, end)
+        return None if end is None else (local, end) if local else (0, 0)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -305,12 +293,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._names is not None:  # repair case 2: full KV the device holds, loaded again
             self._count(reloaded_held_tokens=self._names.reloaded(request.request_id, start, end))
         keys = self._keys(st, end)
+        swa_from, st.repair = swa_load_from(st.repair, start), None  # a repair's fresh window blocks below start
+        self._count(repaired_tokens=start - swa_from)
         job = PageJob(request.request_id)
         pages: dict[int, tuple[list[int], list[bytes]]] = {}  # per group: page indices, keys
         for g in self.groups:
             blk = blocks.blocks[g.index]
             bs = g.block_size
-            lo_tok = max(start, end - int(g.window)) if g.is_swa else start  # type: ignore[arg-type]
+            lo_tok = max(swa_from, end - int(g.window)) if g.is_swa else start  # type: ignore[arg-type]
             lo, hi = max(0, lo_tok) // bs, end // bs
             sel = [i for i in range(lo, min(hi, len(blk))) if not blk[i].is_null]
             pages[g.index] = (sel, [keys[g.index][i] for i in sel])
@@ -429,14 +419,18 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         worker lists the request in ``finished_sending``."""
         st = self._reqs.pop(request.request_id, None)
         self._lookups.drop(request.request_id)
-        self._pending_loads.pop(request.request_id, None)
-        self._loading.pop(request.request_id, None)
+        if self._pending_loads.pop(request.request_id, None) is not None:
+            self._loading.pop(request.request_id, None)  # never sent: no worker reports it
+        # a load not confirmed (aborted, or failed under vLLM's ``fail`` policy): the blocks it was
+        # to fill hold no KV, so nothing is saved; the worker's report settles its keys later
+        unloaded = request.request_id in self._loading
         if st is None:
             return False, None
         if self._names is not None:  # the prefix manager's insert (after this) names its pages
             self._names.keep(st)
         computed = min(request.num_computed_tokens, len(request.all_token_ids))
-        save = self.cfg.save_on_finish and any(block_ids) and computed >= min(g.block_size for g in self.groups)
+        save = (self.cfg.save_on_finish and not unloaded and any(block_ids)
+                and computed >= min(g.block_size for g in self.groups))
         job = self._save_job(st, block_ids, computed, True, self._null_block_id()) if save else None
         if job is not None:
             job.finish = True
@@ -555,9 +549,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> SavesBusy | None:
         """Whether saves are still queued or counted after this step's stats (progress.py)."""
-        with self._stats_lock:
-            uncollected = bool(self._interval)
-        return self._saves_report.report(self._saver, uncollected)
+        return self._saves_report.report(self._saver, self._counters.uncollected())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
@@ -568,10 +560,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
         Idempotent (vLLM's teardown and the ``atexit`` fallback may both call it).
         """
-        with self._stats_lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._counters.close_once():
+            return
         drained = True
         self._lookups.close()
         if self._saver is not None:
@@ -582,16 +572,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         index = self._tiers.l2
         extra: dict[str, Any] = ({"l2": index.tier.stats()} if index is not None
                                  else {"l2_rows": self._l2.stats()} if self._l2 is not None else {})
-        with self._stats_lock:
-            totals = dict(self.stats)
+        totals = self._counters.snapshot()
         self._record(event="shutdown", drained=drained, **extra)
-        with self._stats_lock:
-            fd, self._stats_fd = self._stats_fd, None
-        if fd is not None:
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        self._counters.close_file()
         logger.info("hybridkv %s totals: %s", self.role.name.lower(),
                     {k: v for k, v in totals.items() if v})
         try:

@@ -82,6 +82,9 @@ class ReqState:
     saved_tokens: int = 0     # full-group KV up to here already handed to a save job
     saved_swa: dict[int, set[int]] = field(default_factory=dict)  # per SWA group: pages saved
     reported: bool = False
+    #: a window repair the lookup planned (``(safe, local, end)`` tokens: the device's
+    #: window-safe hit, what the device hands vLLM, the hit's end; :mod:`.repair`)
+    repair: tuple[int, int, int] | None = None
 
     def page_keys(self, tokens: int, groups: Sequence[GroupInfo],
                   fingerprints: dict[int, str]) -> dict[int, list[bytes]]:

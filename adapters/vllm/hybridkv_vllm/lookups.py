@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
+from functools import partial
 
 from .sources import TierView
 
@@ -103,11 +104,11 @@ class Lookups:
         self._running: dict[int, float] = {}  # id of each probe not done -> queued at
 
     def hit(self, req_id: str, keys: dict[int, list[bytes]], local_tokens: int, max_tokens: int,
-            unit: int) -> int | None:
-        """The window-safe hit of ``req_id``'s lookup (as :meth:`.sources.TierView.hit`),
-        or ``None``: its probe is still running, ask again later.  O(keys), plus the
-        wait for a probe (at most ``wait_s``)."""
-        view = self.view
+            unit: int, *, device_full: int = 0) -> int | None:
+        """The window-safe hit of ``req_id``'s lookup (as :meth:`.sources.TierView.hit`,
+        ``device_full`` too), or ``None``: its probe is still running, ask again later.
+        O(keys), plus the wait for a probe (at most ``wait_s``)."""
+        ask = partial(self.view.hit, device_full=device_full)
         pending = self._pending.get(req_id)
         if pending is not None:
             fut, since = pending
@@ -116,29 +117,30 @@ class Lookups:
                     return None
                 self._count(lookup_probes_given_up=1)
             del self._pending[req_id]
-            return view.hit(keys, local_tokens, max_tokens, unit, deferred=[])
+            return ask(keys, local_tokens, max_tokens, unit, deferred=[])
         deferred: list[bytes] = []
-        hit = view.hit(keys, local_tokens, max_tokens, unit, deferred=deferred)
+        hit = ask(keys, local_tokens, max_tokens, unit, deferred=deferred)
         if not deferred or self._stuck():
             return hit
         if self._times is not None and self.wait_s and self._times.answers_within(self.wait_s / 4):
             self._count(lookup_probes_inline=1)
-            return view.hit(keys, local_tokens, max_tokens, unit)  # a fast store: asked here
-        fut = self._submit(keys, local_tokens, max_tokens, unit)
+            return ask(keys, local_tokens, max_tokens, unit)  # a fast store: asked here
+        fut = self._submit(ask, keys, local_tokens, max_tokens, unit)
         if self.wait_s and not wait_for([fut], timeout=self.wait_s).not_done:
             # L2 did not change meanwhile (this thread owns it): the probe's answer is the record's
-            return fut.result() if fut.exception() is None else view.hit(keys, local_tokens, max_tokens, unit,
+            return fut.result() if fut.exception() is None else ask(keys, local_tokens, max_tokens, unit,
                                                                            deferred=[])
         self._pending[req_id] = (fut, self._clock())
         self._count(lookups_deferred=1)
         return None
 
-    def _submit(self, keys: dict[int, list[bytes]], local_tokens: int, max_tokens: int, unit: int) -> Future:
+    def _submit(self, ask: Callable[..., int], keys: dict[int, list[bytes]], local_tokens: int,
+                max_tokens: int, unit: int) -> Future:
         """Queue the probe job over copies of the keys and of what L2 holds now."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="hybridkv-lookup")
         copy = {gi: list(ks) for gi, ks in keys.items()}
-        fut = self._pool.submit(self.view.hit, copy, local_tokens, max_tokens, unit, in_l2=self.view.in_l2(copy))
+        fut = self._pool.submit(ask, copy, local_tokens, max_tokens, unit, in_l2=self.view.in_l2(copy))
         self._running[id(fut)] = self._clock()
         fut.add_done_callback(lambda f: self._running.pop(id(f), None))
         self._count(lookup_probes=1)
@@ -163,3 +165,4 @@ class Lookups:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+

@@ -18,6 +18,10 @@ report (counters only), so it survives vLLM's IPC serialisation unchanged.
 
 from __future__ import annotations
 
+import json
+import os
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +30,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-__all__ = ["COUNTERS", "HybridKVPromMetrics", "HybridKVStats"]
+__all__ = ["COUNTERS", "Counters", "HybridKVPromMetrics", "HybridKVStats"]
 
 # name -> help text.  Scheduler side: lookups and hits; worker side: pages moved.
 COUNTERS: dict[str, str] = {
-    "lookups": "tier lookups of the scheduler-side connector (one per request and attempt)",
+    "lookups": "tier lookups of the scheduler-side connector (one per request and attempt; two where a window "
+               "repair was looked for and not taken)",
     "lookups_deferred": "lookups answered 'ask again later' while their store probe ran off the scheduler's thread",
     "lookup_probes": "store probes of lookups, run on the scheduler side's probe thread",
     "lookup_probes_inline": "store probes of lookups asked on the scheduler's thread (its last probes were fast)",
@@ -38,8 +43,10 @@ COUNTERS: dict[str, str] = {
     "tree_named_pages": "prompt pages whose keys a lookup read off hybridkv's device tree (its pages and evicted "
                         "runs) instead of hashing them",
     "reloaded_held_tokens": "hit tokens whose full KV hybridkv's device tree holds, loaded again from L2 / L3 "
-                            "with the window the device lacked (repair case 2: vLLM hands the connector only the "
-                            "window-safe device hit)",
+                            "with the window the device lacked (repair case 2 without a window repair, or the "
+                            "last unit or page of one: a load carries at least one token)",
+    "repaired_tokens": "device hit tokens whose full KV the device served while the connector loaded the window "
+                       "it lacked (repair case 2: a window repair, --scheduler-cls)",
     "hit_requests": "requests that got an external hit from hybridkv",
     "hit_tokens": "prompt tokens served from hybridkv's L2/L3 instead of being computed",
     "load_pages": "pages loaded into vLLM's KV cache (all groups)",
@@ -59,6 +66,79 @@ COUNTERS: dict[str, str] = {
                         "before their blocks were reused",
     "touch_keys": "L3 keys touched so a prefix served from the device or L2 stays in L3",
 }
+
+
+class Counters:
+    """One connector's counters: the totals, the increments vLLM pulls next and the
+    stats file (thread-safe: the save and probe threads count too).
+
+    Args:
+        role: the connector's role name (each stats line carries it).
+        path: the stats file ("": none).
+    """
+
+    def __init__(self, role: str, path: str) -> None:
+        self.role = role
+        self.totals: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._interval: dict[str, int] = {}  # increments since the last pull
+        self._lock = threading.Lock()
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if path else None
+        self._closed = False
+
+    def count(self, **inc: int) -> None:
+        """Add to the totals and to the increments vLLM pulls next."""
+        with self._lock:
+            for k, v in inc.items():
+                if v:
+                    self.totals[k] = self.totals.get(k, 0) + int(v)
+                    self._interval[k] = self._interval.get(k, 0) + int(v)
+
+    def record(self, **event: Any) -> None:
+        """Append one JSON line to the stats file.  Every line carries ``totals``, this
+        role's counters so far, so the last line of a (role, pid) holds its final totals
+        even when the process is killed (vLLM's default ``--shutdown-timeout 0``: the API
+        server SIGKILLs the engine and workers right after SIGTERM, before any shutdown
+        hook runs).  One ``O_APPEND`` write per line: lines of both roles and of several
+        processes never interleave and a kill never leaves half a line."""
+        if self._fd is None:
+            return
+        event.update(role=self.role, pid=os.getpid(), t=time.time())
+        with self._lock:
+            if self._fd is None:
+                return
+            event["totals"] = dict(self.totals)
+            os.write(self._fd, (json.dumps(event) + "\n").encode())
+
+    def pull(self) -> dict[str, int]:
+        """The increments since the last pull."""
+        with self._lock:
+            data, self._interval = self._interval, {}
+        return data
+
+    def uncollected(self) -> bool:
+        """Some increments wait for vLLM's next pull."""
+        with self._lock:
+            return bool(self._interval)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.totals)
+
+    def close_once(self) -> bool:
+        """True the first time only (a shutdown that runs twice does its work once)."""
+        with self._lock:
+            first, self._closed = not self._closed, True
+        return first
+
+    def close_file(self) -> None:
+        """fsync and close the stats file."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 @dataclass

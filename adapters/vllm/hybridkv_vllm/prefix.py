@@ -24,6 +24,11 @@ which cached blocks stay:
   ranking); the tree returns a block with ``BlockPool.free_blocks`` and drops
   its hash (``evict_blocks``) so vLLM's KV events say it is gone.
 
+* **window repair** (repair case 2, with hybridkv's connector,
+  :meth:`HybridKVCacheManager.repair_windows`): where the tree holds a prompt's
+  full KV past its window-safe hit and a lower tier holds the window, vLLM gets
+  the device's full blocks and fresh window blocks the connector loads
+  (:mod:`.repair`).
 * **names** (with hybridkv's connector, :meth:`HybridKVCacheManager.name_pages`):
   each inserted page carries the connector's keys of it, and what eviction
   gives up stays named as evicted runs; the connector's lookups read a
@@ -48,16 +53,19 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hybridkv.lifecycle import Lifecycle
+from hybridkv.lifecycle import Hit, Lifecycle
 from hybridkv.radix import LockHandle, PageNames, TreeConfig, WindowSafeTree
-from hybridkv.spec import window_pages
-from hybridkv_vllm.blocks import BlockPagePool, Layout, PrefixOptions, SwaHold, classify_groups
+from hybridkv_vllm.blocks import BlockPagePool, HitRows, Layout, PrefixOptions, SwaHold, classify_groups
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.request import RequestStatus
 
 __all__ = ["BlockPagePool", "HybridKVCacheManager", "Layout", "PrefixOptions", "classify_groups"]
 
 _NO_PAGE = -1
+#: the connector's hit over the device's full KV and the tiers: ``(request, window-safe device
+#: tokens, device full tokens)`` -> ``(local, end)`` (see :meth:`HybridKVCacheManager.repair_windows`),
+#: ``(0, 0)`` for none, or None (not known yet)
+WindowHit = Callable[[Any, int, int], "tuple[int, int] | None"]
 #: names of a request's pages ``[0, n)`` for an insert: ``(request, first page to name, n)`` -> names
 #: (None below the first page), or None (unnamed)
 Namer = Callable[[Any, int, int], "PageNames | None"]
@@ -79,6 +87,15 @@ class _Live:
     spare: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     scan_mark: int = 0  # pages before it were looked at for holds
     looked: bool = False  # its first lookup was counted as a use (vLLM retries waiting requests)
+    #: a window repair (:meth:`HybridKVCacheManager.repair_windows`): the lock on the device's
+    #: full KV the hit reaches past its window-safe part, and the fresh sliding-window blocks
+    #: handed for the connector to load (one manager reference each until vLLM takes them)
+    reach: LockHandle = field(default_factory=lambda: LockHandle(None))
+    fresh: list[Any] = field(default_factory=list)
+    #: the connector's load into its blocks is not confirmed yet (vLLM's ``cache_blocks``
+    #: after the load): nothing past the device's hit is cached while so, as a failed load
+    #: under vLLM's ``fail`` policy ends the request with the unloaded blocks counted computed
+    loading: bool = False
 
 
 #: The state vLLM 0.32's ``KVCacheManager.__init__`` builds, which its methods
@@ -139,15 +156,20 @@ class HybridKVCacheManager(KVCacheManager):
         self.tree_config = TreeConfig(self.page_size, max(window, 1), options.swa_checkpoint, "page",
                                       ranking=options.ranking)
         self.pool = BlockPagePool(self.block_pool)
+        self.hit_rows = HitRows(self.pool, self.full_layout, self.swa_layout,
+                                [m.sliding_window for m in self._swa_managers],
+                                len(self.kv_cache_config.kv_cache_groups), self.page_size)
         self._live: dict[str, _Live] = {}
         self._namer: Namer | None = None  # the connector's names of inserted pages (:meth:`name_pages`)
         self._runs_cap: Callable[[], int] | None = None
+        self._window_hit: WindowHit | None = None  # repair case 2 (:meth:`repair_windows`)
         #: the last request ``get_computed_blocks`` looked up and its tokens (the connector's
         #: lookup, right after it, walks the tree with them: :mod:`.names`)
         self.looked_up: tuple[str, np.ndarray] = ("", np.empty(0, np.int32))
         self.counters = {"lookups": 0, "hit_tokens": 0, "raw_match_tokens": 0, "inserted_pages": 0,
                          "held_swa_pages": 0, "released_holds": 0, "evicted_blocks": 0,
-                         "insert_skipped": 0, "checkpoint_unlocked": 0}
+                         "insert_skipped": 0, "checkpoint_unlocked": 0, "window_repairs": 0,
+                         "repaired_tokens": 0}
         self._new_tree()
 
     def _new_tree(self) -> None:
@@ -173,6 +195,21 @@ class HybridKVCacheManager(KVCacheManager):
         self._namer, self._runs_cap = namer, runs_cap
         self._keep_runs()
 
+    def repair_windows(self, window_hit: WindowHit) -> None:
+        """Repair case 2 (the device holds a prompt's full KV but not the window its
+        hit needs; a lower tier holds the window) with hybridkv's connector: where
+        the tree's match reaches past its window-safe hit, ``window_hit(request,
+        safe, full)`` (the connector's lookup, counting the device's full KV up to
+        ``full`` tokens as held) answers ``(local, end)``: the device hands vLLM its
+        full KV up to ``local`` (page aligned, past ``safe``) and, for each
+        sliding-window group, fresh blocks for the window before ``end`` at or past
+        ``safe``, which the connector loads with its hit ``[local, end)``; the
+        device's full KV is not loaded again.  A load that fails is recomputed
+        from scratch (vLLM's ``failed_recving``), and nothing unloaded is cached."""
+        if not callable(window_hit):
+            raise TypeError("window_hit must be callable")
+        self._window_hit = window_hit
+
     # ------------------------------------------------------------ helpers
     @staticmethod
     def namespace(request: Any) -> str:
@@ -183,12 +220,6 @@ class HybridKVCacheManager(KVCacheManager):
     def _cacheable(self, request: Any) -> bool:
         """Multimodal and prompt-embedding requests: their KV is not a function of token ids alone."""
         return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
-
-    def _unlock(self, req_id: str) -> _Live | None:
-        live = self._live.pop(req_id, None)
-        if live is not None:
-            self.lifecycle.end(live.handle)
-        return live
 
     def _release_spare(self, live: _Live) -> int:
         n = len(live.spare)
@@ -224,10 +255,55 @@ class HybridKVCacheManager(KVCacheManager):
         hit = self.lifecycle.begin(tokens, self.namespace(request), None, touch=first)
         self.counters["raw_match_tokens"] += hit.raw_pages * P
         self._track(request, hit.handle, hit.pages, hit.raw_pages)
+        if self._window_hit is not None:  # asked each lookup: a plan lasts one lookup
+            repaired = self._repair(request, tokens, hit)
+            if repaired is not None:
+                return repaired
         if hit.pages == 0:
             return self.empty_kv_cache_blocks, 0, 0
         self.counters["hit_tokens"] += hit.pages * P
-        return self.create_kv_cache_blocks(self._blocks_of(*hit.page_ids())), hit.pages * P, 0
+        blocks = self.hit_rows.rows(*hit.page_ids())
+        assert blocks is not None
+        return self.create_kv_cache_blocks(blocks), hit.pages * P, 0
+
+    def _repair(self, request: Any, tokens: np.ndarray, hit: Hit) -> tuple[KVCacheBlocks, int, int] | None:
+        """Repair case 2 (:meth:`repair_windows`): the device's full KV past the
+        window-safe ``hit``, with fresh blocks for the window the connector loads,
+        or None (the window-safe hit as it is).  O(depth + pages + window blocks)."""
+        P = self.page_size
+        safe, raw = hit.pages * P, hit.raw_pages * P
+        assert self._window_hit is not None
+        local, end = self._window_hit(request, safe, raw) or (0, 0)
+        if not (safe < local <= raw and local < end and local % P == 0):
+            return None
+        live = self._live[request.request_id]
+        _, path = self.tree.walk(tokens, self.namespace(request), local)
+        live.reach = self.tree.lock_path(path[-1][0], np.empty(0, np.int32))  # the full KV past the hit
+        rows = self.hit_rows.rows(np.concatenate([nd.full[:k] for nd, k in path]),
+                               np.concatenate([nd.swa[:k] for nd, k in path]), end, safe)
+        want = 0 if rows is None else sum(b is None for row in rows for b in row)
+        short = want - self.block_pool.get_num_free_blocks()
+        if rows is None or (short > 0 and not (self._make_room(short)
+                                               and self.block_pool.get_num_free_blocks() >= want)):
+            self._drop_repair(live)
+            self._window_hit(request, safe, safe)  # the connector drops its plan
+            return None
+        live.fresh = self.block_pool.get_new_blocks(want)  # one reference each: ours until vLLM takes them
+        new = iter(live.fresh)
+        self.counters["hit_tokens"] += local
+        self.counters["window_repairs"] += 1
+        self.counters["repaired_tokens"] += local - safe
+        return self.create_kv_cache_blocks(tuple([next(new) if b is None else b for b in row]
+                                                 for row in rows)), local, 0
+
+    def _drop_repair(self, live: _Live) -> None:
+        """Give back a window repair's fresh blocks vLLM did not take and its lock."""
+        if live.fresh:
+            self.block_pool.free_blocks(live.fresh)
+            live.fresh = []
+        if live.reach.node is not None:
+            self.lifecycle.end(live.reach)
+            live.reach = LockHandle(None)
 
     def device_full_tokens(self, request_id: str) -> int:
         """Tokens of the request's last lookup whose full KV the tree holds (its match
@@ -244,27 +320,6 @@ class HybridKVCacheManager(KVCacheManager):
             live.handle, live.hit_pages, live.raw_pages = handle, hit_pages, raw_pages
             live.scan_mark = max(live.scan_mark, hit_pages)
             live.looked = True
-
-    def _blocks_of(self, full: np.ndarray, swa: np.ndarray) -> tuple[list[Any], ...]:
-        """Per group, the blocks of a hit's pages: full groups all, sliding-window
-        groups the blocks their own window reads before the hit end (vLLM's null
-        block before them).  The tree holds SWA on the ``window_pages`` pages
-        before a window-safe hit, which cover every group's window.  O(pages)."""
-        bp, pool, lay = self.block_pool, self.pool, self.swa_layout
-        out: list[list[Any]] = [[] for _ in self.kv_cache_config.kv_cache_groups]
-        for p in full.tolist():
-            for gid, part in zip(self.full_layout.groups, self.full_layout.split(pool.blocks(p))):
-                out[gid].extend(part)
-        n = int(full.size)
-        for j, (gid, k, mgr) in enumerate(zip(lay.groups, lay.per_page, self._swa_managers)):
-            need = min(n * k, window_pages(mgr.sliding_window - 1, self.page_size // k))  # vLLM's blocks
-            row = [bp.null_block] * (n * k)
-            for i in range(n - -(-need // k), n):
-                assert swa[i] >= 0, "a window-safe hit without its window"
-                row[i * k:(i + 1) * k] = lay.split(pool.blocks(int(swa[i])))[j]
-            row[:n * k - need] = [bp.null_block] * (n * k - need)
-            out[gid] = row
-        return tuple(out)
 
     def _rows(self, request: Any, layout: Layout) -> list[list[Any]]:
         mgrs = self.coordinator.single_type_managers
@@ -319,6 +374,12 @@ class HybridKVCacheManager(KVCacheManager):
             got = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                                          *args, **kwargs)
             if got is not None:
+                live = self._live.get(request.request_id)
+                if live is not None and kwargs.get("delay_cache_blocks"):  # an async load runs first
+                    live.loading = True
+                if live is not None and live.fresh:  # vLLM holds the repair's fresh blocks now
+                    self.block_pool.free_blocks(live.fresh)
+                    live.fresh = []
                 return got
             short = self._shortfall(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                                     args, kwargs)
@@ -357,6 +418,8 @@ class HybridKVCacheManager(KVCacheManager):
         """A waiting request vLLM could not admit gives its hit's lock back (it looks
         up again when tried next); a running one keeps everything."""
         live = self._live.get(request.request_id)
+        if live is not None and request.num_computed_tokens == 0:
+            self._drop_repair(live)
         if live is not None and request.num_computed_tokens == 0 and live.handle.node is not None:
             self.lifecycle.end(live.handle)
             live.handle = LockHandle(None)
@@ -439,15 +502,23 @@ class HybridKVCacheManager(KVCacheManager):
         live.handle, live.hit_pages = handle, n
         live.scan_mark = max(live.scan_mark, n)
 
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """vLLM's caching after a connector's load finished: the load is confirmed."""
+        live = self._live.get(request.request_id)
+        if live is not None:
+            live.loading = False
+        super().cache_blocks(request, num_computed_tokens)
+
     def _finish(self, request: Any) -> None:
         live = self._live.pop(request.request_id, None)
         if live is None:
             return
-        # a request freed while the connector's load is in flight (aborted) counts the
-        # external tokens as computed: nothing past its local hit holds KV yet
-        if self._cacheable(request) and request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+        # a request freed before the connector's load is confirmed (aborted, or failed under
+        # vLLM's ``fail`` policy) counts the external tokens computed: they hold no KV
+        if self._cacheable(request) and not live.loading and request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             self._insert(request, live, self._computed_pages(request))
         self.lifecycle.end(live.handle)
+        self._drop_repair(live)
         self._release_held(live)
 
     def free(self, request: Any) -> None:

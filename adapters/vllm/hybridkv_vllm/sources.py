@@ -77,7 +77,8 @@ class TierView:
         self.store = store if store is not None else StoreIndex(None)
 
     def hit(self, keys: dict[int, list[bytes]], local_tokens: int, max_tokens: int, unit: int, *,
-            deferred: list[bytes] | None = None, in_l2: dict[int, np.ndarray] | None = None) -> int:
+            deferred: list[bytes] | None = None, in_l2: dict[int, np.ndarray] | None = None,
+            device_full: int = 0) -> int:
         """The window-safe hit of a lookup from what L2 (the index, not touched) and L3
         hold, asking the store as little as the answer needs: the core's lookup
         (:func:`hybridkv.tiers.lookup.stored_hit`, the one the core's L3 read-ahead
@@ -87,11 +88,16 @@ class TierView:
         the store would be asked instead of asking it (:mod:`.lookups` asks them off
         the scheduler's thread).  ``in_l2``: a copy of what L2 held (:meth:`in_l2`),
         read instead of L2's index, so the call is safe off the scheduler's thread
-        (the record is thread-safe).  O(keys) plus the probes."""
+        (the record is thread-safe).  ``device_full``: tokens whose full KV the device
+        holds past ``local_tokens`` (a window repair, :mod:`.repair`): full pages
+        below it count as held.  O(keys) plus the probes."""
         def held(g: GroupInfo, lo: int, hi: int) -> np.ndarray:
-            if in_l2 is not None:
-                return in_l2[g.index][lo:hi]
-            return self._in_l2(g.is_swa, keys[g.index][lo:hi])
+            got = in_l2[g.index][lo:hi] if in_l2 is not None else self._in_l2(g.is_swa, keys[g.index][lo:hi])
+            on_device = min(hi, device_full // g.block_size) - lo if not g.is_swa else 0
+            if on_device > 0:
+                got = got.copy()
+                got[:on_device] = True
+            return got
 
         return stored_hit(list(self.groups.values()), keys, held, self.store, local_tokens, max_tokens, unit,
                           deferred=deferred)[0]

@@ -82,13 +82,14 @@ def _step(sched: Any, worker: Any) -> int:
     worker.bind_connector_metadata(so.kv_connector_metadata)
     worker.start_load_kv(None)
     worker.wait_for_save()  # async_save false: stored before the step ends
-    sent, recv = worker.get_finished(set())
+    res = worker.get_transfer_results(set())  # as vLLM's model runner: failed loads reported too
     worker.clear_connector_metadata()
     req_ids = list(so.num_scheduled_tokens)
     sampled = [[tv.SAMPLED_TOKEN] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens
                else [] for r in req_ids]
     stats = worker.get_kv_connector_stats()  # collected before the worker's report, as vLLM does
-    kv_out = KVConnectorOutput(finished_recving=recv, finished_sending=sent, kv_connector_stats=stats,
+    kv_out = KVConnectorOutput(finished_recving=res.finished_recving or None, finished_sending=res.finished_sending or None,
+                               failed_recving=res.failed_recving, kv_connector_stats=stats,
                                kv_connector_worker_meta=worker.build_connector_worker_meta())
     sched.update_from_output(so, ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                                    sampled_token_ids=sampled, kv_connector_output=kv_out))
@@ -160,10 +161,12 @@ def _conversations(sched: Any, worker: Any, n_conv: int, seed: int) -> dict[str,
 
 @pytest.fixture()
 def stack(tmp_path: Path):  # noqa: ANN201
-    def build(device_pages: int, host_pages: int, **extra: Any) -> tuple[Any, Any]:
+    def build(device_pages: int, host_pages: int, policy: str | None = None, **extra: Any) -> tuple[Any, Any]:
         vc = tc._config(tv._model_dir(tmp_path, MAX_LEN), MAX_LEN, 8192, host_pages * PAGE_BYTES,
                         tmp_path / "l3")
         vc.kv_transfer_config.kv_connector_extra_config.update(checkpoint_interval=CHECKPOINT, **extra)
+        if policy is not None:  # vLLM's kv_load_failure_policy ("fail" by default, or "recompute")
+            vc.kv_transfer_config.kv_load_failure_policy = policy
         sched = tc._scheduler(vc, tv.layer_specs(tv.preset_meta(SPEC)), device_pages * PAGE_BYTES)
         made.append(sched)
         return sched, _worker(vc, sched)
@@ -379,16 +382,19 @@ def _prompt_keys(conn: Any, tokens: list[int], ns: str, end: int) -> dict[int, l
     return conn._keys(ReqState(_Req(), ns), end)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("complete", [True, False])
+@pytest.mark.parametrize("complete, repair", [(True, True), (False, True), (True, False), (False, False)])
 def test_host_swa_completes_the_device_window_at_the_next_load(stack, monkeypatch,  # noqa: ANN001
-                                                              complete: bool) -> None:
+                                                              complete: bool, repair: bool) -> None:
     """Repair case 2 (host holds SWA the device lacks) in the connector: the device's tree
     keeps a prompt's full KV but gave up all its SWA, so the device alone has no window-safe
     hit; L2 holds the window, so the repeat's load reads it host-to-device into the sliding
-    group's blocks: the whole prefix hits from ``host``, L2 serves the full pages and the
-    window pages, and those blocks hold L2's rows (random bytes here, the device zeroed).
-    With the sliding groups' part of the load switched off (``complete=False``) the window's
-    blocks keep stale bytes and L2 serves only the full pages."""
+    group's blocks, and those blocks hold L2's rows (random bytes here, the device zeroed).
+
+    With the window repair (``repair``, :mod:`hybridkv_vllm.repair`) the device hands vLLM
+    its full KV up to the last page before the hit's end, with fresh blocks for the window
+    below it: L2 serves the window and only the last page's full KV.  Without it the device
+    has no hit and L2 serves every full page again.  With the sliding groups' part of the
+    load switched off (``complete=False``) the window's blocks keep stale bytes."""
     import hybridkv_vllm.connector as connector_mod
 
     real = connector_mod.load_pages
@@ -401,7 +407,7 @@ def test_host_swa_completes_the_device_window_at_the_next_load(stack, monkeypatc
         return real(backend, group, keys, ids, l2, swa, slots)
 
     monkeypatch.setattr(connector_mod, "load_pages", spy)
-    sched, worker = stack(device_pages=400, host_pages=4000)
+    sched, worker = stack(device_pages=400, host_pages=4000, repair_windows=repair)
     conn, mgr = sched.connector, sched.kv_cache_manager
     for gb in worker._buffers.values():  # the saves copy distinct bytes into L2's rows
         for lay in gb.layers:
@@ -417,15 +423,18 @@ def test_host_swa_completes_the_device_window_at_the_next_load(stack, monkeypatc
     mgr.tree.evict(swa_pages=mgr.tree.evictable_swa_pages())  # the device keeps the full KV only
     assert mgr.tree.swa_pages_cached == 0 and mgr.tree.full_pages_cached > 0
     hit = (len(prompt) - 1) // conn.unit * conn.unit
+    local = (hit - conn.unit) // mgr.page_size * mgr.page_size if repair else 0  # the device's part
     req_b = _request(sched, "b", list(prompt))
     st_b = conn._state(req_b)
     before = dict(worker.stats)
     _run(req_b, sched, worker)
-    assert st_b.local_tokens == 0 and st_b.hit_tokens == hit  # the device alone: no hit
+    assert st_b.local_tokens == local and st_b.hit_tokens == hit  # without the repair the device has no hit
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
-    assert st_b.hit_sources == {CacheHitSource.HOST: hit}
+    assert st_b.hit_sources == {CacheHitSource.HOST: hit - local}
+    assert conn.stats["repaired_tokens"] == local and conn.stats["reloaded_held_tokens"] == hit - local
+    assert mgr.counters["window_repairs"] == int(repair)
     keys = _prompt_keys(conn, prompt, ns, hit)
-    full_pages = sum(hit // g.block_size for g in conn.groups if not g.is_swa)
+    full_pages = sum((hit - local) // g.block_size for g in conn.groups if not g.is_swa)
     window = {g.index: keys[g.index][(hit - WINDOW) // g.block_size:hit // g.block_size]
               for g in conn.groups if g.is_swa}
     window_pages = sum(len(ks) for ks in window.values())
@@ -443,6 +452,7 @@ def test_host_swa_completes_the_device_window_at_the_next_load(stack, monkeypatc
         assert len(worker._l2.read(True, slots, window[g.index], rows)) == len(ids)  # L2 still holds them
         blocks = worker._buffers[g.index].gather(ids).view(torch.uint8)
         assert torch.equal(blocks, rows) == complete
+    mgr.check_invariants()  # nothing live: the repair's fresh blocks are the tree's or free
 
 
 @pytest.mark.parametrize("prompt_len, keep_hit", [

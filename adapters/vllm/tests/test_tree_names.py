@@ -105,28 +105,9 @@ def test_runs_name_what_the_device_evicted(stack, monkeypatch, checked, names: b
     mgr.check_invariants()
 
 
-def test_case_2_counts_the_full_kv_loaded_again(stack, monkeypatch) -> None:  # noqa: ANN001
-    """The device keeps a's full KV but gives up its SWA: the repeat's hit comes from L2
-    (the window the device lacks, and the full pages again: vLLM hands the connector only
-    the window-safe device hit, none here); ``reloaded_held_tokens`` counts those full
-    tokens, the whole hit."""
-    sched, worker = _build(stack, True, monkeypatch, device_pages=400, host_pages=4000)
-    conn, mgr = sched.connector, sched.kv_cache_manager
-    rnd = random.Random(13)
-    prompt = [rnd.randrange(4, 30000) for _ in range(700)]
-    _run(_request(sched, "a", list(prompt)), sched, worker)
-    mgr.tree.evict(swa_pages=mgr.tree.evictable_swa_pages())
-    assert mgr.tree.swa_pages_cached == 0 and mgr.tree.full_pages_cached > 0
-    req_b = _request(sched, "b", list(prompt))
-    st_b = conn._state(req_b)
-    _run(req_b, sched, worker)
-    hit = (len(prompt) - 1) // conn.unit * conn.unit
-    assert st_b.local_tokens == 0 and st_b.hit_tokens == hit
-    assert conn.stats["reloaded_held_tokens"] == hit
-
-
 def _replay(stack: Any, monkeypatch: Any, names: bool, seed: int) -> tuple[list[Any], dict[str, int], Any]:
-    sched, worker = _build(stack, names, monkeypatch, device_pages=70, host_pages=48)
+    # the window repair needs the names: off both ways, so the two replays compare (test_repair.py)
+    sched, worker = _build(stack, names, monkeypatch, device_pages=70, host_pages=48, repair_windows=False)
     last = _conversations(sched, worker, n_conv=3, seed=seed)
     sched.kv_cache_manager.check_invariants()
     per = sorted((rid, st.hit_tokens, st.local_tokens, sorted((str(k), v) for k, v in st.hit_sources.items()),
