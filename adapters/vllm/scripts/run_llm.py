@@ -33,7 +33,8 @@ DEFAULT_SETS = ("repeat", "shared_prefix", "multi_turn")  # a job without "sets"
 
 def prompt_sets(seed: int, vocab: int = 512) -> dict[str, list[Any]]:
     """Token-id prompts; ``("turn", i, extra)`` items extend the previous turn with
-    its own output (multi-turn)."""
+    its own output (multi-turn), ``("cut", i, n, extra)`` ones prompt ``i``'s first
+    ``n`` tokens."""
     rnd = random.Random(seed)
 
     def toks(n: int) -> list[int]:
@@ -46,6 +47,9 @@ def prompt_sets(seed: int, vocab: int = 512) -> dict[str, list[Any]]:
         "multi_turn": [toks(150), ("turn", 0, toks(40)), ("turn", 1, toks(50))],
         # a conversation pushed out of a small device cache by four others, then its next turn
         "pushed_out": [toks(300), toks(300), toks(300), toks(300), toks(300), ("turn", 0, toks(40))],
+        # a prompt whose device windows others push out while its full KV stays, then a prompt
+        # that shares its first 300 tokens (a hit inside it, whose window no retention keeps)
+        "window_lost": [toks(400), toks(400), toks(400), ("cut", 0, 300, toks(30))],
     }
 
 
@@ -93,7 +97,10 @@ def _run_one(job: dict[str, Any]) -> dict[str, Any]:
     for name in job.get("sets", DEFAULT_SETS):
         prompts, outs, cached, walls = [], [], [], []
         for item in sets[name]:
-            if isinstance(item, tuple) or (isinstance(item, list) and item and item[0] == "turn"):
+            if isinstance(item, (tuple, list)) and item and item[0] == "cut":  # JSON turns tuples to lists
+                _, i, n, extra = item
+                p = prompts[i][:n] + extra
+            elif isinstance(item, tuple) or (isinstance(item, list) and item and item[0] == "turn"):
                 _, i, extra = item
                 p = prompts[i] + outs[i] + extra
             else:
