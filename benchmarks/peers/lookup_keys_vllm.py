@@ -6,7 +6,7 @@ there and hashes only the rest (``hybridkv_vllm/names.py``).  This replays the
 conversation trace through vLLM's real scheduler with hybridkv's prefix cache and
 connector (``tiers_vllm_connector.run_hybridkv_vllm``: the worker stood in, a file
 L3 and an L2), once with the names and once with them switched off, alternating
-rounds, and prints per lookup (``get_num_new_matched_tokens``, the scheduler
+rounds (the window repair, which needs the names, off in both), and prints per lookup (``get_num_new_matched_tokens``, the scheduler
 thread's whole lookup) the median and mean time, the pages named, and whether
 the two runs' rows (hit tokens, their split by tier, L2's end) are the same --
 they must be (the steps are printed: a lookup deferred while its store probe
@@ -63,7 +63,8 @@ def one_run(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], l1: int, host
     if not names:
         cm.bind_names = lambda *a, **k: None  # type: ignore[assignment]
     try:
-        row = tc.run_hybridkv_vllm(seqs, meta, l1, host, True)
+        # the window repair needs the names (it would differ between the two modes): off in both
+        row = tc.run_hybridkv_vllm(seqs, meta, l1, host, True, extra={"repair_windows": False})
     finally:
         cm.HybridKVConnector.get_num_new_matched_tokens = real_lookup  # type: ignore[method-assign]
         cm.bind_names = real_bind

@@ -116,10 +116,12 @@ def _drain(sched: Any, totals: dict[str, int]) -> int:
 
 
 def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], device_bytes: int,
-                      host_bytes: int, tiers: bool, chunk: int = 8192) -> dict[str, Any]:
+                      host_bytes: int, tiers: bool, chunk: int = 8192,
+                      extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Replay ``seqs`` (token ids, namespace) one request at a time through vLLM's
     scheduler with hybridkv's prefix cache and (``tiers``) its connector; per-tier
-    hit tokens.  ``host_bytes``: the connector's L2 (unused without ``tiers``)."""
+    hit tokens.  ``host_bytes``: the connector's L2 (unused without ``tiers``);
+    ``extra``: more connector options (``kv_connector_extra_config``)."""
     if device_bytes <= 0:
         raise ValueError(f"device_bytes must be positive, got {device_bytes}")
     if tiers and host_bytes <= 0:
@@ -130,6 +132,8 @@ def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], dev
     with tempfile.TemporaryDirectory(prefix="hkv-tiers-vllm-conn-") as tmp:
         vc = _config(tv._model_dir(Path(tmp), max_len), max_len, chunk, host_bytes,
                      Path(tmp) / "l3" if tiers else None)
+        if tiers and extra:
+            vc.kv_transfer_config.kv_connector_extra_config.update(extra)
         sched = _scheduler(vc, tv.layer_specs(meta), device_bytes)
         try:
             tv.replay_into(sched, vc, seqs, totals, _drain)
