@@ -144,6 +144,17 @@ class Lifecycle:
         """Lock the path to ``node`` and the window before it.  O(depth)."""
         return self.tree.lock(node)
 
+    def reach(self, tokens: np.ndarray, namespace: str, pages: int) -> tuple[LockHandle, list[tuple[TreeNode, int]]]:
+        """Lock the full KV of the first ``pages`` pages of ``tokens`` the tree matches,
+        without :meth:`lock`'s rule that the window before them is held: repair case
+        2, where the device's full KV serves a hit while a lower tier loads the
+        window the device lacks.  Returns the lock (give it back with :meth:`end`)
+        and the walk's ``(node, pages taken)`` parts.  O(depth + pages)."""
+        _, path = self.tree.walk(tokens, namespace, pages * self.page_size)
+        if not path:
+            return LockHandle(None), path
+        return self.tree.lock_path(path[-1][0], np.empty(0, np.int32)), path
+
     # ----------------------------------------------------------- release
     def release_cut(self, computed: int) -> int:
         """Pages wholly before ``computed - W``: below it SWA may go."""

@@ -150,6 +150,27 @@ def test_begin_locks_the_window_safe_hit_and_end_gives_it_back():
     assert t.protected_full_pages == 0
 
 
+def test_reach_locks_full_kv_past_a_window_safe_hit():
+    """Repair case 2: the tree holds 6 pages of full KV but SWA only on the first 2, so
+    the window-safe hit is 2 pages; reach locks the full KV of 5 pages (no window rule)
+    and gives their page ids, and end gives the lock back."""
+    t = _tree()
+    life = Lifecycle(t)
+    t.insert(np.arange(12), np.arange(6), np.array([0, 1, -1, -1, -1, -1]))
+    hit = life.begin(_tok(12), "default", 12)
+    assert (hit.pages, hit.raw_pages) == (2, 6)
+    with pytest.raises(ValueError):
+        life.lock(t.walk(_tok(12), "default", 10)[1][-1][0])  # lock's rule: the window before it is not held
+    handle, path = life.reach(_tok(12), "default", 5)
+    assert np.concatenate([nd.full[:k] for nd, k in path]).tolist() == [0, 1, 2, 3, 4]
+    assert t.protected_full_pages >= 5
+    life.end(handle)
+    life.end(hit.handle)
+    assert t.protected_full_pages == 0
+    handle, path = life.reach(_tok(12) + 100, "default", 3)
+    assert handle.node is None and path == [] and t.protected_full_pages == 0  # nothing matched: nothing locked
+
+
 def test_begin_without_a_hit_locks_nothing():
     life = Lifecycle(_tree())
     hit = life.begin(_tok(12), "default", 11)

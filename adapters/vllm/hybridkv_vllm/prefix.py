@@ -277,8 +277,7 @@ class HybridKVCacheManager(KVCacheManager):
         if not (safe < local <= raw and local < end and local % P == 0):
             return None
         live = self._live[request.request_id]
-        _, path = self.tree.walk(tokens, self.namespace(request), local)
-        live.reach = self.tree.lock_path(path[-1][0], np.empty(0, np.int32))  # the full KV past the hit
+        live.reach, path = self.lifecycle.reach(tokens, self.namespace(request), local // P)  # its full KV
         rows = self.hit_rows.rows(np.concatenate([nd.full[:k] for nd, k in path]),
                                np.concatenate([nd.swa[:k] for nd, k in path]), end, safe)
         want = 0 if rows is None else sum(b is None for row in rows for b in row)
