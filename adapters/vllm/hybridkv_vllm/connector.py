@@ -225,11 +225,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         A window repair the prefix manager took (:mod:`.repair`) is the hit as planned.
         """
         st = self._state(request)  # every request gets state: its pages are saved later
-        planned, st.repair = st.repair, None
-        if planned is not None and planned[1] == num_computed_tokens:  # the device's part is handed over
-            st.repair, st.hit_tokens, st.hit_sources, st.local_tokens = planned, planned[2], {}, num_computed_tokens
-            return planned[2] - num_computed_tokens, True
-        st.hit_tokens, st.hit_sources, st.local_tokens = 0, {}, num_computed_tokens
+        plan = st.repair
+        if plan is not None and plan[1] == num_computed_tokens:  # the device's part is handed over
+            st.hit_tokens, st.hit_sources, st.local_tokens = plan[2], {}, num_computed_tokens
+            return plan[2] - num_computed_tokens, True
+        st.repair, st.hit_tokens, st.hit_sources, st.local_tokens = None, 0, {}, num_computed_tokens
         hit = self._hit(request, st, num_computed_tokens)
         if hit is None:
             return None, False

@@ -55,6 +55,7 @@ import numpy as np
 
 from hybridkv.lifecycle import Hit, Lifecycle
 from hybridkv.radix import LockHandle, PageNames, TreeConfig, WindowSafeTree
+from hybridkv.radix.node import parts_pages
 from hybridkv_vllm.blocks import BlockPagePool, HitRows, Layout, PrefixOptions, SwaHold, classify_groups
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.request import RequestStatus
@@ -278,8 +279,7 @@ class HybridKVCacheManager(KVCacheManager):
             return None
         live = self._live[request.request_id]
         live.reach, path = self.lifecycle.reach(tokens, self.namespace(request), local // P)  # its full KV
-        rows = self.hit_rows.rows(np.concatenate([nd.full[:k] for nd, k in path]),
-                               np.concatenate([nd.swa[:k] for nd, k in path]), end, safe)
+        rows = self.hit_rows.rows(*parts_pages(path), end, safe)
         want = 0 if rows is None else sum(b is None for row in rows for b in row)
         short = want - self.block_pool.get_num_free_blocks()
         if rows is None or (short > 0 and not (self._make_room(short)
@@ -417,9 +417,10 @@ class HybridKVCacheManager(KVCacheManager):
         """A waiting request vLLM could not admit gives its hit's lock back (it looks
         up again when tried next); a running one keeps everything."""
         live = self._live.get(request.request_id)
-        if live is not None and request.num_computed_tokens == 0:
-            self._drop_repair(live)
-        if live is not None and request.num_computed_tokens == 0 and live.handle.node is not None:
+        if live is None or request.num_computed_tokens != 0:
+            return
+        self._drop_repair(live)
+        if live.handle.node is not None:
             self.lifecycle.end(live.handle)
             live.handle = LockHandle(None)
             live.hit_pages = live.scan_mark = 0
