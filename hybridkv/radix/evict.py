@@ -26,7 +26,7 @@ from .divergence import DivergenceModel
 from .events import TreeEvents
 from .evicted import EvictedRuns
 from .learning import ghost_key
-from .node import NO_PAGE, TreeNode
+from .node import NO_PAGE, TreeNode, trim_names
 from .pins import SwaPins
 from .policy import RetentionPolicy
 from .rankings import Ranking
@@ -241,8 +241,7 @@ class Eviction:
             node.swa = node.swa[:keep]
             if node.side is not None:
                 node.side = [s[:keep] for s in node.side]
-            if node.page_keys is not None:
-                node.page_keys, node.tier_anchor = node.page_keys[:keep], node.tier_anchor[:keep]
+            trim_names(node, keep)
             node.anchor = node.anchor[:keep].copy()
             node.swa_valid -= int(swa.size)
             anchors.reanchor(node)

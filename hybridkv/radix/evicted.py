@@ -107,7 +107,7 @@ class EvictedRuns:
             n = gone.index(None) if None in gone else len(gone)
             if n:
                 P = self.page_size
-                run = EvictedRun(node.key[keep * P:(keep + n) * P], gone[:n])
+                run = EvictedRun(node.key[keep * P:(keep + n) * P], gone[:n], node.host_at[keep:keep + n].copy())
                 if n == len(gone) and at_end:
                     run.below, at_end = at_end, None  # the map moves whole: its runs' home stays it
         if at_end:
@@ -136,12 +136,15 @@ class EvictedRuns:
                 self._drop_all((run,))
 
     # ------------------------------------------------------------------- reads
-    def along(self, root: TreeNode, path: list[tuple[TreeNode, int]], key: np.ndarray, limit: int) -> list[bytes]:
+    def along(self, root: TreeNode, path: list[tuple[TreeNode, int]], key: np.ndarray, limit: int,
+              runs: list[tuple[EvictedRun, int]] | None = None) -> list[bytes]:
         """Names of ``key``'s leading pages that the tree spells: those of the L1
         walk ``path`` (``WindowSafeTree.walk`` of ``key`` from ``root``) up to its
         first unnamed page, then, when the whole walk is named and ends at a node's
         end, the runs' there (:meth:`names`) up to ``limit`` tokens.  The pages past
-        them are the caller's to hash.  O(pages of the walk and the runs read)."""
+        them are the caller's to hash.  ``runs``: a list to collect each run read
+        and its leading pages read, in order (their ``host_at`` records follow the
+        walk's).  O(pages of the walk and the runs read)."""
         have: list[bytes] = []
         for node, k in path:
             names = node.page_keys
@@ -151,12 +154,14 @@ class EvictedRuns:
             have += part
         end = path[-1][0] if path else root
         if not path or path[-1][1] == end.n_pages:  # on into the runs at its end
-            have += self.names(end, key, len(have) * self.page_size, limit)
+            have += self.names(end, key, len(have) * self.page_size, limit, runs)
         return have
 
-    def names(self, node: TreeNode, key: np.ndarray, pos: int, limit: int) -> list[bytes]:
+    def names(self, node: TreeNode, key: np.ndarray, pos: int, limit: int,
+              read: list[tuple[EvictedRun, int]] | None = None) -> list[bytes]:
         """Names of the pages of ``key[pos:limit]`` (page aligned) that the runs
-        at ``node``'s end spell, in order, up to the first page none does.  O(pages read)."""
+        at ``node``'s end spell, in order, up to the first page none does; ``read``
+        collects each run and its pages read.  O(pages read)."""
         out: list[bytes] = []
         P = self.page_size
         runs = node.evicted
@@ -166,6 +171,8 @@ class EvictedRuns:
                 break
             k = common_pages(run.key, key, pos, limit, P)
             out += run.names[:k]
+            if read is not None and k:
+                read.append((run, k))
             pos += k * P
             if k < len(run.names):
                 break
@@ -203,6 +210,16 @@ class EvictedRuns:
             if run.below:
                 stack.extend(run.below.values())
 
+    @staticmethod
+    def iter_runs(nodes: Iterable[TreeNode]) -> Iterator[EvictedRun]:
+        """Every run hanging at ``nodes``' ends or below those.  O(runs)."""
+        stack = [nd.evicted for nd in nodes if nd.evicted]
+        while stack:
+            for run in stack.pop().values():
+                yield run
+                if run.below:
+                    stack.append(run.below)
+
     # -------------------------------------------------------------- invariants
     def check(self, nodes: Iterator[TreeNode]) -> None:
         """Verify the module docstring's invariants over the tree's ``nodes`` (roots
@@ -218,7 +235,7 @@ class EvictedRuns:
                 at = stack.pop()
                 for first, run in at.items():
                     n = len(run.names)
-                    assert n > 0 and None not in run.names, run
+                    assert n > 0 and None not in run.names and run.host_at.shape == (n, 4), run
                     assert len(run.key) == n * P and first == run.key[:P].tobytes(), run
                     assert run.home is at, f"{run} does not know the map it hangs in"
                     total += n

@@ -89,13 +89,16 @@ class TreeNode:
             (:class:`~hybridkv.radix.types.PageNames`), cut with the node.
         tier_anchor: with ``page_keys``, bool per page: its SWA ends a window
             the tiers keep (set by the insert, or when a hit ends there).
+        host_at: with ``page_keys``, per page where L2 holds it as last recorded
+            (int64 ``[pages, 4]``, :data:`HOST_AT_COLUMNS`; valid only while L2's
+            stamp of the slot matches, :mod:`hybridkv.tiers.slots`), cut with the node.
         evicted: the runs of pages L1 evicted that continue this node's end (first
             page's bytes -> run; :mod:`~hybridkv.radix.evicted`), None when none.
     """
 
     __slots__ = ("key", "full", "swa", "side", "children", "parent", "start", "last_access",
                  "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "branched", "points", "mark", "seg", "returns", "gap", "vcls",
-                 "since", "page_keys", "tier_anchor", "evicted")
+                 "since", "page_keys", "tier_anchor", "host_at", "evicted")
 
     def __init__(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
                  parent: "TreeNode | None", start: int, namespace: str, tick: int,
@@ -124,6 +127,7 @@ class TreeNode:
         self.since = tick
         self.page_keys: list[bytes | None] | None = None
         self.tier_anchor: np.ndarray | None = None
+        self.host_at: np.ndarray | None = None
         self.evicted: dict[bytes, EvictedRun] | None = None
 
     @property
@@ -143,19 +147,48 @@ class TreeNode:
 
 
 class EvictedRun:
-    """Pages L1 evicted, in order: their tokens and names, and the runs evicted
+    """Pages L1 evicted, in order: their tokens and names, where L2 holds them as
+    last recorded (``host_at``, as :attr:`TreeNode.host_at`), and the runs evicted
     from under them (``below``: first page's bytes -> run, None when none)."""
 
-    __slots__ = ("key", "names", "below", "home")
+    __slots__ = ("key", "names", "host_at", "below", "home")
 
-    def __init__(self, key: np.ndarray, names: list[bytes]) -> None:
+    def __init__(self, key: np.ndarray, names: list[bytes], host_at: np.ndarray | None = None) -> None:
         self.key = key
         self.names = names
+        self.host_at = host_at if host_at is not None else unrecorded(len(names))
         self.below: dict[bytes, EvictedRun] | None = None
         self.home: dict[bytes, EvictedRun] | None = None  # the map it hangs in (None: dropped)
 
     def __repr__(self) -> str:
         return f"EvictedRun(pages={len(self.names)}, below={len(self.below or ())})"
+
+
+#: The columns of a ``host_at`` record: L2's slot of the page's full KV and its
+#: stamp, then the same for its SWA (slot -1 and stamp 0: nothing recorded).
+HOST_AT_COLUMNS = ("full_slot", "full_stamp", "swa_slot", "swa_stamp")
+_UNRECORDED = np.array([-1, 0, -1, 0], dtype=np.int64)
+
+
+def unrecorded(n: int) -> np.ndarray:
+    """A ``host_at`` record of ``n`` pages with nothing recorded.  O(n)."""
+    return np.tile(_UNRECORDED, (n, 1))
+
+
+def split_names(upper: TreeNode, node: TreeNode, pages: int) -> None:
+    """A split hands the first ``pages`` pages' names and records of ``node`` to
+    its new ``upper`` half (views of one array each, written in place).  O(pages)."""
+    if node.page_keys is not None:
+        upper.page_keys, node.page_keys = node.page_keys[:pages], node.page_keys[pages:]
+        upper.tier_anchor, node.tier_anchor = node.tier_anchor[:pages], node.tier_anchor[pages:]
+        upper.host_at, node.host_at = node.host_at[:pages], node.host_at[pages:]
+
+
+def trim_names(node: TreeNode, keep: int) -> None:
+    """Eviction keeps the first ``keep`` pages of leaf ``node``: so do its names.  O(1)."""
+    if node.page_keys is not None:
+        node.page_keys, node.tier_anchor, node.host_at = (node.page_keys[:keep], node.tier_anchor[:keep],
+                                                           node.host_at[:keep])
 
 
 def common_pages(node_key: np.ndarray, key: np.ndarray, pos: int, limit: int, page_size: int) -> int:

@@ -40,7 +40,7 @@ from .events import TreeEvents, deliver_after
 from .evict import Eviction
 from .evicted import EvictedRuns
 from .learning import MatchLearning
-from .node import NO_PAGE, TreeNode, common_pages, node_array, parts_pages, parts_side
+from .node import NO_PAGE, EvictedRun, TreeNode, common_pages, node_array, parts_pages, parts_side, split_names, unrecorded
 from .pins import PathLocks, SwaPins
 from .policy import RetentionPolicy
 from .rankings import Ranking, make_ranking
@@ -231,15 +231,15 @@ class WindowSafeTree:
             node = child
         return root, path
 
-    def walk_names(self, key: np.ndarray, namespace: str, limit: int, *, trim: bool = True
-                   ) -> tuple[list[bytes], list[tuple[TreeNode, int]]]:
+    def walk_names(self, key: np.ndarray, namespace: str, limit: int, *, trim: bool = True,
+                   runs: list[tuple[EvictedRun, int]] | None = None) -> tuple[list[bytes], list[tuple[TreeNode, int]]]:
         """:meth:`walk`, and the names of ``key``'s leading pages that it and the evicted runs at its end
-        spell (:meth:`EvictedRuns.along`); ``trim`` (the engine's thread only) first brings the runs
-        back within their cap.  O(depth + L/P)."""
+        spell (:meth:`EvictedRuns.along`, which fills ``runs``); ``trim`` (the engine's thread only)
+        first brings the runs back within their cap.  O(depth + L/P)."""
         if trim:
             self.runs.trim()
         root, path = self.walk(key, namespace, limit)
-        return self.runs.along(root, path, key, limit), path
+        return self.runs.along(root, path, key, limit, runs), path
 
     def match(self, key: object, namespace: str = "default", *, max_len: int | None = None,
               split: bool = False, touch: bool = True) -> MatchResult:
@@ -330,9 +330,7 @@ class WindowSafeTree:
                 self.eviction.watch_points(upper)
         if 0 <= node.mark <= node.start // self.page_size + pages:  # the prompt ended in the upper half
             upper.mark, node.mark = node.mark, -1
-        if node.page_keys is not None:  # (tier_anchor: views of one array, written in place)
-            upper.page_keys, node.page_keys = node.page_keys[:pages], node.page_keys[pages:]
-            upper.tier_anchor, node.tier_anchor = node.tier_anchor[:pages], node.tier_anchor[pages:]
+        split_names(upper, node, pages)
         node.key = node.key[cut:]
         node.full = node.full[pages:]
         node.swa = node.swa[pages:]
@@ -480,6 +478,7 @@ class WindowSafeTree:
                         None if side is None else [node_array(s[pi:], owned) for s in side])
         if names is not None:
             leaf.page_keys, leaf.tier_anchor = names.keys[pi:n], names.anchored[pi:n].copy()
+            leaf.host_at = unrecorded(n - pi) if names.host_at is None else names.host_at[pi:n].copy()
         if pi < mark < n:
             leaf.mark = mark
         elif mark == pi and node is not root:  # the prompt ended where the new pages start
@@ -567,7 +566,8 @@ class WindowSafeTree:
                     for s in child.side or ():  # a side group's id is the lead's where it holds one
                         assert len(s) == child.n_pages and ((s == NO_PAGE) | (s == child.swa)).all(), child
                     assert child.start == node.start + (len(node.key) if node.parent is not None else 0)
-                    assert child.page_keys is None or len(child.page_keys) == len(child.tier_anchor) == child.n_pages
+                    assert child.page_keys is None or (len(child.page_keys) == len(child.tier_anchor)
+                                                     == len(child.host_at) == child.n_pages)
                     stack.append(child)
                 if node.parent is None:
                     continue

@@ -216,21 +216,26 @@ class PageNames:
     unnamed).  ``anchored[i]``: its SWA ends a window the tiers keep (L2 keeps it
     past plain SWA; L3 may receive only those).  ``parents[i]`` (pages freed
     only): the key of the page before it in its sequence (None: the first page).
+    ``host_at`` (optional, int64 ``[pages, 4]``): where L2 holds each page, as
+    recorded by the tiers (:attr:`TreeNode.host_at`; None: nothing recorded).
     An insert gives names for every page of its key; the tree keeps those of the
-    pages it takes (``TreeNode.page_keys`` / ``tier_anchor``) and hands them to
-    its ``free_listeners`` with the pages it frees.
+    pages it takes (``TreeNode.page_keys`` / ``tier_anchor`` / ``host_at``) and
+    hands them to its ``free_listeners`` with the pages it frees.
     """
 
     keys: list[bytes | None]
     anchored: np.ndarray
     parents: list[bytes | None] | None = None
+    host_at: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.keys, list):
             raise TypeError(f"keys must be a list, got {type(self.keys).__name__}")
-        if len(self.anchored) != len(self.keys) or (self.parents is not None
-                                                   and len(self.parents) != len(self.keys)):
-            raise ValueError(f"anchored and parents need {len(self.keys)} entries (one per key)")
+        n = len(self.keys)
+        if len(self.anchored) != n or (self.parents is not None and len(self.parents) != n):
+            raise ValueError(f"anchored and parents need {n} entries (one per key)")
+        if self.host_at is not None and np.shape(self.host_at) != (n, 4):
+            raise ValueError(f"host_at must have shape ({n}, 4), got {np.shape(self.host_at)}")
 
     def select(self, mask: np.ndarray) -> "PageNames":
         """The names where bool ``mask`` is True.  O(pages)."""

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..pools import DualPool
 from ..radix import PageNames, TreeNode, WindowSafeTree
+from ..radix.node import unrecorded
 from ..request import Request, swa_held
 from ..modes import L3Swa, WritePolicy
 from ..spec import AttnKind
@@ -159,26 +160,32 @@ class L2Backup:
             self.writes.queue(AttnKind.SWA, held, pages[have], base=[k for k, o in zip(keys[lo:h], have) if o])
 
     # ============================================================== copies
-    def at_finish(self, req: Request, aligned: int, keys: list[bytes]) -> None:
+    def at_finish(self, req: Request, aligned: int, keys: list[bytes]) -> np.ndarray:
         """Copy ``req``'s pages ``[0, aligned)`` to L2 as the write policy asks:
         write-through all the full KV L2 lacks, and the SWA L2 lacks (write-back:
-        only where L2 holds the full KV, repair case 1).  O(pages)."""
+        only where L2 holds the full KV, repair case 1).  Returns where L2 holds each
+        page as it found or stored it (``host_at`` rows, :mod:`.records`; each stamp
+        read when its slot held the page).  O(pages)."""
         through = self.tiers.write_policy is WritePolicy.WRITE_THROUGH
         self._demote_passed(req, aligned, keys)
-        have_full = self.host.lookup_full(keys[:aligned]) >= 0
+        rows = unrecorded(aligned)
+        self._found(rows, 0, np.arange(aligned), self.host.lookup_full(keys[:aligned]))
+        have_full = rows[:, 0] >= 0
         if through:
-            missing_full = np.flatnonzero(~have_full).tolist()
-            self.store_l2(AttnKind.FULL, req.full_pages[missing_full], [keys[i] for i in missing_full], None,
-                          parents=parent_keys(keys, missing_full))
+            missing_full = np.flatnonzero(~have_full)
+            self._found(rows, 0, missing_full,
+                        self.store_l2(AttnKind.FULL, req.full_pages[missing_full], [keys[i] for i in missing_full],
+                                      None, parents=parent_keys(keys, missing_full.tolist())))
             have_full[:] = True
         # a tier copies an SWA page only where every sliding group still holds its KV
         idx = np.flatnonzero(swa_held(req.swa_pages, req.side_pages, aligned))
         if not through:
             idx = idx[have_full[idx]]
         if idx.size == 0:
-            return
+            return rows
         swa_keys = [swa_key(keys[i]) for i in idx]
-        missing = self.host.lookup_swa(swa_keys) < 0
+        self._found(rows, 2, idx, self.host.lookup_swa(swa_keys))
+        missing = rows[idx, 2] < 0
         idx = idx[missing]
         if not through:
             self.counters["repair_swa_d2h_pages"] += idx.size
@@ -188,8 +195,15 @@ class L2Backup:
         marked = np.zeros(idx.size, dtype=bool)
         if idx.size and idx[0] < tree_pages:
             marked = self._held_marks(req, tree_pages)[np.minimum(idx, tree_pages - 1)] & (idx < tree_pages)
-        self.store_l2(AttnKind.SWA, pages, [k for k, m in zip(swa_keys, missing) if m],
-                      self._anchored(idx, aligned) | marked, base=[keys[i] for i in idx])
+        self._found(rows, 2, idx, self.store_l2(AttnKind.SWA, pages, [k for k, m in zip(swa_keys, missing) if m],
+                                                self._anchored(idx, aligned) | marked, base=[keys[i] for i in idx]))
+        return rows
+
+    def _found(self, rows: np.ndarray, col: int, idx: np.ndarray, slots: np.ndarray) -> None:
+        """Record that L2 holds pages ``idx`` in host ``slots`` (``-1``: not) in
+        ``host_at`` columns ``col`` (0: full, 2: SWA), stamped now.  O(pages)."""
+        rows[idx, col] = slots
+        rows[idx, col + 1] = self.host.stamps[AttnKind.FULL if col == 0 else AttnKind.SWA].of(slots)
 
     def _demote_passed(self, req: Request, aligned: int, keys: list[bytes]) -> None:
         """Anchored L2 windows inside ``req``'s pages ``[0, aligned)`` that it neither ends
@@ -205,8 +219,9 @@ class L2Backup:
 
     def store_l2(self, kind: AttnKind, l1_pages: np.ndarray, keys: list[bytes],
                  anchored: np.ndarray | None, base: list[bytes] | None = None,
-                 parents: list[bytes | None] | None = None) -> None:
-        """Copy L1 pages to new L2 pages (D2H), index them, queue their L3 write.
+                 parents: list[bytes | None] | None = None) -> np.ndarray:
+        """Copy L1 pages to new L2 pages (D2H), index them, queue their L3 write;
+        returns the host page of each key (int64, all ``-1`` when L2 had no room).
 
         ``keys``: storage keys (SWA keys for SWA); ``base``: their full-KV page
         keys (named in tier events); ``parents`` (full KV): the key of the page
@@ -214,16 +229,17 @@ class L2Backup:
         a load under way reads are not evicted for room.  O(pages).
         """
         n = len(keys)
+        out = np.full(n, -1, dtype=np.int64)
         if n == 0:
-            return
+            return out
         plain = kind is AttnKind.SWA and anchored is not None and not np.asarray(anchored, bool).all()
         if plain and np.asarray(anchored, bool).any():  # anchored windows first, then plain SWA on its own terms
             a = np.asarray(anchored, bool)
             for sel in (a, ~a):
                 idx = np.flatnonzero(sel)
-                self.store_l2(kind, l1_pages[idx], [keys[i] for i in idx], a[idx],
-                              None if base is None else [base[i] for i in idx])
-            return
+                out[idx] = self.store_l2(kind, l1_pages[idx], [keys[i] for i in idx], a[idx],
+                                         None if base is None else [base[i] for i in idx])
+            return out
         host = self.host
         protect_full, protect_swa = self.protected()
         # plain SWA (it ends no kept window: L2 drops it first) displaces only older plain SWA,
@@ -233,7 +249,7 @@ class L2Backup:
                          protect=protect_full, protect_swa=protect_swa, plain_only=plain)
         if got is None:
             self.counters["l2_store_failed"] += n
-            return
+            return out
         host_pages = got[0] if kind is AttnKind.FULL else got[1]
         try:
             self.copy(kind, self.pool, l1_pages, host.pool, host_pages)
@@ -252,6 +268,7 @@ class L2Backup:
         if kind is AttnKind.SWA and self.tiers.l3_swa is L3Swa.ANCHORED and anchored is not None:
             sel = np.asarray(anchored, bool)
         self.writes.queue(kind, keys, host_pages, sel, base=base)
+        return host_pages.astype(np.int64)
 
     def on_l1_free(self, kind: AttnKind, pages: np.ndarray, names: PageNames | None) -> None:
         """The L1 tree frees ``pages`` named ``names`` (a tree free listener): L2 learns

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,12 +46,10 @@ from .index import StoreIndex
 from .keys import page_keys
 from .manager import TierManager
 from .payload import PayloadCodec, RealPayload, ScaledPayload, swa_key
+from .records import HostRecords, TreeWalk
 from .reads import Landing, PrefetchHandle, ReadAhead, leading_true, window_safe
 from .storage import StorageBackend, open_backend
 from .writes import L3WriteQueue
-
-#: An L1 walk (:meth:`WindowSafeTree.walk`): each node on the match and its pages matched.
-L1Path = list[tuple[TreeNode, int]]
 
 if TYPE_CHECKING:
     from ..pools import DualPool
@@ -88,6 +86,7 @@ class Residency:
     l1_full: np.ndarray
     l1_swa: np.ndarray
     deepest: TreeNode | None
+    walk: TreeWalk = field(default_factory=TreeWalk)  # the tree walk it was read along
     swa_keys: dict[int, bytes] = field(default_factory=dict)
 
 
@@ -133,6 +132,7 @@ class TierCoordinator:
         self._stream = (torch.cuda.Stream(device=pool.buffers.device)
                         if real and pool.buffers.device.type == "cuda" else None)
         self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.records = HostRecords(self.host, self.counters)  # L2 read off the tree's entries first
         # what L3 holds as far as this cache knows (the record the vLLM connector keeps
         # too); the read-ahead probes the store only for keys it has no answer for
         self.l3_record = StoreIndex(self.l3.backend_exists if self.l3 is not None else None)
@@ -170,11 +170,12 @@ class TierCoordinator:
         return self.walk_prompt(tokens, namespace, n_pages)[0]
 
     def walk_prompt(self, tokens: np.ndarray, namespace: str, n_pages: int, *,
-                    engine: bool = True) -> tuple[list[bytes], L1Path]:
+                    engine: bool = True) -> tuple[list[bytes], TreeWalk]:
         """:meth:`prompt_keys` and the L1 walk it read them off, which :meth:`resident`
         takes instead of walking the tree again.  Past the L1 match the walk goes on
         into the runs L1 evicted (:mod:`~hybridkv.radix.evicted`), whose names it
-        reads too; only the pages past both are hashed.  Only the engine's thread
+        reads too (and where they record L2 holds each page, :mod:`.records`);
+        only the pages past both are hashed.  Only the engine's thread
         changes the tree (the tiers' threads change L2 and L3), so on that thread
         the walk holds until the engine's call returns; there (``engine``) it also
         brings the runs back within their cap (the full pages L2 holds).  A
@@ -182,12 +183,12 @@ class TierCoordinator:
         since: it only picks which pages to read ahead, never what a request is
         served."""
         have: list[bytes] = []
-        path: L1Path = []
+        walk = TreeWalk(engine=engine)
         if n_pages > 0:
             tree, limit = self.tree, n_pages * self.page_size
             with self.mutex:  # as resident: the walk and the names read together
-                have, path = tree.walk_names(tokens, namespace, limit, trim=engine)
-        return self.page_keys(tokens, namespace, n_pages, have), path
+                have, walk.path = tree.walk_names(tokens, namespace, limit, trim=engine, runs=walk.runs)
+        return self.page_keys(tokens, namespace, n_pages, have), walk
 
     @property
     def protected(self) -> tuple[set[int], set[int]]:
@@ -205,9 +206,9 @@ class TierCoordinator:
             raise ValueError("tokens must not be empty")
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
-        keys, path = self.walk_prompt(tokens, namespace, (len(tokens) - 1) // self.page_size, engine=False)
+        keys, walk = self.walk_prompt(tokens, namespace, (len(tokens) - 1) // self.page_size, engine=False)
         try:
-            return self._start_fetch(keys, path)[0]
+            return self._start_fetch(keys, walk)[0]
         except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
             self.counters["tier_errors"] += 1
             logger.warning("L3 prefetch failed (%s: %s)", type(exc).__name__, exc)
@@ -221,13 +222,13 @@ class TierCoordinator:
         Never raises for tier faults (logged, counted, an L1-only answer).
         Runtime: hashing of the pages past the L1 match, one L2 lookup per page, the wait, the copies."""
         n = (len(tokens) - 1) // self.page_size
-        keys, path = self.walk_prompt(tokens, namespace, n)
+        keys, walk = self.walk_prompt(tokens, namespace, n)
         origin = np.zeros(n, dtype=np.int8)
         if self.l3 is not None and n:
-            self._wait_for_l3(keys, path)
+            self._wait_for_l3(keys, walk)
         try:
             with self.mutex:
-                origin = self._load(tokens, namespace, keys, path)
+                origin = self._load(tokens, namespace, keys, walk)
         except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
             self.counters["tier_errors"] += 1
             logger.warning("tiered load failed (%s: %s); serving from L1 only", type(exc).__name__, exc)
@@ -267,12 +268,12 @@ class TierCoordinator:
             served += [swa_key(k) for k in keys[max(0, h - self.window_pages):h]]
             self.l3.touch(served)
 
-    def _wait_for_l3(self, keys: list[bytes], path: L1Path) -> None:
+    def _wait_for_l3(self, keys: list[bytes], walk: TreeWalk) -> None:
         """Start the read-ahead of what L1/L2 lack and wait for it (bounded; the
         mutex is not held).  Faults are logged and counted."""
         assert self.l3 is not None
         try:
-            handle, probe = self._start_fetch(keys, path)
+            handle, probe = self._start_fetch(keys, walk)
             budget = self.tiers.l3_timeout_s
             if not probe and not handle.wait(budget):
                 self.l3.timed_out(budget)
@@ -280,19 +281,20 @@ class TierCoordinator:
             self.counters["tier_errors"] += 1
             logger.warning("L3 fetch failed (%s: %s); serving from L1/L2", type(exc).__name__, exc)
 
-    def _start_fetch(self, keys: list[bytes], path: L1Path) -> tuple[PrefetchHandle, bool]:
-        """The read-ahead of ``keys`` (see :meth:`ReadAhead.start`), past the L1 walk ``path``."""
+    def _start_fetch(self, keys: list[bytes], walk: TreeWalk) -> tuple[PrefetchHandle, bool]:
+        """The read-ahead of ``keys`` (see :meth:`ReadAhead.start`), past the tree walk ``walk``."""
         if self.reads is None or not keys:
             return PrefetchHandle(), False
         with self.mutex:
-            res = self.resident(keys, path)
+            res = self.resident(keys, walk)
             return self.reads.start(keys, res.full > PageOrigin.NONE, res.swa > PageOrigin.NONE,
                                     swa_keys=res.swa_keys)
 
-    def _l1_pages(self, path: L1Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, TreeNode | None]:
-        """Full and SWA page ids of the raw (not window-safe) L1 token match ``path``
-        (a :meth:`walk_prompt` walk), and where every sliding group holds its page (the
-        nodes' ``swa`` and ``side`` ids)."""
+    def _l1_pages(self, walk: TreeWalk) -> tuple[np.ndarray, np.ndarray, np.ndarray, TreeNode | None]:
+        """Full and SWA page ids of the raw (not window-safe) L1 token match of
+        ``walk`` (a :meth:`walk_prompt` walk), and where every sliding group holds its
+        page (the nodes' ``swa`` and ``side`` ids)."""
+        path = walk.path
         if not path:
             return _EMPTY, _EMPTY, np.zeros(0, dtype=bool), None
         full = np.concatenate([nd.full[:k] for nd, k in path])
@@ -302,23 +304,24 @@ class TierCoordinator:
             held &= side >= 0
         return full, swa, held, path[-1][0]
 
-    def resident(self, keys: list[bytes], path: L1Path, *, every_swa: bool = True) -> Residency:
-        """Where the pages of ``keys`` are in L1 (its walk ``path``, from
-        :meth:`walk_prompt`) and L2 (under the mutex).  Without ``every_swa``, L2 is
+    def resident(self, keys: list[bytes], walk: TreeWalk, *, every_swa: bool = True) -> Residency:
+        """Where the pages of ``keys`` are in L1 (its ``walk``, from
+        :meth:`walk_prompt`) and L2 (read off the walk's entries first, :mod:`.records`;
+        under the mutex).  Without ``every_swa``, L2 is
         asked for the SWA of only the pages the window-safe hit over L1/L2 depends on
         (:meth:`_hit_windows`); the other pages read as lacking it.  O(pages)."""
         n = len(keys)
         full = np.zeros(n, dtype=np.int8)
-        l1_full, l1_swa, l1_held, deepest = self._l1_pages(path)
+        l1_full, l1_swa, l1_held, deepest = self._l1_pages(walk)
         n1 = len(l1_full)
         full[:n1] = PageOrigin.L1
         l2_full = np.full(n, -1, dtype=np.int64)
-        l2_full[n1:] = self.host.lookup_full(keys[n1:])
+        l2_full[n1:] = self.records.slots(AttnKind.FULL, walk, np.arange(n1, n), keys.__getitem__)
         full[n1:][l2_full[n1:] >= 0] = PageOrigin.L2
         swa = np.zeros(n, dtype=np.int8)
         # an L1 SWA page counts where every sliding group holds it (what a tier copies)
         swa[:n1][l1_held] = PageOrigin.L1
-        res = Residency(full, swa, l2_full, np.full(n, -1, dtype=np.int64), l1_full, l1_swa, deepest)
+        res = Residency(full, swa, l2_full, np.full(n, -1, dtype=np.int64), l1_full, l1_swa, deepest, walk)
         if every_swa:
             self._swa_in_l2(res, keys, 0, n)
         else:
@@ -329,9 +332,10 @@ class TierCoordinator:
         """Fill ``res``'s SWA of pages ``[lo, hi)`` that L1 lacks from L2.  O(hi - lo)."""
         need = lo + np.flatnonzero(res.swa[lo:hi] == PageOrigin.NONE)
         if need.size:
-            named = [swa_key(keys[i]) for i in need.tolist()]
-            res.swa_keys.update(zip(need.tolist(), named))
-            res.l2_swa[need] = self.host.lookup_swa(named)
+            def key_of(i: int) -> bytes:  # hashed only for pages L2 is asked by key
+                res.swa_keys[i] = k = swa_key(keys[i])
+                return k
+            res.l2_swa[need] = self.records.slots(AttnKind.SWA, res.walk, need, key_of)
             res.swa[need[res.l2_swa[need] >= 0]] = PageOrigin.L2
 
     def _hit_windows(self, res: Residency, keys: list[bytes]) -> None:
@@ -369,28 +373,28 @@ class TierCoordinator:
         if n <= l1_pages:
             return 0
         try:
-            keys, path = self.walk_prompt(tokens, namespace, n)
+            keys, walk = self.walk_prompt(tokens, namespace, n)
             if self.l3 is not None:
                 if wait_l3:
-                    self._wait_for_l3(keys, path)
+                    self._wait_for_l3(keys, walk)
                 else:
-                    self._start_fetch(keys, path)
+                    self._start_fetch(keys, walk)
             with self.mutex:
-                hit = self._safe_hit(self.resident(keys, path, every_swa=False))
+                hit = self._safe_hit(self.resident(keys, walk, every_swa=False))
         except Exception as exc:  # noqa: BLE001 - the tier path must never fail a request
             self.counters["tier_errors"] += 1
             logger.warning("lower-tier hit lookup failed (%s: %s)", type(exc).__name__, exc)
             return 0
         return max(0, hit - l1_pages)
 
-    def _load(self, tokens: np.ndarray, namespace: str, keys: list[bytes], path: L1Path) -> np.ndarray:
-        """Make the L1/L2 hit resident in L1 (under the mutex), past the L1 walk
-        ``path``; returns the :class:`PageOrigin` of each page's full KV over the
+    def _load(self, tokens: np.ndarray, namespace: str, keys: list[bytes], walk: TreeWalk) -> np.ndarray:
+        """Make the L1/L2 hit resident in L1 (under the mutex), past the tree walk
+        ``walk``; returns the :class:`PageOrigin` of each page's full KV over the
         hit.  O(pages)."""
         if not keys:
             return np.zeros(0, dtype=np.int8)
         wp = self.window_pages
-        res = self.resident(keys, path, every_swa=False)
+        res = self.resident(keys, walk, every_swa=False)
         origin = res.full
         hit = self._safe_hit(res)
         if hit == 0:
@@ -432,7 +436,8 @@ class TierCoordinator:
                 full_ids = np.concatenate([res.l1_full[:min(n1, hit)], new_full]).astype(np.int32)
                 swa_ids = np.full(hit, NO_PAGE, dtype=np.int32)
                 swa_ids[swa_idx] = new_swa
-                names = self.backup.name_loaded(full_idx, keys, hit)
+                names = self.records.loaded(self.backup.name_loaded(full_idx, keys, hit), full_idx, from_full,
+                                            swa_idx, from_swa)
                 # insert raises only before it takes ownership (bad input), so on any
                 # exception above the new L1 pages are still ours to give back
                 self.tree.insert(tokens[:hit * self.page_size], full_ids, swa_ids, namespace, names=names)
@@ -472,9 +477,9 @@ class TierCoordinator:
     # ============================================================== finish
     def before_finish(self, req: Request) -> PageNames | None:
         """``req`` finishes with ``cache=True``: add its hit figures to the totals,
-        name its pages for the insert (the tree keeps the names; write-back
-        copies a page under its name when the tree frees it) and copy to L2 what
-        the write policy asks for.  Returns the names (None after a fault, which
+        name its pages for the insert (the tree keeps the names, and where L2 holds
+        each page; write-back copies a page under its name when the tree frees it)
+        and copy to L2 what the write policy asks for.  Returns the names (None after a fault, which
         is logged and counted).  O(pages)."""
         for k, v in req.extra.get("tiers", {}).items():
             self.counters[k] += v
@@ -484,7 +489,7 @@ class TierCoordinator:
             with self.mutex:
                 keys = self.page_keys(req.tokens, req.namespace, aligned, req.extra.get("page_keys"))
                 names = self.backup.name_pages(req, aligned, keys)  # named even if the copies fail
-                self.backup.at_finish(req, aligned, keys)
+                names = replace(names, host_at=self.backup.at_finish(req, aligned, keys))
         except Exception as exc:  # noqa: BLE001
             self.counters["tier_errors"] += 1
             logger.warning("tier backup at finish failed (%s: %s)", type(exc).__name__, exc)
@@ -526,7 +531,8 @@ class TierCoordinator:
 
     def check_invariants(self) -> None:
         """L2 accounting; every page the L1 tree holds is named, as L2 counts it, and
-        by the key of its path (what :meth:`prompt_keys` reads off the nodes).  O(n)."""
+        by the key of its path (what :meth:`prompt_keys` reads off the nodes); every
+        valid record of where L2 holds a page is right (:meth:`HostRecords.check`).  O(n)."""
         self.host.check_invariants()
         self.backup.check_names()
         for nd in self.tree.iter_nodes():
@@ -536,6 +542,9 @@ class TierCoordinator:
             keys = page_keys(nd.key, self.page_size, namespace=nd.namespace, fingerprint=self.fingerprint,
                              parent=names.parents[0])
             assert all(k is None or k == h for k, h in zip(names.keys, keys)), f"{nd} holds another path's names"
+        nodes = [*(self.tree.root(ns) for ns in self.tree.namespaces()), *self.tree.iter_nodes()]
+        self.records.check([(nd.page_keys, nd.host_at) for nd in nodes if nd.page_keys is not None]
+                           + [(run.names, run.host_at) for run in self.tree.runs.iter_runs(nodes)])
 
 
 _EMPTY = np.zeros(0, dtype=np.int32)

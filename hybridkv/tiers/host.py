@@ -58,7 +58,7 @@ serialises access with its lock.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -67,6 +67,7 @@ from .._validate import check_int
 from ..pools import DualPool
 from ..spec import AttnKind, ModelSpec
 from .events import TierEvent, TierListener, emit
+from .slots import SlotStamps
 
 __all__ = ["HostTier"]
 
@@ -112,6 +113,9 @@ class HostTier:
         # Called with (kind, int32 page ids) just before pages go back to ``pool``: the
         # owner encodes a page with a queued L3 write before its data is reused.
         self.free_listeners: list[Callable[[AttnKind, np.ndarray], None]] = []
+        #: each slot's stamp, per kind (:mod:`.slots`: the tree's entries record where L2 holds a page)
+        self.stamps = {AttnKind.FULL: SlotStamps(), AttnKind.SWA: SlotStamps()}
+        self.free_listeners.append(lambda kind, pages: self.stamps[kind].clear(pages))
         self._freeing: tuple[list[int], list[int]] | None = None  # alloc's victims' pages (full, SWA)
         self.counters = {"evicted_full_pages": 0, "evicted_swa_pages": 0, "stored_full_pages": 0,
                          "stored_swa_pages": 0, "demoted_swa_pages": 0, "dropped_paired_swa_pages": 0,
@@ -458,8 +462,7 @@ class HostTier:
         in a radix tree; a page inserted without a parent is a root.
         A key already present keeps its old page and the new one is freed.  O(n log n).
         """
-        dup = []
-        new = []
+        dup, new = [], []
         ups = parents if parents is not None else [None] * len(keys)
         if len(ups) != len(keys):
             raise ValueError(f"parents needs {len(keys)} entries, got {len(ups)}")
@@ -478,6 +481,7 @@ class HostTier:
                 new.append(k)
                 self.counters["stored_full_pages"] += 1
         self._used(keys)  # after the links: only the leaves among them are filed
+        self.stamps[AttnKind.FULL].stamp(np.fromiter((full[k] for k in new), dtype=np.int64, count=len(new)))
         if dup:
             self._free_full(np.asarray(dup, dtype=np.int32))
         if new and self.listeners:
@@ -493,8 +497,7 @@ class HostTier:
         *base* (named in events; the page leaves L2 with it).  SWA inserted
         without one is stored but not announced, and is evicted on its own.  O(n).
         """
-        dup = []
-        new = []
+        dup, new, fresh = [], [], []
         bases = base_keys if base_keys is not None else [None] * len(keys)
         for k, p, a, b in zip(keys, np.asarray(pages).tolist(), np.asarray(anchored).tolist(), bases):
             if k in self._swa or k in self._anchor:
@@ -503,11 +506,13 @@ class HostTier:
                     self._promote(k)
                 continue
             (self._anchor if a else self._swa)[k] = p
+            fresh.append(p)
             self.counters["stored_swa_pages"] += 1
             if b is not None:
                 self._base[k] = b
                 self._under.setdefault(b, {})[k] = None
                 new.append(b)
+        self.stamps[AttnKind.SWA].stamp(np.asarray(fresh, dtype=np.int64))
         if dup:
             self._free_swa(np.asarray(dup, dtype=np.int32))
         if new and self.listeners:
@@ -570,10 +575,7 @@ class HostTier:
             under.setdefault(b, set()).add(k)
         assert {b: set(ks) for b, ks in self._under.items()} == under, "SWA pages by base differ from their bases"
         assert set(self._copies) == {k for k in self._full if k in self._l1}, "L2 copies of L1 pages misfiled"
-        kids: dict[bytes, int] = {}
-        for up in self._parent.values():
-            kids[up] = kids.get(up, 0) + 1
-        assert kids == self._kids and set(self._parent) <= set(self._full), "L2's key tree miscounted"
+        assert dict(Counter(self._parent.values())) == self._kids and set(self._parent) <= set(self._full), "L2's key tree miscounted"
         assert set(self._stamp) == set(self._full), "L2 full pages without a last use"
         live = {k for s, k in self._leaves if self._stamp.get(k) == s}
         if self._leaf_first:
@@ -584,6 +586,8 @@ class HostTier:
             ("L2 full pages", np.unique(full).size, full.size, self.pool.full.num_used)
         assert np.unique(swa).size == swa.size == self.pool.swa.num_used, \
             ("L2 swa pages", np.unique(swa).size, swa.size, self.pool.swa.num_used)
+        for kind, held in ((AttnKind.FULL, full), (AttnKind.SWA, swa)):  # the held slots stamped, no other
+            assert (self.stamps[kind].of(held) > 0).all() and self.stamps[kind].num_stamped == held.size, kind
 
     def stats(self) -> dict[str, int]:
         out = dict(self.counters)

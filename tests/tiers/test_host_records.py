@@ -1,0 +1,163 @@
+"""The tree's entries record where L2 holds their pages (host slot + stamp): a
+lookup reads L2 off them, answers exactly as asking L2 by key, and asks L2 only
+where no valid record exists (hybridkv.tiers.records, hybridkv.tiers.slots)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridkv import CacheConfig
+from hybridkv.eval.model.reference import tiny_spec
+from hybridkv.radix.types import PageNames
+from hybridkv.spec import AttnKind
+from hybridkv.tiers.payload import swa_key
+from hybridkv.tiers.slots import SlotStamps
+from hybridkv.tiers.tiered import TierConfig, TieredCache
+
+
+def _cache(l1_pages: int, l2_pages: int, policy: str) -> TieredCache:
+    spec = tiny_spec()
+    fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
+    return TieredCache(spec, CacheConfig(budget_bytes=l1_pages * (fpb + spb), device="meta"),
+                       tiers=TierConfig(l2_bytes=l2_pages * (fpb + spb), write_policy=policy))
+
+
+def _by_key(co, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """L2's answer asked by key for every page: full and SWA host pages."""
+    return co.host.lookup_full(keys), co.host.lookup_swa([swa_key(k) for k in keys])
+
+
+def _workload(cache: TieredCache, seed: int, steps: int, check) -> None:
+    """Shared stems, each request a stem's prefix and its own tail; ``check(tokens)``
+    runs before each begin."""
+    rng = np.random.default_rng(seed)
+    stems = [rng.integers(0, 500, 200).astype(np.int32) for _ in range(6)]
+    for _ in range(steps):
+        stem = stems[int(rng.integers(0, len(stems)))]
+        cut = int(rng.integers(8, len(stem)))
+        tokens = np.concatenate([stem[:cut], rng.integers(0, 500, int(rng.integers(1, 30))).astype(np.int32)])
+        check(tokens)
+        req = cache.begin(tokens)
+        left = len(tokens) - req.computed
+        cache.reserve(req, left)
+        cache.commit(req, left)
+        cache.finish(req)
+        cache.check_invariants()  # includes HostRecords.check: every valid record is right
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_l2_read_off_the_tree_equals_l2_asked_by_key(policy):
+    cache = _cache(l1_pages=60, l2_pages=300, policy=policy)
+    co = cache.lower_tiers
+    P = cache.spec.page_size
+
+    def check(tokens):
+        n = (len(tokens) - 1) // P
+        keys, walk = co.walk_prompt(tokens, "default", n)
+        with co.mutex:
+            want_full, want_swa = _by_key(co, keys)
+            res = co.resident(keys, walk)  # every page's SWA asked (every_swa)
+        n1 = len(res.l1_full)
+        assert (res.l2_full[n1:] == want_full[n1:]).all()
+        asked = res.swa == 0  # pages L1 lacks SWA for: L2's answer must be the by-key one
+        lacking = np.flatnonzero((res.swa != 1) | asked)
+        assert (res.l2_swa[lacking] == want_swa[lacking]).all()
+
+    try:
+        _workload(cache, seed=5, steps=150, check=check)
+        c = co.counters
+        assert c["l2_pages_read_off_tree"] > 0 and c["l2_pages_asked_by_key"] > 0, c
+        assert cache.tree.runs.pages > 0
+    finally:
+        cache.close()
+
+
+def test_a_second_walk_reads_l2_off_the_runs():
+    """A prompt whose pages L1 evicted: the first lookup asks L2 at most once per
+    page and records the answers; the second reads them all off the tree."""
+    cache = _cache(l1_pages=20, l2_pages=400, policy="write_through")
+    co = cache.lower_tiers
+    P = cache.spec.page_size
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, 500, 12 * P + 1).astype(np.int32)
+    try:
+        for tokens in [first] + [rng.integers(500, 900, 12 * P + 1).astype(np.int32) for _ in range(8)]:
+            req = cache.begin(tokens)
+            left = len(tokens) - req.computed
+            cache.reserve(req, left)
+            cache.commit(req, left)
+            cache.finish(req)
+        n = (len(first) - 1) // P
+        keys, walk = co.walk_prompt(first, "default", n)
+        assert sum(k for _, k in walk.runs) > 0, "L1 kept nothing of the first prompt as runs"
+        c = co.counters
+        for round_ in range(2):
+            before = (c["l2_pages_read_off_tree"], c["l2_pages_asked_by_key"])
+            keys, walk = co.walk_prompt(first, "default", n)
+            with co.mutex:
+                res = co.resident(keys, walk)
+            read, asked = c["l2_pages_read_off_tree"] - before[0], c["l2_pages_asked_by_key"] - before[1]
+            held = int((res.l2_full >= 0).sum()) + int((res.l2_swa >= 0).sum())
+            absent = int(((res.l2_full < 0) & (res.full == 0)).sum()) + int(((res.l2_swa < 0) & (res.swa == 0)).sum())
+            assert held >= n  # write-through: L2 holds every full page
+            if round_ == 0:
+                assert asked <= 2 * n and read + asked >= held
+            else:  # every page L2 holds is read off the runs; only absent pages are asked again
+                assert (read, asked) == (held, absent), (read, asked, held, absent)
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+def test_a_record_of_a_reused_slot_is_not_valid(monkeypatch):
+    """Planted fault: freed slots keep their stamps.  A record of a page L2 evicted
+    then reads as held in a slot now holding another page, and the check fails."""
+    cache = _cache(l1_pages=60, l2_pages=30, policy="write_back")
+    monkeypatch.setattr(SlotStamps, "clear", lambda self, slots: None)
+    failed = False
+    try:
+        def check(tokens):
+            pass
+
+        try:
+            _workload(cache, seed=7, steps=150, check=check)
+        except AssertionError:
+            failed = True
+    finally:
+        cache.close()
+    assert failed, "stale records went unnoticed"
+
+
+def test_slot_stamps():
+    st = SlotStamps()
+    a = st.stamp(np.array([3, 5000]))  # grows past its first size
+    assert (a > 0).all() and a[0] != a[1]
+    assert st.held(np.array([3, 5000, 7, -1]), np.array([a[0], a[1], a[0], a[0]])).tolist() == [True, True, False, False]
+    st.clear(np.array([3]))
+    assert st.held(np.array([3]), a[:1]).tolist() == [False]
+    b = st.stamp(np.array([3]))  # the slot reused: the old record stays invalid
+    assert b[0] > a[1] and st.held(np.array([3]), a[:1]).tolist() == [False]
+    assert st.num_stamped == 2
+    assert st.of(np.array([-1, 10 ** 7])).tolist() == [0, 0]
+
+
+def test_page_names_host_at_shape():
+    with pytest.raises(ValueError, match="host_at"):
+        PageNames([b"a", b"b"], np.zeros(2, dtype=bool), host_at=np.zeros((3, 4), dtype=np.int64))
+
+
+def test_host_stamps_follow_admission_and_eviction():
+    cache = _cache(l1_pages=24, l2_pages=8, policy="write_through")
+    host = cache.lower_tiers.host
+    try:
+        got = host.alloc(2, 0)
+        assert got is not None
+        host.insert_full([b"k1", b"k2"], got[0])
+        stamps = host.stamps[AttnKind.FULL].of(got[0])
+        assert (stamps > 0).all()
+        host.discard([b"k1"])
+        assert host.stamps[AttnKind.FULL].held(got[0], stamps).tolist() == [False, True]
+        host.check_invariants()
+    finally:
+        cache.close()
