@@ -308,15 +308,18 @@ class TierCoordinator:
         """Where the pages of ``keys`` are in L1 (its ``walk``, from
         :meth:`walk_prompt`) and L2 (read off the walk's entries first, :mod:`.records`;
         under the mutex).  Without ``every_swa``, L2 is
-        asked for the SWA of only the pages the window-safe hit over L1/L2 depends on
-        (:meth:`_hit_windows`); the other pages read as lacking it.  O(pages)."""
+        asked for the full KV of only the leading pages it holds and the SWA of only
+        the pages the window-safe hit over L1/L2 depends on (:meth:`_hit_windows`);
+        the other pages read as lacking them.  O(pages)."""
         n = len(keys)
         full = np.zeros(n, dtype=np.int8)
         l1_full, l1_swa, l1_held, deepest = self._l1_pages(walk)
         n1 = len(l1_full)
         full[:n1] = PageOrigin.L1
         l2_full = np.full(n, -1, dtype=np.int64)
-        l2_full[n1:] = self.records.slots(AttnKind.FULL, walk, np.arange(n1, n), keys.__getitem__)
+        # a hit needs only the leading run of held pages (every_swa: the read-ahead needs them all)
+        l2_full[n1:] = self.records.slots(AttnKind.FULL, walk, np.arange(n1, n), keys.__getitem__,
+                                          leading=not every_swa)
         full[n1:][l2_full[n1:] >= 0] = PageOrigin.L2
         swa = np.zeros(n, dtype=np.int8)
         # an L1 SWA page counts where every sliding group holds it (what a tier copies)

@@ -76,11 +76,14 @@ class HostRecords:
         counters.setdefault("l2_pages_asked_by_key", 0)
 
     def slots(self, kind: AttnKind, walk: TreeWalk, pages: np.ndarray,
-              key_of: Callable[[int], bytes]) -> np.ndarray:
+              key_of: Callable[[int], bytes], *, leading: bool = False) -> np.ndarray:
         """The host page of ``kind`` (L2's slot) holding each of ``pages`` (int
         page indices of the walk's prompt, ascending), ``-1`` where L2 holds none.
         ``key_of(i)``: the L2 key of page ``i`` (asked only for pages without a
-        valid record).  O(entries of the walk + pages)."""
+        valid record).  ``leading``: only the leading run of held pages matters
+        (a hit): pages without a record are asked in order, in chunks of 16,
+        four times more each round, up to the first chunk with an absent page;
+        the pages after it read ``-1`` unless recorded.  O(entries of the walk + pages)."""
         n = len(pages)
         if n == 0:
             return np.zeros(0, dtype=np.int64)
@@ -90,14 +93,20 @@ class HostRecords:
         valid = stamps.held(rec[:, 0], rec[:, 1])
         out = np.where(valid, rec[:, 0], -1)
         ask = np.flatnonzero(~valid)
-        if ask.size:
-            keys = [key_of(i) for i in pages[ask].tolist()]
-            got = (self.host.lookup_full if kind is AttnKind.FULL else self.host.lookup_swa)(keys)
-            out[ask] = got
+        lookup = self.host.lookup_full if kind is AttnKind.FULL else self.host.lookup_swa
+        done, chunk = 0, 16 if leading else ask.size
+        while done < ask.size:
+            part = pages[ask[done:done + chunk]]
+            got = lookup([key_of(i) for i in part.tolist()])
+            out[ask[done:done + chunk]] = got
             if walk.engine:
-                self._record(views, pages[ask], got, stamps.of(got), col)
-        self.counters["l2_pages_read_off_tree"] += n - int(ask.size)
-        self.counters["l2_pages_asked_by_key"] += int(ask.size)
+                self._record(views, part, got, stamps.of(got), col)
+            done += part.size
+            if leading and (got < 0).any():
+                break
+            chunk *= 4
+        self.counters["l2_pages_read_off_tree"] += int(valid.sum())
+        self.counters["l2_pages_asked_by_key"] += done
         return out
 
     def loaded(self, names: PageNames, full_idx: np.ndarray, from_full: np.ndarray, swa_idx: np.ndarray,
