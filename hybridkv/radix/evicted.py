@@ -107,7 +107,8 @@ class EvictedRuns:
             n = gone.index(None) if None in gone else len(gone)
             if n:
                 P = self.page_size
-                run = EvictedRun(node.key[keep * P:(keep + n) * P], gone[:n], node.host_at[keep:keep + n].copy())
+                # (the records are a view: what a free listener records on the freed names lands here)
+                run = EvictedRun(node.key[keep * P:(keep + n) * P], gone[:n], node.host_at[keep:keep + n])
                 if n == len(gone) and at_end:
                     run.below, at_end = at_end, None  # the map moves whole: its runs' home stays it
         if at_end:

@@ -16,7 +16,7 @@ import numpy as np
 from .._validate import check_int
 from ..modes import EvictionRanking, SwaEviction
 from ..spec import window_pages
-from .node import EMPTY, TreeNode
+from .node import EMPTY, TreeNode, unrecorded
 
 __all__ = ["TreeConfig", "TreeEvent", "MatchResult", "LockHandle", "InsertResult", "PageNames", "FreedPages",
            "node_names", "join_names", "parent_keys", "unnamed", "PagePool", "SideGroup",
@@ -259,14 +259,17 @@ def parent_keys(keys: Sequence[bytes | None], pages: Iterable[int]) -> list[byte
 
 def node_names(node: TreeNode, keep: int = 0) -> PageNames | None:
     """The tier names of ``node``'s pages from ``keep`` on, with their parents (the
-    page before the node's first is its parent node's last); None: unnamed.  O(pages)."""
+    page before the node's first is its parent node's last) and their L2 records
+    (a view: the run eviction makes of them shares it, so a free listener that
+    stores them in L2 records that on the run); None: unnamed.  O(pages)."""
     keys = node.page_keys
     if keys is None:
         return None
     up = node.parent.page_keys if node.parent is not None else None
     gone = keys[keep:]
     first = keys[keep - 1] if keep else (up[-1] if up else None)
-    return PageNames(gone, node.tier_anchor[keep:], [first] + gone[:-1])
+    return PageNames(gone, node.tier_anchor[keep:], [first] + gone[:-1],
+                     None if node.host_at is None else node.host_at[keep:])
 
 
 class FreedPages:
@@ -297,10 +300,18 @@ class FreedPages:
             self.swa_names.append(names if names is not None else unnamed(len(pages)))
 
     def give_back(self, index: "FreeingIndex") -> None:
-        """Hand the pages (and names) to ``index``'s ``return_*_pages``.  O(pages)."""
+        """Hand the pages (and names) to ``index``'s ``return_*_pages``; the L2
+        records a listener writes on the joined full names go back to each part's
+        (views of the nodes' and runs' records).  O(pages)."""
         if self.full:
-            index.return_full_pages(self.full[0] if len(self.full) == 1 else np.concatenate(self.full),
-                                    join_names(self.full_names) if self._any else None)
+            joined = join_names(self.full_names) if self._any else None
+            index.return_full_pages(self.full[0] if len(self.full) == 1 else np.concatenate(self.full), joined)
+            if joined is not None and len(self.full_names) > 1 and joined.host_at is not None:
+                at = 0
+                for part in self.full_names:
+                    if part.host_at is not None:
+                        part.host_at[:] = joined.host_at[at:at + len(part.keys)]
+                    at += len(part.keys)
         if self.swa:
             index.return_swa_pages(self.swa[0] if len(self.swa) == 1 else np.concatenate(self.swa),
                                    join_names(self.swa_names) if self._any else None)
@@ -325,7 +336,10 @@ def join_names(parts: list[PageNames]) -> PageNames | None:
     for p in parts:
         keys += p.keys
         parents += p.parents if p.parents is not None else [None] * len(p.keys)
-    return PageNames(keys, np.concatenate([p.anchored for p in parts]), parents)
+    rows = None
+    if any(p.host_at is not None for p in parts):
+        rows = np.concatenate([p.host_at if p.host_at is not None else unrecorded(len(p.keys)) for p in parts])
+    return PageNames(keys, np.concatenate([p.anchored for p in parts]), parents, rows)
 
 
 def unnamed(n: int) -> PageNames:

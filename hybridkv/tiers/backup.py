@@ -295,13 +295,16 @@ class L2Backup:
                 if not sel.any():
                     return
                 named = [keys[i] for i in np.flatnonzero(sel).tolist()]
-                have = (self.host.lookup_full(named) if kind is AttnKind.FULL else self.host.lookup_swa(named)) >= 0
-                idx = np.flatnonzero(sel)[~have]
-                self.store_l2(kind, pages[idx], [keys[i] for i in idx],
-                              None if anchored is None else anchored[idx],
-                              base=None if bases is None else [bases[i] for i in idx],
-                              parents=[names.parents[i] for i in idx] if kind is AttnKind.FULL and names.parents
-                              else None)
+                slots = self.host.lookup_full(named) if kind is AttnKind.FULL else self.host.lookup_swa(named)
+                # full KV: where L2 holds each page is recorded on the run eviction made of them
+                rows = names.host_at if kind is AttnKind.FULL and names.host_at is not None else unrecorded(len(keys))
+                col = 0 if kind is AttnKind.FULL else 2
+                self._found(rows, col, np.flatnonzero(sel), slots)
+                idx = np.flatnonzero(sel)[slots < 0]
+                self._found(rows, col, idx, self.store_l2(
+                    kind, pages[idx], [keys[i] for i in idx], None if anchored is None else anchored[idx],
+                    base=None if bases is None else [bases[i] for i in idx],
+                    parents=[names.parents[i] for i in idx] if kind is AttnKind.FULL and names.parents else None))
         except Exception as exc:  # noqa: BLE001 - freeing must go on; the backup is best effort
             self.counters["tier_errors"] += 1
             logger.warning("L1 -> L2 backup failed (%s: %s); pages dropped", type(exc).__name__, exc)

@@ -161,3 +161,58 @@ def test_host_stamps_follow_admission_and_eviction():
         host.check_invariants()
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_the_backup_of_pages_l1_frees_is_recorded_on_their_run(policy):
+    """Pages L1 evicts become a run; the backup that copies them to L2 (write-back,
+    or write-through's copy of what L2 evicted as an L1 copy) records their host
+    slots on that run, so the first lookup already reads them off the tree."""
+    cache = _cache(l1_pages=20, l2_pages=400, policy=policy)
+    co = cache.lower_tiers
+    co.host.l1_copies_first = True  # write-through: L2 may evict copies of L1 pages, re-copied at free
+    P = cache.spec.page_size
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 900, 12 * P + 1).astype(np.int32) for _ in range(9)]
+    try:
+        for tokens in prompts:
+            req = cache.begin(tokens)
+            left = len(tokens) - req.computed
+            cache.reserve(req, left)
+            cache.commit(req, left)
+            cache.finish(req)
+        cache.check_invariants()
+        runs = list(cache.tree.runs.iter_runs([cache.tree.root("default")]))
+        assert runs
+        stamps = co.host.stamps[AttnKind.FULL]
+        rows = np.concatenate([r.host_at for r in runs])
+        valid = stamps.held(rows[:, 0], rows[:, 1])
+        held = co.host.lookup_full([k for r in runs for k in r.names]) >= 0
+        assert held.sum() > 0 and (valid == held).all(), (valid.sum(), held.sum())
+    finally:
+        cache.close()
+
+
+def test_records_written_on_joined_freed_names_reach_each_part():
+    """One tree call freeing two entries' pages hands listeners the names joined;
+    what a listener records there goes back to each entry's own rows."""
+    from hybridkv.radix.node import unrecorded
+    from hybridkv.radix.types import FreedPages
+
+    a, b = unrecorded(2), unrecorded(3)
+    freed = FreedPages(named=True)
+    freed.add_full(np.array([1, 2]), PageNames([b"a1", b"a2"], np.zeros(2, bool), host_at=a))
+    freed.add_full(np.array([3]), None)  # an unnamed page between them
+    freed.add_full(np.array([4, 5, 6]), PageNames([b"b1", b"b2", b"b3"], np.zeros(3, bool), host_at=b))
+
+    class Index:
+        def return_full_pages(self, pages, names):
+            assert names.keys == [b"a1", b"a2", None, b"b1", b"b2", b"b3"]
+            names.host_at[:, 0] = np.arange(10, 16)
+            names.host_at[:, 1] = 7
+
+        def return_swa_pages(self, pages, names):
+            raise AssertionError("no SWA pages were freed")
+
+    freed.give_back(Index())
+    assert a[:, 0].tolist() == [10, 11] and b[:, 0].tolist() == [13, 14, 15] and (a[:, 1] == 7).all()
