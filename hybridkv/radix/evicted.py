@@ -10,10 +10,12 @@ lower part, the one HiCache's radix tree keeps as host nodes.  A later prompt's
 walk goes on from the end of its L1 match into the runs and reads the names of
 the pages L1 gave up, instead of hashing them again.
 
-What a run says is only names: a name is a function of the page's tokens and
-those before it, so a run is never wrong about a key, whatever the tiers hold
-meanwhile; which tier holds a page (L2, L3, none) is asked of the tier by that
-key.  The runs are kept within a cap (:meth:`EvictedRuns.cap_by`; the owner,
+A run's names are a function of its pages' tokens and those before them, so a
+run is never wrong about a key, whatever the tiers hold meanwhile.  A run also
+keeps where L2 held each page when last recorded (``host_at``, taken over from
+the node; :mod:`hybridkv.tiers.records`): a record is only believed while L2's
+stamp of its slot matches, so a stale one reads as "ask L2", never as a wrong
+answer.  The runs are kept within a cap (:meth:`EvictedRuns.cap_by`; the owner,
 :class:`~hybridkv.tiers.coordinator.TierCoordinator` or vLLM's prefix manager
 with hybridkv's connector, gives the number of full pages L2 holds, read each
 time a run is made and at each walk): past it the

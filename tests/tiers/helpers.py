@@ -1,4 +1,4 @@
-"""Test helpers that reach under a backend's framing (simulated corruption)."""
+"""Test helpers: reaching under a backend's framing (simulated corruption), serving one request."""
 
 from __future__ import annotations
 
@@ -31,3 +31,12 @@ def raw_get(backend: Any, key: bytes) -> bytes:
     if scheme == "mooncake":
         return backend._ensure().get(backend._names([key])[0])
     raise ValueError(scheme)
+
+
+def serve_once(cache: Any, tokens: Any) -> None:
+    """One request on a cache: its hit, the rest computed in one step, finished (cached)."""
+    req = cache.begin(tokens)
+    n = len(tokens) - req.computed
+    cache.reserve(req, n)
+    cache.commit(req, n)
+    cache.finish(req)

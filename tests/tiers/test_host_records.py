@@ -15,6 +15,8 @@ from hybridkv.tiers.payload import swa_key
 from hybridkv.tiers.slots import SlotStamps
 from hybridkv.tiers.tiered import TierConfig, TieredCache
 
+from .helpers import serve_once
+
 
 def _cache(l1_pages: int, l2_pages: int, policy: str) -> TieredCache:
     spec = tiny_spec()
@@ -38,11 +40,7 @@ def _workload(cache: TieredCache, seed: int, steps: int, check) -> None:
         cut = int(rng.integers(8, len(stem)))
         tokens = np.concatenate([stem[:cut], rng.integers(0, 500, int(rng.integers(1, 30))).astype(np.int32)])
         check(tokens)
-        req = cache.begin(tokens)
-        left = len(tokens) - req.computed
-        cache.reserve(req, left)
-        cache.commit(req, left)
-        cache.finish(req)
+        serve_once(cache, tokens)
         cache.check_invariants()  # includes HostRecords.check: every valid record is right
 
 
@@ -83,11 +81,7 @@ def test_a_second_walk_reads_l2_off_the_runs():
     first = rng.integers(0, 500, 12 * P + 1).astype(np.int32)
     try:
         for tokens in [first] + [rng.integers(500, 900, 12 * P + 1).astype(np.int32) for _ in range(8)]:
-            req = cache.begin(tokens)
-            left = len(tokens) - req.computed
-            cache.reserve(req, left)
-            cache.commit(req, left)
-            cache.finish(req)
+            serve_once(cache, tokens)
         n = (len(first) - 1) // P
         keys, walk = co.walk_prompt(first, "default", n)
         assert sum(k for _, k in walk.runs) > 0, "L1 kept nothing of the first prompt as runs"
@@ -176,11 +170,7 @@ def test_the_backup_of_pages_l1_frees_is_recorded_on_their_run(policy):
     prompts = [rng.integers(0, 900, 12 * P + 1).astype(np.int32) for _ in range(9)]
     try:
         for tokens in prompts:
-            req = cache.begin(tokens)
-            left = len(tokens) - req.computed
-            cache.reserve(req, left)
-            cache.commit(req, left)
-            cache.finish(req)
+            serve_once(cache, tokens)
         cache.check_invariants()
         runs = list(cache.tree.runs.iter_runs([cache.tree.root("default")]))
         assert runs

@@ -17,6 +17,8 @@ from hybridkv.spec import AttnKind, KVShape
 from hybridkv.tiers.keys import page_keys
 from hybridkv.tiers.tiered import TierConfig, TieredCache
 
+from .helpers import serve_once
+
 SPEC = ModelSpec("tiny-names", ("full", "swa", "swa"), 8, KVShape(1, 4, 4), KVShape(2, 4, 4),
                  dtype="float32", page_size=4)
 FPB, SPB = arena_page_bytes(SPEC, "full"), arena_page_bytes(SPEC, "swa")
@@ -142,14 +144,6 @@ def _cache(policy: str, l1_pages: int = 12) -> TieredCache:
                        tiers=TierConfig(l2_bytes=200 * (FPB + SPB), write_policy=policy))
 
 
-def _serve(cache: TieredCache, tokens: np.ndarray) -> None:
-    req = cache.begin(tokens)
-    n = len(tokens) - req.computed
-    cache.reserve(req, n)
-    cache.commit(req, n)
-    cache.finish(req)
-
-
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_every_l1_node_carries_the_chained_keys_of_its_pages(policy):
     cache = _cache(policy, l1_pages=40)
@@ -159,7 +153,7 @@ def test_every_l1_node_carries_the_chained_keys_of_its_pages(policy):
         base = rng.integers(0, 1000, 48).astype(np.int32)
         prompts = [base, np.concatenate([base[:20], rng.integers(0, 1000, 30).astype(np.int32)]), base[:33]]
         for t in prompts:
-            _serve(cache, t)
+            serve_once(cache, t)
         for t in prompts:
             _, path = cache.tree.walk(t, "default", len(t))
             n = sum(k for _, k in path)
@@ -176,10 +170,10 @@ def test_pages_l1_evicts_reach_l2_under_their_node_names_and_hit_again(policy):
     co = cache.lower_tiers
     try:
         first = np.arange(40, dtype=np.int32)
-        _serve(cache, first)
+        serve_once(cache, first)
         keys = page_keys(first, P, namespace="default", fingerprint=co.fingerprint)
         for i in range(4):  # push the first prompt out of a 12-page L1
-            _serve(cache, np.arange(1000 * (i + 1), 1000 * (i + 1) + 40, dtype=np.int32))
+            serve_once(cache, np.arange(1000 * (i + 1), 1000 * (i + 1) + 40, dtype=np.int32))
         assert (co.host.lookup_full(keys) >= 0).all()
         assert not Counter(co.host.l1_counts()) & Counter(keys)  # L1 holds none of them now
         req = cache.begin(np.concatenate([first, [7, 7, 7]]).astype(np.int32))
@@ -193,7 +187,7 @@ def test_pages_l1_evicts_reach_l2_under_their_node_names_and_hit_again(policy):
 def test_the_invariant_check_catches_a_node_named_apart_from_l2s_count():
     cache = _cache("write_back", l1_pages=40)
     try:
-        _serve(cache, np.arange(40, dtype=np.int32))
+        serve_once(cache, np.arange(40, dtype=np.int32))
         cache.check_invariants()
         node = next(cache.tree.iter_nodes())
         node.page_keys = [b"planted"] + node.page_keys[1:]
@@ -212,8 +206,8 @@ def test_the_invariant_check_catches_names_swapped_between_nodes():
     cache = _cache("write_back", l1_pages=40)
     try:
         base = np.arange(48, dtype=np.int32)
-        _serve(cache, base)
-        _serve(cache, np.concatenate([base[:24], np.arange(500, 524, dtype=np.int32)]))
+        serve_once(cache, base)
+        serve_once(cache, np.concatenate([base[:24], np.arange(500, 524, dtype=np.int32)]))
         cache.check_invariants()
         a, b = [nd for nd in cache.tree.iter_nodes() if not nd.children][:2]
         a.page_keys, b.page_keys = [b.page_keys[0]] + a.page_keys[1:], [a.page_keys[0]] + b.page_keys[1:]
@@ -239,7 +233,7 @@ def test_prompt_keys_read_the_l1_match_off_the_nodes_and_hash_only_the_rest(poli
     try:
         rng = np.random.default_rng(1)
         base = rng.integers(0, 1000, 48).astype(np.int32)
-        _serve(cache, base)
+        serve_once(cache, base)
         longer = np.concatenate([base[:40], rng.integers(0, 1000, 24).astype(np.int32)])
         want = page_keys(longer, P, namespace="default", fingerprint=co.fingerprint)
         monkeypatch.setattr(coordinator, "page_keys", counting)
