@@ -172,7 +172,9 @@ _UNRECORDED = np.array([-1, 0, -1, 0], dtype=np.int64)
 
 def unrecorded(n: int) -> np.ndarray:
     """A ``host_at`` record of ``n`` pages with nothing recorded.  O(n)."""
-    return np.tile(_UNRECORDED, (n, 1))
+    out = np.empty((n, 4), dtype=np.int64)
+    out[:] = _UNRECORDED
+    return out
 
 
 def split_names(upper: TreeNode, node: TreeNode, pages: int) -> None:

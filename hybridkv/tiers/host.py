@@ -431,13 +431,8 @@ class HostTier:
                 free(pages, own=True)
             n += pages.size
         keys = tuple(self._full)
-        self._full.clear()
-        self._swa.clear()
-        self._anchor.clear()
-        self._base.clear()
-        self._under.clear()
-        self._copies.clear()
-        for table in (self._parent, self._kids, self._stamp):
+        for table in (self._full, self._swa, self._anchor, self._base, self._under, self._copies, self._parent,
+                      self._kids, self._stamp):
             table.clear()
         self._leaves = []
         if self.listeners:
@@ -462,7 +457,7 @@ class HostTier:
         in a radix tree; a page inserted without a parent is a root.
         A key already present keeps its old page and the new one is freed.  O(n log n).
         """
-        dup, new = [], []
+        dup, new, fresh = [], [], []
         ups = parents if parents is not None else [None] * len(keys)
         if len(ups) != len(keys):
             raise ValueError(f"parents needs {len(keys)} entries, got {len(ups)}")
@@ -476,12 +471,13 @@ class HostTier:
                 full.move_to_end(k)
             else:
                 full[k] = p
+                fresh.append(p)
                 if k in self._l1:
                     self._copies[k] = None
                 new.append(k)
                 self.counters["stored_full_pages"] += 1
         self._used(keys)  # after the links: only the leaves among them are filed
-        self.stamps[AttnKind.FULL].stamp(np.fromiter((full[k] for k in new), dtype=np.int64, count=len(new)))
+        self.stamps[AttnKind.FULL].stamp(np.asarray(fresh, dtype=np.int64))
         if dup:
             self._free_full(np.asarray(dup, dtype=np.int32))
         if new and self.listeners:

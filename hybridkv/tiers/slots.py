@@ -60,10 +60,9 @@ class SlotStamps:
     def of(self, slots: np.ndarray) -> np.ndarray:
         """The current stamp of each slot (``-1`` slots, or never stamped: 0).  O(n)."""
         slots = np.asarray(slots, dtype=np.int64)
-        out = np.zeros(slots.shape, dtype=np.int64)
-        ok = (slots >= 0) & (slots < len(self._stamp))
-        out[ok] = self._stamp[slots[ok]]
-        return out
+        table = self._stamp
+        ok = (slots >= 0) & (slots < len(table))
+        return np.where(ok, table[np.where(ok, slots, 0)], 0)
 
     @property
     def num_stamped(self) -> int:
