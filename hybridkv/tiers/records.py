@@ -139,7 +139,14 @@ class HostRecords:
         """The (slot, stamp) record of each of ``pages`` (unrecorded past the walk
         or on an unnamed node) and the walk's recorded entries.  O(entries + pages)."""
         rec = unrecorded(len(pages))[:, :2]
-        views = [(rows, lo, k) for rows, lo, k in walk.segments() if rows is not None]
+        first, last = int(pages[0]), int(pages[-1])
+        views = [(rows, lo, k) for rows, lo, k in walk.segments()
+                 if rows is not None and lo <= last and lo + k > first]  # the entries holding some of pages
+        if last - first + 1 == len(pages):  # a range of pages: plain slices
+            for rows, lo, k in views:
+                a, b = max(lo, first), min(lo + k, last + 1)
+                rec[a - first:b - first] = rows[a - lo:b - lo, col:col + 2]
+            return rec, views
         for rows, lo, k in views:
             a, b = np.searchsorted(pages, (lo, lo + k))
             if a < b:

@@ -28,12 +28,13 @@ __all__ = ["SlotStamps"]
 class SlotStamps:
     """One stamp per host slot of one page kind (0: the slot holds no page).
 
-    Grows with the highest slot stamped (a shared host arena hands out slot ids
-    of either kind up to its budget).
+    Args:
+        slots: the slots to size the table for (the pool's capacity); it grows
+            past them if a higher slot is stamped.
     """
 
-    def __init__(self) -> None:
-        self._stamp = np.zeros(1024, dtype=np.int64)
+    def __init__(self, slots: int = 1024) -> None:
+        self._stamp = np.zeros(max(1, int(slots)), dtype=np.int64)
         self._next = 1
 
     def stamp(self, slots: np.ndarray) -> np.ndarray:
@@ -61,8 +62,9 @@ class SlotStamps:
         """The current stamp of each slot (``-1`` slots, or never stamped: 0).  O(n)."""
         slots = np.asarray(slots, dtype=np.int64)
         table = self._stamp
-        ok = (slots >= 0) & (slots < len(table))
-        return np.where(ok, table[np.where(ok, slots, 0)], 0)
+        if slots.size and int(slots.max()) >= len(table):  # never stamped that high: 0
+            slots = np.where(slots < len(table), slots, -1)
+        return np.where(slots >= 0, table[slots], 0)  # (slot -1 reads the last entry, masked)
 
     @property
     def num_stamped(self) -> int:
