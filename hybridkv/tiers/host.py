@@ -114,8 +114,7 @@ class HostTier:
         # owner encodes a page with a queued L3 write before its data is reused.
         self.free_listeners: list[Callable[[AttnKind, np.ndarray], None]] = []
         #: each slot's stamp, per kind (:mod:`.slots`: the tree's entries record where L2 holds a page)
-        self.stamps = {k: SlotStamps(min(a.capacity, 1 << 20)) for k, a in ((AttnKind.FULL, self.pool.full),
-                                                                          (AttnKind.SWA, self.pool.swa))}
+        self.stamps = {AttnKind.FULL: SlotStamps(self.pool.full.capacity), AttnKind.SWA: SlotStamps(self.pool.swa.capacity)}
         self.free_listeners.append(lambda kind, pages: self.stamps[kind].clear(pages))
         self._freeing: tuple[list[int], list[int]] | None = None  # alloc's victims' pages (full, SWA)
         self.counters = {"evicted_full_pages": 0, "evicted_swa_pages": 0, "stored_full_pages": 0,

@@ -29,13 +29,15 @@ class SlotStamps:
     """One stamp per host slot of one page kind (0: the slot holds no page).
 
     Args:
-        slots: the slots to size the table for (the pool's capacity); it grows
-            past them if a higher slot is stamped.
+        slots: the slots to size the table for (the pool's capacity: reads of
+            slots below it need no bounds check); it grows past them if a higher
+            slot is stamped.
     """
 
     def __init__(self, slots: int = 1024) -> None:
-        self._stamp = np.zeros(max(1, int(slots)), dtype=np.int64)
+        self._stamp = np.zeros(max(1, int(slots)), dtype=np.int64)  # (untouched pages stay unmapped)
         self._next = 1
+        self._grown = False  # a slot past ``slots`` was stamped: reads check bounds
 
     def stamp(self, slots: np.ndarray) -> np.ndarray:
         """Give each of ``slots`` (distinct ints >= 0, just admitted) a fresh stamp;
@@ -47,7 +49,7 @@ class SlotStamps:
         if top >= len(self._stamp):
             grown = np.zeros(max(top + 1, 2 * len(self._stamp)), dtype=np.int64)
             grown[:len(self._stamp)] = self._stamp
-            self._stamp = grown
+            self._stamp, self._grown = grown, True
         out = np.arange(self._next, self._next + slots.size, dtype=np.int64)
         self._next += slots.size
         self._stamp[slots] = out
@@ -62,7 +64,7 @@ class SlotStamps:
         """The current stamp of each slot (``-1`` slots, or never stamped: 0).  O(n)."""
         slots = np.asarray(slots, dtype=np.int64)
         table = self._stamp
-        if slots.size and int(slots.max()) >= len(table):  # never stamped that high: 0
+        if self._grown and slots.size and int(slots.max()) >= len(table):  # never stamped that high: 0
             slots = np.where(slots < len(table), slots, -1)
         return np.where(slots >= 0, table[slots], 0)  # (slot -1 reads the last entry, masked)
 
