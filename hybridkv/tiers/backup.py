@@ -37,6 +37,7 @@ from .config import TierConfig
 from .host import HostTier
 from .keys import parent_keys
 from .payload import PayloadCodec, swa_key
+from .records import record_rows
 from .writes import L3WriteQueue
 
 #: copies pages of a kind between two pools: ``copy(kind, src, src_pages, dst, dst_pages)``
@@ -169,11 +170,11 @@ class L2Backup:
         through = self.tiers.write_policy is WritePolicy.WRITE_THROUGH
         self._demote_passed(req, aligned, keys)
         rows = unrecorded(aligned)
-        self._found(rows, 0, np.arange(aligned), self.host.lookup_full(keys[:aligned]))
+        record_rows(self.host, rows, AttnKind.FULL, np.arange(aligned), self.host.lookup_full(keys[:aligned]))
         have_full = rows[:, 0] >= 0
         if through:
             missing_full = np.flatnonzero(~have_full)
-            self._found(rows, 0, missing_full,
+            record_rows(self.host, rows, AttnKind.FULL, missing_full,
                         self.store_l2(AttnKind.FULL, req.full_pages[missing_full], [keys[i] for i in missing_full],
                                       None, parents=parent_keys(keys, missing_full.tolist())))
             have_full[:] = True
@@ -184,7 +185,7 @@ class L2Backup:
         if idx.size == 0:
             return rows
         swa_keys = [swa_key(keys[i]) for i in idx]
-        self._found(rows, 2, idx, self.host.lookup_swa(swa_keys))
+        record_rows(self.host, rows, AttnKind.SWA, idx, self.host.lookup_swa(swa_keys))
         missing = rows[idx, 2] < 0
         idx = idx[missing]
         if not through:
@@ -195,15 +196,10 @@ class L2Backup:
         marked = np.zeros(idx.size, dtype=bool)
         if idx.size and idx[0] < tree_pages:
             marked = self._held_marks(req, tree_pages)[np.minimum(idx, tree_pages - 1)] & (idx < tree_pages)
-        self._found(rows, 2, idx, self.store_l2(AttnKind.SWA, pages, [k for k, m in zip(swa_keys, missing) if m],
-                                                self._anchored(idx, aligned) | marked, base=[keys[i] for i in idx]))
+        record_rows(self.host, rows, AttnKind.SWA, idx,
+                    self.store_l2(AttnKind.SWA, pages, [k for k, m in zip(swa_keys, missing) if m],
+                                  self._anchored(idx, aligned) | marked, base=[keys[i] for i in idx]))
         return rows
-
-    def _found(self, rows: np.ndarray, col: int, idx: np.ndarray, slots: np.ndarray) -> None:
-        """Record that L2 holds pages ``idx`` in host ``slots`` (``-1``: not) in
-        ``host_at`` columns ``col`` (0: full, 2: SWA), stamped now.  O(pages)."""
-        rows[idx, col] = slots
-        rows[idx, col + 1] = self.host.stamps[AttnKind.FULL if col == 0 else AttnKind.SWA].of(slots)
 
     def _demote_passed(self, req: Request, aligned: int, keys: list[bytes]) -> None:
         """Anchored L2 windows inside ``req``'s pages ``[0, aligned)`` that it neither ends
@@ -298,10 +294,9 @@ class L2Backup:
                 slots = self.host.lookup_full(named) if kind is AttnKind.FULL else self.host.lookup_swa(named)
                 # full KV: where L2 holds each page is recorded on the run eviction made of them
                 rows = names.host_at if kind is AttnKind.FULL and names.host_at is not None else unrecorded(len(keys))
-                col = 0 if kind is AttnKind.FULL else 2
-                self._found(rows, col, np.flatnonzero(sel), slots)
+                record_rows(self.host, rows, kind, np.flatnonzero(sel), slots)
                 idx = np.flatnonzero(sel)[slots < 0]
-                self._found(rows, col, idx, self.store_l2(
+                record_rows(self.host, rows, kind, idx, self.store_l2(
                     kind, pages[idx], [keys[i] for i in idx], None if anchored is None else anchored[idx],
                     base=None if bases is None else [bases[i] for i in idx],
                     parents=[names.parents[i] for i in idx] if kind is AttnKind.FULL and names.parents else None))

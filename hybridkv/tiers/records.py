@@ -30,9 +30,18 @@ from ..spec import AttnKind
 from .host import HostTier
 from .payload import swa_key
 
-__all__ = ["HostRecords", "TreeWalk"]
+__all__ = ["HostRecords", "TreeWalk", "record_rows"]
 
 _SLOT = {AttnKind.FULL: 0, AttnKind.SWA: 2}  # a kind's columns in host_at: slot, then stamp
+
+
+def record_rows(host: HostTier, rows: np.ndarray, kind: AttnKind, idx: np.ndarray, slots: np.ndarray) -> None:
+    """Record in ``host_at`` ``rows`` that L2 holds the ``kind`` KV of pages ``idx``
+    in host ``slots`` (``-1``: not), stamped now: call it while those slots still
+    hold those pages.  O(pages)."""
+    col = _SLOT[kind]
+    rows[idx, col] = slots
+    rows[idx, col + 1] = host.stamps[kind].of(slots)
 
 
 @dataclass
@@ -116,9 +125,8 @@ class HostRecords:
         SWA of pages ``swa_idx`` in ``from_swa`` (the insert keeps the records of the
         pages it adds).  O(pages)."""
         rows = unrecorded(len(names.keys))
-        for col, idx, slots in ((0, full_idx, from_full), (2, swa_idx, from_swa)):
-            rows[idx, col] = slots
-            rows[idx, col + 1] = self.host.stamps[AttnKind.FULL if col == 0 else AttnKind.SWA].of(slots)
+        record_rows(self.host, rows, AttnKind.FULL, full_idx, from_full)
+        record_rows(self.host, rows, AttnKind.SWA, swa_idx, from_swa)
         return replace(names, host_at=rows)
 
     def check(self, entries: Iterable[tuple[list[bytes | None], np.ndarray]]) -> None:
@@ -126,7 +134,7 @@ class HostRecords:
         slot: ``entries`` gives each named entry's names and ``host_at``.  O(pages)."""
         host = self.host
         for names, rows in entries:
-            for col, kind in ((0, AttnKind.FULL), (2, AttnKind.SWA)):
+            for kind, col in _SLOT.items():
                 ok = np.flatnonzero(host.stamps[kind].held(rows[:, col], rows[:, col + 1]))
                 if ok.size:
                     keys = [names[i] if kind is AttnKind.FULL else swa_key(names[i]) for i in ok.tolist()]
