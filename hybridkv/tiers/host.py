@@ -220,19 +220,28 @@ class HostTier:
         if len(heap) > 2 * len(self._full) + 64:  # stale entries: rebuild
             self._file_leaves()
 
-    def _gone_full(self, key: bytes) -> None:
-        """Held full ``key`` left L2: its parent may become a leaf.  O(log n)."""
-        self._stamp.pop(key, None)
+    def _gone_full(self, key: bytes, page: int, protect_swa: set[int]) -> None:
+        """Held full ``key`` left the index (its caller popped it, from host ``page``):
+        the page is freed (gathered, inside :meth:`alloc`), its parent may become a
+        leaf, the SWA pages based on it go along (protected ones stay), listeners
+        hear it.  O(log n + SWA pages dropped)."""
+        self._copies.pop(key, None)
+        stamp = self._stamp
+        stamp.pop(key, None)
         parent = self._parent.pop(key, None)
-        if parent is None:
-            return
-        left = self._kids[parent] - 1
-        if left:
-            self._kids[parent] = left
-            return
-        del self._kids[parent]
-        if parent in self._full and self._leaf_first:  # a leaf now, at its own last use
-            heapq.heappush(self._leaves, (self._stamp[parent], parent))
+        if parent is not None:
+            left = self._kids[parent] - 1
+            if left:
+                self._kids[parent] = left
+            else:
+                del self._kids[parent]
+                if parent in self._full and self._leaf_first:  # a leaf now, at its own last use
+                    heapq.heappush(self._leaves, (stamp[parent], parent))
+        self._drop_page(0, page)
+        self.counters["evicted_full_pages"] += 1
+        if self.listeners:
+            emit(self.listeners, TierEvent("L2", "remove", (key,)))
+        self._drop_paired_swa(key, protect_swa)
 
     def _lru_leaf(self, protect: set[int]) -> bytes | None:
         """The least recently used full page no held page extends (a leaf of the key
@@ -289,61 +298,62 @@ class HostTier:
             return got
         pf, ps = set(int(p) for p in protect), set(int(p) for p in protect_swa)
         stages = ("swa", "copy", "full", "anchor") if self.l1_copies_first else ("swa", "full", "anchor")
-        # the victims' pages are freed together at the end (the pool does not change
-        # meanwhile); the shortfall counts them as freed already (every group holds
-        # an L2 page: it frees whole), so the victims are the ones a free per victim
-        # would pick
-        gathered = self._freeing = ([], [])
-        need_full, need_swa, need_bytes = self.pool.shortfall(n_full, n_swa)
-        fpb, spb = self.pool.full_page_bytes, self.pool.swa_page_bytes
+        # the victims' pages are freed together at the end; the shortfall counts them as
+        # freed already (a page frees whole), so they are those a free per victim picks
+        self._freeing = ([], [])
+        need = self.pool.shortfall(n_full, n_swa)
         try:
             for stage in ("swa",) if plain_only else stages:
-                while True:
-                    freed_full, freed_swa = len(gathered[0]), len(gathered[1])
-                    short_full, short_swa = need_full - freed_full, need_swa - freed_swa
-                    short_bytes = need_bytes - freed_full * fpb - freed_swa * spb
-                    short_full, short_swa, short_bytes = max(0, short_full), max(0, short_swa), max(0, short_bytes)
-                    if not (short_full or short_swa or short_bytes):
-                        break
-                    if stage in ("copy", "full") and not (short_full or short_bytes):
-                        break
-                    if stage in ("swa", "anchor") and not (short_swa or short_bytes):
-                        break
-                    if not self._evict_one(stage, pf, ps):
-                        break
+                self._evict(stage, pf, ps, need)
         finally:
             self._give_back_gathered()
         return self.pool.alloc(n_full, n_swa)
 
     def _evict_one(self, stage: str, protect_full: set[int], protect_swa: set[int]) -> bool:
-        table = self._class[stage]  # the eviction class's table
-        victim = None
-        if stage == "copy":  # a full page L1 also holds, LRU first (L1 serves what extends it)
-            full = self._full
-            victim = next((k for k in self._copies if full[k] not in protect_full), None)
-        elif stage == "full" and self.leaf_first:  # a page before the pages that extend it never goes first
-            victim = self._lru_leaf(protect_full)
-        else:
-            for key, page in table.items():  # LRU first; protected pages are skipped
-                if page not in (protect_full if stage == "full" else protect_swa):
-                    victim = key
+        """Evict class ``stage``'s LRU unprotected page (:meth:`_evict`); False: none."""
+        return self._evict(stage, protect_full, protect_swa, limit=1) == 1
+
+    def _evict(self, stage: str, protect_full: set[int], protect_swa: set[int],
+               need: tuple[int, int, int] | None = None, limit: int | None = None) -> int:
+        """Evict unprotected pages of class ``stage`` (``"swa"``, ``"copy"``, ``"full"``,
+        ``"anchor"``), LRU first, until its kind is not short of ``need`` (full pages,
+        SWA pages, bytes missing, against every page gathered since :meth:`alloc` began),
+        after ``limit`` victims, or when it has none left; returns the victims.  One
+        loop per class (alloc evicts about as many pages as it stores).  O(victims + skipped)."""
+        own = self._freeing is None  # called outside alloc: free what it gathers at the end
+        got_full, got_swa = self._freeing = self._freeing or ([], [])
+        full_kind, table = stage in ("copy", "full"), self._class[stage]
+        order = self._copies if stage == "copy" else table  # LRU first (copy: full pages L1 also holds)
+        counters, gone = self.counters, self._gone_full
+        prot = protect_full if full_kind else protect_swa
+        leaves = stage == "full" and self._leaf_first
+        fpb, spb = self.pool.full_page_bytes, self.pool.swa_page_bytes
+        need_full, need_swa, need_bytes = need if need is not None else (0, 0, 0)
+        taken = 0
+        try:
+            while limit is None or taken < limit:
+                if need is not None:
+                    nf, ns = len(got_full), len(got_swa)
+                    if not (need_bytes > nf * fpb + ns * spb or (need_full > nf if full_kind else need_swa > ns)):
+                        break
+                if leaves:  # a page before the pages that extend it never goes first
+                    victim = self._lru_leaf(protect_full)
+                else:  # the LRU page not protected
+                    victim = next((k for k in order if table[k] not in prot), None) if prot else next(iter(order), None)
+                if victim is None:
                     break
-        if victim is None:
-            return False
-        page = table.pop(victim)
-        if stage == "copy":
-            self.counters["evicted_l1_copy_pages"] += 1
-        if stage in ("copy", "full"):
-            self._copies.pop(victim, None)
-            self._gone_full(victim)
-            self._drop_page(0, page)
-            self.counters["evicted_full_pages"] += 1
-            if self.listeners:
-                emit(self.listeners, TierEvent("L2", "remove", (victim,)))
-            self._drop_paired_swa(victim, protect_swa)
-        else:
-            self._free_swa_entry(victim, page)
-        return True
+                taken += 1
+                page = table.pop(victim)
+                if not full_kind:
+                    self._free_swa_entry(victim, page)
+                    continue
+                if stage == "copy":
+                    counters["evicted_l1_copy_pages"] += 1
+                gone(victim, page, protect_swa)
+        finally:
+            if own:
+                self._give_back_gathered()
+        return taken
 
     def _free_swa_entry(self, key: bytes, page: int) -> None:
         self._drop_page(1, page)
@@ -405,13 +415,7 @@ class HostTier:
                 page = self._full.pop(key, None)
                 if page is None:
                     continue
-                self._copies.pop(key, None)
-                self._gone_full(key)
-                self._drop_page(0, page)
-                self.counters["evicted_full_pages"] += 1
-                if self.listeners:
-                    emit(self.listeners, TierEvent("L2", "remove", (key,)))
-                self._drop_paired_swa(key, set())
+                self._gone_full(key, page, set())
                 n += 1
                 continue
             for table in (self._swa, self._anchor):
@@ -461,7 +465,7 @@ class HostTier:
         ups = parents if parents is not None else [None] * len(keys)
         if len(ups) != len(keys):
             raise ValueError(f"parents needs {len(keys)} entries, got {len(ups)}")
-        full, parent_of, kids = self._full, self._parent, self._kids
+        full, parent_of, kids, l1, copies = self._full, self._parent, self._kids, self._l1, self._copies
         for k, p, up in zip(keys, np.asarray(pages).tolist(), ups):
             if up is not None and k not in parent_of:  # new, or stored as a root before
                 parent_of[k] = up
@@ -472,10 +476,10 @@ class HostTier:
             else:
                 full[k] = p
                 fresh.append(p)
-                if k in self._l1:
-                    self._copies[k] = None
+                if k in l1:
+                    copies[k] = None
                 new.append(k)
-                self.counters["stored_full_pages"] += 1
+        self.counters["stored_full_pages"] += len(fresh)
         self._used(keys)  # after the links: only the leaves among them are filed
         self.stamps[AttnKind.FULL].stamp(np.asarray(fresh, dtype=np.int64))
         if dup:
