@@ -52,14 +52,31 @@ if command -v nvcc >/dev/null; then
     make -s -C src_cuda
 fi
 
-echo "== core suite (pytest tests)"
-python3 -m pytest -q -rs -p no:cacheprovider tests
-
+SUITES=()
 for suite in adapters/sglang/run-tests.sh adapters/vllm/run-tests.sh; do
-    if [ -f "$suite" ]; then
-        echo "== $(dirname "$suite") suite ($suite, its own virtual environment)"
-        bash "$suite"
-    fi
+    [ -f "$suite" ] && SUITES+=("$suite")
+done
+# The adapters' virtual environments are made while the core suite runs (mostly
+# downloads and unpacking); their output goes to .ci-out/adapter-venvs.log, shown
+# if one fails.  Each suite then finds its venv ready (its stamp file).
+VENVS_LOG="$OUT/adapter-venvs.log"
+: > "$VENVS_LOG"
+(for suite in "${SUITES[@]}"; do bash "$suite" --install-only || exit 1; done) >> "$VENVS_LOG" 2>&1 &
+VENVS_PID=$!
+
+echo "== core suite (pytest tests; the adapters' venvs are made meanwhile)"
+core=0
+python3 -m pytest -q -rs -p no:cacheprovider tests || core=$?
+if ! wait "$VENVS_PID"; then
+    echo "making an adapter's virtual environment failed:" >&2
+    tail -n 200 "$VENVS_LOG" >&2
+    exit 1
+fi
+[ "$core" = 0 ] || exit "$core"
+
+for suite in "${SUITES[@]}"; do
+    echo "== $(dirname "$suite") suite ($suite, its own virtual environment)"
+    bash "$suite"
 done
 if [ -f docs/build.sh ]; then
     echo "== docs (sphinx-build -W)"
