@@ -19,7 +19,8 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$*" >> "$CALLS"
 case "$1 $2" in
   "-m pip") for i in $(seq 50); do echo "pip noise $i"; done
-            [ -z "${FAIL_PIP:-}" ] || { echo "pip: no matching distribution" >&2; exit 1; } ;;
+            [ -z "${FAIL_PIP:-}" ] || { echo "pip: no matching distribution" >&2; exit 1; }
+            case "${FAIL_VENV_PIP:-}:$0" in 1:*.venv*) echo "venv pip failed" >&2; exit 1 ;; esac ;;
   "-m pytest") echo "fake pytest ran" ;;
   "-m venv") mkdir -p "$3/bin" && cp "$0" "$3/bin/python" ;;
   *) echo "2.13.0" ;;
@@ -59,11 +60,34 @@ def test_test_sh_prints_headers_and_hides_pip(tree):
     out = res.stdout + res.stderr
     assert "pip noise" not in out
     headers = [ln for ln in res.stdout.splitlines() if ln.startswith("== ")]
-    assert headers[0].startswith("== install") and "== core suite (pytest tests)" in headers
+    assert headers[0].startswith("== install") and any(h.startswith("== core suite (pytest tests") for h in headers)
     assert res.stdout.index("== core suite") < res.stdout.index("fake pytest ran")
     pytest_calls = [c for c in calls if c.startswith("-m pytest")]
     assert pytest_calls and all(" -rs " in f" {c} " for c in pytest_calls)
     assert all("-c /" in c for c in calls if c.startswith("-m pip install"))  # under the torch constraint
+
+
+def test_test_sh_makes_the_adapter_venvs_while_the_core_suite_runs(tree):
+    """Both adapters' venvs are made (their pip output in .ci-out/adapter-venvs.log,
+    not on the console), then each suite runs after the core suite, in its venv."""
+    res, calls = _run(tree, "scripts/test.sh")
+    assert res.returncode == 0, res.stderr
+    assert "pip noise" not in res.stdout + res.stderr
+    for adapter in ("sglang", "vllm"):
+        assert (tree / "adapters" / adapter / ".venv" / "bin" / "python").exists(), adapter
+    assert (tree / ".ci-out" / "adapter-venvs.log").read_text().count("installing") == 2
+    out = res.stdout
+    core = out.index("== core suite")
+    assert core < out.index("== adapters/sglang suite") < out.index("== adapters/vllm suite")
+    assert sum(c.startswith("-m pytest") for c in calls) == 3  # the core suite and each adapter's
+
+
+def test_test_sh_stops_when_an_adapter_venv_cannot_be_made(tree):
+    res, calls = _run(tree, "scripts/test.sh", FAIL_VENV_PIP="1")
+    assert res.returncode != 0
+    assert "making an adapter's virtual environment failed" in res.stderr and "venv pip failed" in res.stderr
+    assert "== adapters/" not in res.stdout
+    assert sum(c.startswith("-m pytest") for c in calls) == 1  # the core suite ran, no adapter's
 
 
 def test_test_sh_shows_the_pip_log_when_an_install_fails(tree):
