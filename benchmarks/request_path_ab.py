@@ -7,9 +7,10 @@ compare the request path of two commits, this script materialises the trace's
 prompts once with the current code, then drives each version's
 ``HybridKVCache`` with exactly the same loop (``begin``, ``reserve`` +
 ``commit`` per chunk, ``finish``; no references, no bound), in a fresh process
-per run, alternating the versions round by round.  It prints each run's p50,
-p90 and mean per request and the hit rate, then the median p50 of each version
-and their ratio.
+per run, alternating the versions round by round (each goes first in every
+other round).  It prints each run's p50, p90 and mean per request and the hit
+rate, then the median p50 of each version and their ratio, and the median (min,
+max) of the rounds' paired ratios of p50 and of the mean.
 
     git worktree add /tmp/old <commit>
     python benchmarks/request_path_ab.py /tmp/old . --rounds 4 [--budget-gb 594] [--step 128,4096,256]
@@ -165,7 +166,7 @@ def main() -> None:
         with open(path, "wb") as f:
             pickle.dump(prompts, f)
         for i in range(args.rounds):
-            for root in roots:
+            for root in roots if i % 2 == 0 else roots[::-1]:  # each goes first in turn
                 res = subprocess.run([sys.executable, "-c", _CHILD, root, path, str(int(args.budget_gb * 10**9)),
                                       str(args.chunk), args.preset, str(args.page_size), str(args.l2_gb)],
                                      capture_output=True, text=True, check=True, cwd=tmp)
@@ -177,6 +178,10 @@ def main() -> None:
         base, new = roots
         print(f"median p50: {base} {med[base]:.1f} us, {new} {med[new]:.1f} us, ratio {med[new] / med[base]:.3f}",
               flush=True)
+        for stat in ("p50", "mean"):  # the same round's two runs, paired
+            pairs = sorted(b[stat] and n[stat] / b[stat] for b, n in zip(runs[base], runs[new]))
+            print(f"paired rounds, {stat}: median ratio {statistics.median(pairs):.3f} "
+                  f"(min {pairs[0]:.3f}, max {pairs[-1]:.3f})", flush=True)
         if args.step != "none":
             _step_ab(roots, args, tmp)
 
