@@ -144,9 +144,11 @@ def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], dev
             l2 = view.l2.tier.stats() if tiers and view is not None and view.l2 is not None else {}
             l1 = getattr(sched.connector, "_l1", None)
             # prompt pages whose keys the lookups read off the device tree instead of hashing; the
-            # device's full KV a hit loaded again, and what the window repair served from the device
+            # device's full KV a hit loaded again, and what the window repair served from the device;
+            # blocks whose L2 answer a lookup read off the tree's records, and those it asked by key
             named = ({k: sched.connector.stats.get(k, 0)
-                      for k in ("tree_named_pages", "reloaded_held_tokens", "repaired_tokens")} if tiers else {})
+                      for k in ("tree_named_pages", "reloaded_held_tokens", "repaired_tokens",
+                                "l2_pages_read_off_tree", "l2_pages_asked_by_key")} if tiers else {})
             if l2 and l1 is not None:
                 l2["rescued_full_pages"] = l1.rescued
         finally:

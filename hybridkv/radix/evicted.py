@@ -238,7 +238,7 @@ class EvictedRuns:
                 at = stack.pop()
                 for first, run in at.items():
                     n = len(run.names)
-                    assert n > 0 and None not in run.names and run.host_at.shape == (n, 4), run
+                    assert n > 0 and None not in run.names and run.host_at.ndim == 2 and len(run.host_at) == n, run
                     assert len(run.key) == n * P and first == run.key[:P].tobytes(), run
                     assert run.home is at, f"{run} does not know the map it hangs in"
                     total += n

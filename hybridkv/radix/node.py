@@ -90,8 +90,9 @@ class TreeNode:
         tier_anchor: with ``page_keys``, bool per page: its SWA ends a window
             the tiers keep (set by the insert, or when a hit ends there).
         host_at: with ``page_keys``, per page where L2 holds it as last recorded
-            (int64 ``[pages, 4]``, :data:`HOST_AT_COLUMNS`; valid only while L2's
-            stamp of the slot matches, :mod:`hybridkv.tiers.slots`), cut with the node.
+            (int64 ``[pages, 2 * pairs]``: a (slot, stamp) column pair per KV the
+            host keeps apart, the core's :data:`HOST_AT_COLUMNS`; valid only while
+            L2's stamp of the slot matches, :mod:`hybridkv.tiers.slots`), cut with the node.
         evicted: the runs of pages L1 evicted that continue this node's end (first
             page's bytes -> run; :mod:`~hybridkv.radix.evicted`), None when none.
     """
@@ -164,16 +165,19 @@ class EvictedRun:
         return f"EvictedRun(pages={len(self.names)}, below={len(self.below or ())})"
 
 
-#: The columns of a ``host_at`` record: L2's slot of the page's full KV and its
-#: stamp, then the same for its SWA (slot -1 and stamp 0: nothing recorded).
+#: The columns of the core's ``host_at`` record: L2's slot of the page's full KV
+#: and its stamp, then the same for its SWA (slot -1 and stamp 0: nothing
+#: recorded).  A host whose pages hold more KV kinds apart (vLLM's KV-cache
+#: groups, several blocks of a group per tree page) records one such
+#: (slot, stamp) pair per kind and block, in its own column order.
 HOST_AT_COLUMNS = ("full_slot", "full_stamp", "swa_slot", "swa_stamp")
-_UNRECORDED = np.array([-1, 0, -1, 0], dtype=np.int64)
 
 
-def unrecorded(n: int) -> np.ndarray:
-    """A ``host_at`` record of ``n`` pages with nothing recorded.  O(n)."""
-    out = np.empty((n, 4), dtype=np.int64)
-    out[:] = _UNRECORDED
+def unrecorded(n: int, width: int = len(HOST_AT_COLUMNS)) -> np.ndarray:
+    """A ``host_at`` record of ``n`` pages and ``width`` columns (an even number:
+    (slot, stamp) pairs) with nothing recorded.  O(n * width)."""
+    out = np.zeros((n, width), dtype=np.int64)
+    out[:, 0::2] = -1
     return out
 
 

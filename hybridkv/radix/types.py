@@ -216,8 +216,8 @@ class PageNames:
     unnamed).  ``anchored[i]``: its SWA ends a window the tiers keep (L2 keeps it
     past plain SWA; L3 may receive only those).  ``parents[i]`` (pages freed
     only): the key of the page before it in its sequence (None: the first page).
-    ``host_at`` (optional, int64 ``[pages, 4]``): where L2 holds each page, as
-    recorded by the tiers (:attr:`TreeNode.host_at`; None: nothing recorded).
+    ``host_at`` (optional, int64 ``[pages, 2 * pairs]``): where L2 holds each
+    page, as recorded by the tiers (:attr:`TreeNode.host_at`; None: nothing recorded).
     An insert gives names for every page of its key; the tree keeps those of the
     pages it takes (``TreeNode.page_keys`` / ``tier_anchor`` / ``host_at``) and
     hands them to its ``free_listeners`` with the pages it frees.
@@ -234,8 +234,9 @@ class PageNames:
         n = len(self.keys)
         if len(self.anchored) != n or (self.parents is not None and len(self.parents) != n):
             raise ValueError(f"anchored and parents need {n} entries (one per key)")
-        if self.host_at is not None and np.shape(self.host_at) != (n, 4):
-            raise ValueError(f"host_at must have shape ({n}, 4), got {np.shape(self.host_at)}")
+        shape = None if self.host_at is None else np.shape(self.host_at)
+        if shape is not None and (len(shape) != 2 or shape[0] != n or shape[1] < 2 or shape[1] % 2):
+            raise ValueError(f"host_at must have shape ({n}, 2 * pairs), got {shape}")
 
     def select(self, mask: np.ndarray) -> "PageNames":
         """The names where bool ``mask`` is True.  O(pages)."""
@@ -338,7 +339,9 @@ def join_names(parts: list[PageNames]) -> PageNames | None:
         parents += p.parents if p.parents is not None else [None] * len(p.keys)
     rows = None
     if any(p.host_at is not None for p in parts):
-        rows = np.concatenate([p.host_at if p.host_at is not None else unrecorded(len(p.keys)) for p in parts])
+        width = next(p.host_at.shape[1] for p in parts if p.host_at is not None)
+        rows = np.concatenate([p.host_at if p.host_at is not None else unrecorded(len(p.keys), width)
+                               for p in parts])
     return PageNames(keys, np.concatenate([p.anchored for p in parts]), parents, rows)
 
 

@@ -48,15 +48,28 @@ def record_rows(host: HostTier, rows: np.ndarray, kind: AttnKind, idx: np.ndarra
 class TreeWalk:
     """A prompt's walk of the tree: the L1 nodes it matched, each with its pages
     matched (``path``), and the evicted runs read past them (``runs``).
-    ``engine``: taken on the engine's thread (records may be written back)."""
+    ``engine``: taken on the engine's thread (records may be written back).
+    ``fixed``: the segments as :meth:`freeze` took them (None: read at each call)."""
 
     path: list[tuple[TreeNode, int]] = field(default_factory=list)
     runs: list[tuple[EvictedRun, int]] = field(default_factory=list)
     engine: bool = True
+    fixed: list[tuple[np.ndarray | None, int, int]] | None = None
+
+    def freeze(self, width: int) -> "TreeWalk":
+        """Keep the entries' records as they are now (views: what is recorded later
+        lands on them), for a walk read again after the tree changed (a node trimmed
+        or split since keeps its rows).  Records of another ``width`` read as
+        unrecorded.  Returns ``self``.  O(entries)."""
+        self.fixed = [(rows if rows is not None and rows.shape[1] == width else None, lo, k)
+                      for rows, lo, k in self.segments()]
+        return self
 
     def segments(self) -> list[tuple[np.ndarray | None, int, int]]:
         """``(host_at rows or None, first page, pages)`` of each entry along the
         walk, in page order: the L1 nodes, then the runs.  O(entries)."""
+        if self.fixed is not None:
+            return self.fixed
         out: list[tuple[np.ndarray | None, int, int]] = []
         pos = 0
         for node, k in self.path:
@@ -85,18 +98,23 @@ class HostRecords:
         counters.setdefault("l2_pages_asked_by_key", 0)
 
     def slots(self, kind: AttnKind, walk: TreeWalk, pages: np.ndarray,
-              key_of: Callable[[int], bytes], *, leading: bool = False) -> np.ndarray:
+              key_of: Callable[[int], bytes], *, leading: bool = False, pair: int | None = None) -> np.ndarray:
         """The host page of ``kind`` (L2's slot) holding each of ``pages`` (int
         page indices of the walk's prompt, ascending), ``-1`` where L2 holds none.
         ``key_of(i)``: the L2 key of page ``i`` (asked only for pages without a
         valid record).  ``leading``: only the leading run of held pages matters
         (a hit): pages without a record are asked in order, in chunks of 16,
         four times more each round, up to the first chunk with an absent page;
-        the pages after it read ``-1`` unless recorded.  O(entries of the walk + pages)."""
+        the pages after it read ``-1`` unless recorded.  ``pair``: the records'
+        (slot, stamp) column pair to read and write (default: ``kind``'s in
+        :data:`~hybridkv.radix.node.HOST_AT_COLUMNS`; a host with more pairs per
+        page names its own).  O(entries of the walk + pages)."""
         n = len(pages)
         if n == 0:
             return np.zeros(0, dtype=np.int64)
-        col = _SLOT[kind]
+        if pair is not None and (isinstance(pair, bool) or not isinstance(pair, int) or pair < 0):
+            raise ValueError(f"pair must be an int >= 0 or None, got {pair!r}")
+        col = _SLOT[kind] if pair is None else 2 * pair
         stamps = self.host.stamps[kind]
         rec, views = self._gather(walk, pages, col)
         valid = stamps.held(rec[:, 0], rec[:, 1])

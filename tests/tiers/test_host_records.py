@@ -136,9 +136,46 @@ def test_slot_stamps():
     assert st.of(np.array([-1, 10 ** 7])).tolist() == [0, 0]
 
 
-def test_page_names_host_at_shape():
+@pytest.mark.parametrize("shape", [(3, 4), (2, 3), (2,), (2, 0)])
+def test_page_names_host_at_shape(shape):
     with pytest.raises(ValueError, match="host_at"):
-        PageNames([b"a", b"b"], np.zeros(2, dtype=bool), host_at=np.zeros((3, 4), dtype=np.int64))
+        PageNames([b"a", b"b"], np.zeros(2, dtype=bool), host_at=np.zeros(shape, dtype=np.int64))
+
+
+def test_records_of_more_pairs_are_read_and_written_at_their_pair():
+    """A host recording more (slot, stamp) pairs per page (vLLM: one per block of each
+    group) reads and writes only the pair it names; the other pairs stay as they were.
+    A frozen walk keeps the rows it saw when the node is trimmed later."""
+    from hybridkv.radix.node import TreeNode, unrecorded
+    from hybridkv.tiers.records import HostRecords, TreeWalk
+
+    cache = _cache(l1_pages=24, l2_pages=8, policy="write_through")
+    host = cache.lower_tiers.host
+    try:
+        got = host.alloc(3, 0)
+        assert got is not None
+        host.insert_full([b"k0", b"k1", b"k2"], got[0])
+        node = TreeNode.__new__(TreeNode)
+        node.host_at = unrecorded(3, width=6)
+        assert node.host_at[:, 0::2].tolist() == [[-1] * 3] * 3 and not node.host_at[:, 1::2].any()
+        walk = TreeWalk([(node, 3)]).freeze(6)
+        node.host_at = node.host_at[:1]  # trimmed after the walk: the frozen rows stay whole
+        counts: dict[str, int] = {}
+        rec = HostRecords(host, counts)
+        keys = [b"k0", b"k1", b"gone"]
+        out = rec.slots(AttnKind.FULL, walk, np.arange(3), keys.__getitem__, pair=2)
+        assert out.tolist() == [int(got[0][0]), int(got[0][1]), -1]
+        assert counts == {"l2_pages_read_off_tree": 0, "l2_pages_asked_by_key": 3}
+        rows = walk.segments()[0][0]
+        assert rows[:2, 4].tolist() == out[:2].tolist() and (rows[:, :4] == unrecorded(3, 6)[:, :4]).all()
+        again = rec.slots(AttnKind.FULL, walk, np.arange(3), keys.__getitem__, pair=2)
+        assert again.tolist() == out.tolist() and counts["l2_pages_read_off_tree"] == 2
+        assert rec.slots(AttnKind.FULL, TreeWalk([(node, 3)]).freeze(4), np.arange(1), keys.__getitem__,
+                         pair=0).tolist() == [int(got[0][0])]  # another width: unrecorded, asked
+        with pytest.raises(ValueError, match="pair"):
+            rec.slots(AttnKind.FULL, walk, np.arange(1), keys.__getitem__, pair=-1)
+    finally:
+        cache.close()
 
 
 def test_host_stamps_follow_admission_and_eviction():

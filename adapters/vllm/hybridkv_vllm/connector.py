@@ -46,6 +46,7 @@ import atexit
 import math
 import time
 import weakref
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -253,7 +254,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Pages below the engine's own hit are never read; pages handed to the workers' save
         # threads count as present (the worker's load waits for them: SaveThread.wait_keys).
         self._count(lookups=1)
-        return self._lookups.hit(request.request_id, keys, local, max_tokens, unit, device_full=device_full)
+        names = self._names
+        l2_held = (partial(names.l2_held, st.walk) if names is not None and st.walk is not None
+                   and names.records is not None else None)  # L2 read off the tree's records first
+        try:
+            return self._lookups.hit(request.request_id, keys, local, max_tokens, unit, device_full=device_full,
+                                     l2_held=l2_held)
+        finally:
+            if l2_held is not None:
+                self._count(**names.pull_counts())
 
     def _window_hit(self, request: Request, safe: int, full: int) -> tuple[int, int] | None:
         """The prefix manager's question for a window repair (:mod:`.repair`), asked at each

@@ -11,6 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.tiers.keys import page_keys
+from hybridkv.tiers.records import TreeWalk
 
 from .kvio import as_np_tokens
 
@@ -85,6 +86,9 @@ class ReqState:
     #: a window repair the lookup planned (``(safe, local, end)`` tokens: the device's
     #: window-safe hit, what the device hands vLLM, the hit's end; :mod:`.repair`)
     repair: tuple[int, int, int] | None = None
+    #: the tree walk its first lookup read keys off (with hybridkv's prefix cache and an
+    #: L2: the entries' L2 records, :meth:`.names.TreeNames.l2_held`), None: none
+    walk: TreeWalk | None = None
 
     def page_keys(self, tokens: int, groups: Sequence[GroupInfo],
                   fingerprints: dict[int, str]) -> dict[int, list[bytes]]:

@@ -43,7 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from functools import partial
 
-from .sources import TierView
+from .sources import L2Held, TierView
 
 __all__ = ["GIVE_UP_S", "Lookups", "TimedProbe"]
 
@@ -104,11 +104,12 @@ class Lookups:
         self._running: dict[int, float] = {}  # id of each probe not done -> queued at
 
     def hit(self, req_id: str, keys: dict[int, list[bytes]], local_tokens: int, max_tokens: int,
-            unit: int, *, device_full: int = 0) -> int | None:
+            unit: int, *, device_full: int = 0, l2_held: L2Held | None = None) -> int | None:
         """The window-safe hit of ``req_id``'s lookup (as :meth:`.sources.TierView.hit`,
-        ``device_full`` too), or ``None``: its probe is still running, ask again later.
+        ``device_full`` and ``l2_held`` too; a probe job reads a copy of what L2 held,
+        taken here), or ``None``: its probe is still running, ask again later.
         O(keys), plus the wait for a probe (at most ``wait_s``)."""
-        ask = partial(self.view.hit, device_full=device_full)
+        ask = partial(self.view.hit, device_full=device_full, l2_held=l2_held)
         pending = self._pending.get(req_id)
         if pending is not None:
             fut, since = pending
@@ -125,7 +126,7 @@ class Lookups:
         if self._times is not None and self.wait_s and self._times.answers_within(self.wait_s / 4):
             self._count(lookup_probes_inline=1)
             return ask(keys, local_tokens, max_tokens, unit)  # a fast store: asked here
-        fut = self._submit(ask, keys, local_tokens, max_tokens, unit)
+        fut = self._submit(ask, keys, local_tokens, max_tokens, unit, l2_held)
         if self.wait_s and not wait_for([fut], timeout=self.wait_s).not_done:
             # L2 did not change meanwhile (this thread owns it): the probe's answer is the record's
             return fut.result() if fut.exception() is None else ask(keys, local_tokens, max_tokens, unit,
@@ -135,12 +136,13 @@ class Lookups:
         return None
 
     def _submit(self, ask: Callable[..., int], keys: dict[int, list[bytes]], local_tokens: int,
-                max_tokens: int, unit: int) -> Future:
-        """Queue the probe job over copies of the keys and of what L2 holds now."""
+                max_tokens: int, unit: int, l2_held: L2Held | None = None) -> Future:
+        """Queue the probe job over copies of the keys and of what L2 holds now
+        (read here, on the scheduler's thread: ``l2_held`` writes the tree's records)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="hybridkv-lookup")
         copy = {gi: list(ks) for gi, ks in keys.items()}
-        fut = self._pool.submit(ask, copy, local_tokens, max_tokens, unit, in_l2=self.view.in_l2(copy))
+        fut = self._pool.submit(ask, copy, local_tokens, max_tokens, unit, in_l2=self.view.in_l2(copy, l2_held))
         self._running[id(fut)] = self._clock()
         fut.add_done_callback(lambda f: self._running.pop(id(f), None))
         self._count(lookup_probes=1)

@@ -30,7 +30,10 @@ from typing import Any, Callable
 import numpy as np
 
 from hybridkv.radix import PageNames
+from hybridkv.radix.node import unrecorded
+from hybridkv.spec import AttnKind
 from hybridkv.tiers.keys import KEY_BYTES
+from hybridkv.tiers.records import HostRecords, TreeWalk
 
 from .jobs import ReqState
 from .l2 import HostPageIndex
@@ -52,9 +55,15 @@ class TreeNames:
             rebuilt by a prefix-cache reset, so it is read each time).
         page_size: tokens per tree page (a multiple of every group's block size:
             :meth:`fits`).
+        l2: L2's index, whose records the tree keeps (None: no L2, nothing recorded).
+
+    Attributes: ``width`` (bytes of one page's name), ``record_width`` (columns
+    of one page's ``host_at`` record), ``counts`` (the two record counters'
+    increments since :meth:`pull_counts`).
     """
 
-    def __init__(self, groups: Sequence[GroupInfo], manager: Any, page_size: int) -> None:
+    def __init__(self, groups: Sequence[GroupInfo], manager: Any, page_size: int,
+                 l2: HostPageIndex | None = None) -> None:
         if not self.fits(groups, page_size):
             raise ValueError(f"page_size {page_size} is not a multiple of every group's block size")
         self.groups = list(groups)
@@ -62,6 +71,11 @@ class TreeNames:
         self.page_size = page_size
         self.per_page = [page_size // g.block_size for g in self.groups]
         self.width = sum(self.per_page) * KEY_BYTES  # bytes of one page's name
+        self.record_width = 2 * sum(self.per_page)  # a (slot, stamp) pair per block of every group
+        self._first_pair = {g.index: int(sum(self.per_page[:i])) for i, g in enumerate(self.groups)}
+        self._per_page = {g.index: k for g, k in zip(self.groups, self.per_page)}
+        self.counts: dict[str, int] = {}
+        self.records = HostRecords(l2.tier, self.counts) if l2 is not None else None
         self._finishing: OrderedDict[str, ReqState] = OrderedDict()
 
     @staticmethod
@@ -75,12 +89,14 @@ class TreeNames:
         cols = [(keys[g.index], k) for g, k in zip(self.groups, self.per_page)]
         out: list[bytes | None] = [None] * lo
         out += [b"".join(b"".join(ks[i * k:(i + 1) * k]) for ks, k in cols) for i in range(lo, n)]
-        return PageNames(out, np.zeros(n, dtype=bool))
+        return PageNames(out, np.zeros(n, dtype=bool), host_at=unrecorded(n, self.record_width))
 
     def seed(self, st: ReqState, limit: int) -> int:
         """Fill ``st.keys`` (still empty) with the keys of the request's leading pages
-        the tree names, up to ``limit`` tokens (page aligned).  Returns the pages
-        named.  On the scheduler's thread (the tree's own).  O(depth + pages read)."""
+        the tree names, up to ``limit`` tokens (page aligned), and keep the walk
+        they were read off (``st.walk``: its entries' L2 records, :meth:`l2_held`).
+        Returns the pages named.  On the scheduler's thread (the tree's own).
+        O(depth + pages read)."""
         if st.keys or limit < self.page_size:
             return 0
         mgr = self.manager
@@ -90,9 +106,12 @@ class TreeNames:
             tokens = looked[:limit]
         else:
             tokens = np.asarray(st.request.all_token_ids[:limit], dtype=np.int32)  # the tree's token dtype
-        names, _ = mgr.tree.walk_names(tokens, mgr.namespace(st.request), limit)  # the runs trimmed first
+        runs: list = []
+        names, path = mgr.tree.walk_names(tokens, mgr.namespace(st.request), limit, runs=runs)  # runs trimmed first
         if not names:
             return 0
+        if self.records is not None:  # the entries' records as they are now (later lookups read them too)
+            st.walk = TreeWalk(path, runs).freeze(self.record_width)
         blob = b"".join(names)
         assert len(blob) == len(names) * self.width, "a tree name of another group layout"
         cols = np.frombuffer(blob, dtype=f"V{KEY_BYTES}").reshape(len(names), -1)  # a key per column
@@ -101,6 +120,31 @@ class TreeNames:
             st.keys[g.index] = cols[:, off:off + k].reshape(-1).tolist()
             off += k
         return len(names)
+
+    def l2_held(self, walk: TreeWalk, g: GroupInfo, keys: Sequence[bytes], lo: int, hi: int) -> np.ndarray:
+        """Bool per block ``[lo, hi)`` of group ``g`` (``keys``: the group's keys, at least
+        ``hi``): L2's index holds it.  Read off the records of ``walk``'s entries where
+        valid; the other blocks are asked of the index by key and the answers recorded
+        there (so only on the scheduler's thread).  The same answers as asking every
+        block by key.  O(entries of the walk + blocks) per block of a tree page."""
+        assert self.records is not None, "no L2 to read"
+        k, first = self._per_page[g.index], self._first_pair[g.index]
+        kind = AttnKind.SWA if g.is_swa else AttnKind.FULL
+        blocks = np.arange(lo, hi, dtype=np.int64)
+        out = np.zeros(blocks.size, dtype=bool)
+        for b in range(k):  # block b of each tree page: its own column pair
+            sel = blocks[blocks % k == b] if k > 1 else blocks
+            if sel.size:
+                slots = self.records.slots(kind, walk, sel // k, lambda p, b=b: keys[p * k + b], pair=first + b)
+                out[sel - lo] = slots >= 0
+        return out
+
+    def pull_counts(self) -> dict[str, int]:
+        """The record counters' increments since the last call (nonzero ones).  O(1)."""
+        out = {n: v for n, v in self.counts.items() if v}
+        for n in out:
+            self.counts[n] = 0
+        return out
 
     def reloaded(self, request_id: str, start: int, end: int) -> int:
         """Of a load of tokens ``[start, end)``, the tokens whose full KV the device's tree
@@ -136,7 +180,7 @@ def bind_names(groups: Sequence[GroupInfo], manager: Any, live: dict[str, ReqSta
     page_size = getattr(manager, "page_size", 0)
     if not hasattr(manager, "name_pages") or not TreeNames.fits(groups, page_size):
         return None
-    names = TreeNames(groups, manager, page_size)
+    names = TreeNames(groups, manager, page_size, l2)
     per = sum(k for g, k in zip(names.groups, names.per_page) if not g.is_swa) or 1
     device = manager.block_pool.num_gpu_blocks
 

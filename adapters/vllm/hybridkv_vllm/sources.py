@@ -31,7 +31,7 @@ counts add up to the hit, as vLLM requires.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -42,7 +42,12 @@ from hybridkv.tiers.lookup import stored_hit
 from .l2 import HostPageIndex
 from .plan import GroupInfo, passed_pages
 
-__all__ = ["TierView", "l3_source"]
+__all__ = ["L2Held", "TierView", "l3_source"]
+
+#: ``l2_held(group, keys, lo, hi)``: bool per block ``[lo, hi)`` of ``group`` (``keys``:
+#: the group's keys): L2 holds it, read off the tree's records
+#: (:meth:`.names.TreeNames.l2_held` over a request's walk).
+L2Held = Callable[[GroupInfo, Sequence[bytes], int, int], np.ndarray]
 
 # L3 URL schemes whose pages live on this machine's disks; any other is a remote store.
 _DISK_SCHEMES = ("file", "nixl+posix")
@@ -78,7 +83,7 @@ class TierView:
 
     def hit(self, keys: dict[int, list[bytes]], local_tokens: int, max_tokens: int, unit: int, *,
             deferred: list[bytes] | None = None, in_l2: dict[int, np.ndarray] | None = None,
-            device_full: int = 0) -> int:
+            device_full: int = 0, l2_held: L2Held | None = None) -> int:
         """The window-safe hit of a lookup from what L2 (the index, not touched) and L3
         hold, asking the store as little as the answer needs: the core's lookup
         (:func:`hybridkv.tiers.lookup.stored_hit`, the one the core's L3 read-ahead
@@ -90,9 +95,11 @@ class TierView:
         read instead of L2's index, so the call is safe off the scheduler's thread
         (the record is thread-safe).  ``device_full``: tokens whose full KV the device
         holds past ``local_tokens`` (a window repair, :mod:`.repair`): full pages
-        below it count as held.  O(keys) plus the probes."""
+        below it count as held.  ``l2_held``: what L2 holds read off the tree's
+        records first (:data:`L2Held`; the scheduler's thread only).  O(keys) plus the probes."""
         def held(g: GroupInfo, lo: int, hi: int) -> np.ndarray:
-            got = in_l2[g.index][lo:hi] if in_l2 is not None else self._in_l2(g.is_swa, keys[g.index][lo:hi])
+            got = (in_l2[g.index][lo:hi] if in_l2 is not None
+                   else self._in_l2(g, keys[g.index], lo, hi, l2_held))
             on_device = min(hi, device_full // g.block_size) - lo if not g.is_swa else 0
             if on_device > 0:
                 got = got.copy()
@@ -102,15 +109,20 @@ class TierView:
         return stored_hit(list(self.groups.values()), keys, held, self.store, local_tokens, max_tokens, unit,
                           deferred=deferred)[0]
 
-    def in_l2(self, keys: dict[int, list[bytes]]) -> dict[int, np.ndarray]:
-        """Per group index, a bool per key: L2's index holds it now (for :meth:`hit`'s ``in_l2``).  O(keys)."""
-        return {gi: self._in_l2(self.groups[gi].is_swa, ks) for gi, ks in keys.items()}
+    def in_l2(self, keys: dict[int, list[bytes]], l2_held: L2Held | None = None) -> dict[int, np.ndarray]:
+        """Per group index, a bool per key: L2's index holds it now (for :meth:`hit`'s
+        ``in_l2``; ``l2_held`` as there).  O(keys)."""
+        return {gi: self._in_l2(self.groups[gi], ks, 0, len(ks), l2_held) for gi, ks in keys.items()}
 
-    def _in_l2(self, swa: bool, keys: Sequence[bytes]) -> np.ndarray:
-        """Bool per key: L2's index holds it (not touched; all False without L2)."""
-        if self.l2 is None or not keys:
-            return np.zeros(len(keys), dtype=bool)
-        return self.l2.held(swa, keys)
+    def _in_l2(self, g: GroupInfo, keys: Sequence[bytes], lo: int, hi: int, l2_held: L2Held | None) -> np.ndarray:
+        """Bool per key of ``keys[lo:hi]`` (group ``g``'s): L2 holds it (not touched; all
+        False without L2): off the tree's records through ``l2_held``, else L2's index."""
+        hi = min(hi, len(keys))
+        if self.l2 is None or hi <= lo:
+            return np.zeros(max(0, hi - lo), dtype=bool)
+        if l2_held is not None:
+            return l2_held(g, keys, lo, hi)
+        return self.l2.held(g.is_swa, keys[lo:hi])
 
     def touches(self, keys: dict[int, list[bytes]], end: int, interval_s: float) -> list[bytes]:
         """Store keys of a hit ``[0, end)`` to touch now (repair case 3: a prefix served

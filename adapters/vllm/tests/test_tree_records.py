@@ -1,0 +1,106 @@
+"""The connector reads where L2 holds a page off hybridkv's device tree (:meth:`TreeNames.l2_held`).
+
+Through vLLM's real scheduler with hybridkv's prefix cache and connector, and a
+worker-role connector in the same process (the stack of ``test_l2_demote``):
+each tree page records, per block of every group, the L2 slot and its stamp
+where a lookup found it; a later lookup over those pages reads L2's answer
+there instead of asking L2's index by key.  Every answer read off the records
+equals asking L2's index by key, page by page, under eviction; a planted fault
+(stale records believed) is caught by the same check; and a second lookup of a
+prompt the device evicted asks L2 nothing by key.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from typing import Any
+
+import numpy as np
+import pytest
+from test_l2_demote import _conversations, _request, _run, stack  # noqa: F401
+from test_tree_names import _build
+
+from hybridkv.tiers.slots import SlotStamps
+from hybridkv_vllm.names import TreeNames
+
+
+@pytest.fixture()
+def compared(monkeypatch) -> list[int]:  # noqa: ANN001
+    """Every record read checked against L2's index asked by key; the blocks each read covered."""
+    real = TreeNames.l2_held
+    blocks: list[int] = []
+
+    def l2_held(self: TreeNames, walk: Any, g: Any, keys: Any, lo: int, hi: int) -> np.ndarray:
+        got = real(self, walk, g, keys, lo, hi)
+        idx = self.records.host  # the HostTier behind L2's index
+        want = (idx.lookup_swa(list(keys[lo:hi])) if g.is_swa else idx.lookup_full(list(keys[lo:hi]))) >= 0
+        assert got.tolist() == want.tolist(), "a block's L2 answer off the tree differs from asking by key"
+        blocks.append(hi - lo)
+        return got
+
+    monkeypatch.setattr(TreeNames, "l2_held", l2_held)
+    return blocks
+
+
+def test_a_second_lookup_reads_l2_off_the_tree(stack, monkeypatch, compared) -> None:  # noqa: ANN001, F811
+    """The device gives up a's prompt (its pages become evicted runs); b's lookup asks
+    L2 by key and records the answers on the runs; c's lookup of the same prompt (a
+    new request, a new walk) reads every block there and asks L2 nothing by key, with
+    the same hit."""
+    sched, worker = _build(stack, True, monkeypatch, device_pages=400, host_pages=4000)
+    conn, mgr = sched.connector, sched.kv_cache_manager
+    rnd = random.Random(11)
+    prompt = [rnd.randrange(4, 30000) for _ in range(700)]
+    _run(_request(sched, "a", list(prompt)), sched, worker)
+    tree = mgr.tree
+    tree.evict(full_pages=tree.full_pages_cached, swa_pages=tree.swa_pages_cached)
+    assert tree.full_pages_cached == 0 and tree.runs.pages > 0
+    hits = []
+    counts = []
+    for rid in ("b", "c"):
+        before = {k: conn.stats.get(k, 0) for k in ("l2_pages_read_off_tree", "l2_pages_asked_by_key")}
+        hits.append(conn.get_num_new_matched_tokens(_request(sched, rid, list(prompt)), 0))
+        counts.append({k: conn.stats.get(k, 0) - v for k, v in before.items()})
+    hit = (len(prompt) - 1) // conn.unit * conn.unit
+    assert hits[0] == hits[1] == (hit, True)
+    assert counts[0]["l2_pages_asked_by_key"] > 0 and counts[0]["l2_pages_read_off_tree"] == 0
+    assert counts[1]["l2_pages_asked_by_key"] == 0
+    assert counts[1]["l2_pages_read_off_tree"] == counts[0]["l2_pages_asked_by_key"]
+    assert compared and sum(compared) > 0
+    mgr.check_invariants()
+
+
+def _replay(stack: Any, monkeypatch: Any, names: bool, seed: int) -> tuple[list[Any], dict[str, int], Any]:  # noqa: F811
+    sched, worker = _build(stack, names, monkeypatch, device_pages=70, host_pages=24, repair_windows=False)  # records go stale
+    last = _conversations(sched, worker, n_conv=3, seed=seed)
+    per = sorted((rid, st.hit_tokens, st.local_tokens, sorted((str(k), v) for k, v in st.hit_sources.items()))
+                 for rid, (_, st) in last.items())
+    moved = {k: worker.stats.get(k, 0) for k in ("load_pages", "load_pages_l2", "load_pages_l3")}
+    return per, moved, sched
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_records_answer_as_asking_by_key_under_eviction(stack, monkeypatch, compared, tmp_path,  # noqa: ANN001, F811
+                                                        seed: int) -> None:
+    """Conversations through a small device and a small L2 (records go stale as L2
+    evicts): every block's answer off the tree equals asking by key, some come off
+    the tree, and the hits and pages moved are those with the names (so the records)
+    off."""
+    on = _replay(stack, monkeypatch, True, seed)
+    stats = on[2].connector.stats
+    on[2].shutdown()
+    shutil.rmtree(tmp_path / "l3")
+    monkeypatch.undo()
+    off = _replay(stack, monkeypatch, False, seed)
+    assert on[0] == off[0] and on[1] == off[1]
+    assert compared and stats["l2_pages_read_off_tree"] > 0 and stats["l2_pages_asked_by_key"] > 0
+    assert on[1]["load_pages_l2"] > 0
+
+
+def test_a_stale_record_believed_is_caught(stack, monkeypatch, compared) -> None:  # noqa: ANN001, F811
+    """Planted fault: a record is believed whatever L2's stamp of its slot says (a freed
+    or reused slot still reads as holding the page).  The by-key comparison fails."""
+    monkeypatch.setattr(SlotStamps, "held", lambda self, slots, stamps: np.asarray(slots) >= 0)
+    with pytest.raises(AssertionError, match="differs from asking by key"):
+        _replay(stack, monkeypatch, True, 5)
