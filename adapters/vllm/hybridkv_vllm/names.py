@@ -157,7 +157,9 @@ class TreeNames:
     def keep(self, st: ReqState) -> None:
         """Keep a finished request's state until the prefix manager's insert names its
         pages (vLLM frees its blocks after the connector's ``request_finished``, or
-        later for a delayed free); at most :data:`FINISHING_MAX` are kept, oldest out.  O(1)."""
+        later for a delayed free); at most :data:`FINISHING_MAX` are kept, oldest out.  Its
+        walk is let go (no lookup follows a finish).  O(1)."""
+        st.walk = None
         self._finishing[st.request.request_id] = st
         while len(self._finishing) > FINISHING_MAX:
             self._finishing.popitem(last=False)
