@@ -49,6 +49,7 @@ import weakref
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -372,6 +373,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 job.groups[g.index] = ([ids[i] for i in sel], [ks[i] for i in sel])
                 job.bases[g.index] = full_bases(self.groups, keys, g.index, sel)
                 job.parents[g.index] = parent_keys(ks, sel)
+                job.pages[g.index] = sel
                 self._claimed.update(ks[i] for i in sel)
                 if g.is_swa and len(on_grid) < len(ckpts):  # some checkpoint windows enter plain
                     kept = windows_before(g, swa_end // bs, bs, [a // bs for a in on_grid + [swa_end] * final])
@@ -411,7 +413,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_saves.clear()
         for job in meta.saves:  # visible to lookups from the next step on
             self._count(l2_demoted_pages=self._tiers.demote(job.demote))
-            job.slots = self._tiers.on_save(job.groups, job.bases, job.plain, job.parents)
+            placed: dict[int, np.ndarray] = {}
+            job.slots = self._tiers.on_save(job.groups, job.bases, job.plain, job.parents, placed)
+            if self._names is not None:  # where L2 holds them, for the tree's records at the insert
+                self._names.placed(self._names.peek(job.req_id, self._reqs), job.pages, placed)
         meta.saves = [job.for_workers() for job in meta.saves if job.groups]
         self._claimed.clear()
         meta.rescues = self._l1.take_rescues() if self._l1 is not None else {}

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -47,6 +48,8 @@ class PageJob:
     plain: list[bytes] = field(default_factory=list)
     # per group index: the key of the page before each page (:func:`hybridkv.tiers.keys.parent_keys`)
     parents: dict[int, list[bytes | None]] = field(default_factory=dict)
+    # per group index: each page's index in the request's pages of that group (parallel to its keys)
+    pages: dict[int, list[int]] = field(default_factory=dict)
 
     def for_workers(self) -> PageJob:
         """This job as the workers get it: pages and slots, without the fields only
@@ -89,6 +92,10 @@ class ReqState:
     #: the tree walk its first lookup read keys off (with hybridkv's prefix cache and an
     #: L2: the entries' L2 records, :meth:`.names.TreeNames.l2_held`), None: none
     walk: TreeWalk | None = None
+    #: per group index, where the saves that placed its pages in L2 put them: int64 rows
+    #: (page index, L2 slot, the slot's stamp then), for the tree's records at the prefix
+    #: manager's insert (:meth:`.names.TreeNames.placed`)
+    l2_at: dict[int, list[np.ndarray]] = field(default_factory=dict)
 
     def page_keys(self, tokens: int, groups: Sequence[GroupInfo],
                   fingerprints: dict[int, str]) -> dict[int, list[bytes]]:

@@ -17,8 +17,22 @@ walk, then the runs where that walk ends, :meth:`EvictedRuns.along
 them.  A name is a function of the page's tokens and those before it, under the
 connector's namespace (its ``namespace`` and the request's cache salt, which the
 tree's namespace includes), so a name read off the tree is the key hashing would
-give, whatever the tiers hold meanwhile; which tier holds a page is still asked
-of L2's index and L3's record by that key (:mod:`.sources`).
+give, whatever the tiers hold meanwhile.
+
+Where L2 holds a named page is recorded on its tree entry too, as the core's
+lookup does (:mod:`hybridkv.tiers.records`): each tree page keeps one (host
+slot, stamp) pair per block of every group (``host_at``, :attr:`TreeNames.record_width`
+columns, the groups' blocks in the connector's order).  A save that places a
+request's pages in L2 keeps each slot and its stamp on the request's state
+(:meth:`TreeNames.placed`), and the prefix manager's insert of those pages
+records them (a page whose save is placed after the insert, e.g. a finish
+save, is left to its first lookup).  A lookup reads L2's answer for a named
+block off that record while L2's stamp of the slot matches, asks L2's index by
+key only for the other blocks (unrecorded, recorded stale, or past the walk),
+and records the answer on the entry (:meth:`TreeNames.l2_held`), so the next
+lookup over those pages reads it there.  Counters ``l2_pages_read_off_tree``
+and ``l2_pages_asked_by_key``.  L3 is still asked through its record by key
+(:mod:`.sources`).
 """
 
 from __future__ import annotations
@@ -74,6 +88,7 @@ class TreeNames:
         self.record_width = 2 * sum(self.per_page)  # a (slot, stamp) pair per block of every group
         self._first_pair = {g.index: int(sum(self.per_page[:i])) for i, g in enumerate(self.groups)}
         self._per_page = {g.index: k for g, k in zip(self.groups, self.per_page)}
+        self._is_swa = {g.index: g.is_swa for g in self.groups}
         self.counts: dict[str, int] = {}
         self.records = HostRecords(l2.tier, self.counts) if l2 is not None else None
         self._finishing: OrderedDict[str, ReqState] = OrderedDict()
@@ -83,13 +98,42 @@ class TreeNames:
         """Every group has a whole number of blocks in a tree page."""
         return page_size > 0 and all(g.block_size > 0 and page_size % g.block_size == 0 for g in groups)
 
-    def names(self, keys: dict[int, list[bytes]], lo: int, n: int) -> PageNames:
+    def names(self, keys: dict[int, list[bytes]], lo: int, n: int,
+              l2_at: dict[int, list[np.ndarray]] | None = None) -> PageNames:
         """Names of pages ``[0, n)`` from ``keys`` (per group index, at least ``n``
-        pages' worth), None below page ``lo`` (the part the insert skips).  O((n - lo) * groups)."""
+        pages' worth), None below page ``lo`` (the part the insert skips), with the
+        L2 records ``l2_at`` holds for them (a request's :attr:`ReqState.l2_at`).
+        O((n - lo) * groups + records)."""
         cols = [(keys[g.index], k) for g, k in zip(self.groups, self.per_page)]
         out: list[bytes | None] = [None] * lo
         out += [b"".join(b"".join(ks[i * k:(i + 1) * k]) for ks, k in cols) for i in range(lo, n)]
-        return PageNames(out, np.zeros(n, dtype=bool), host_at=unrecorded(n, self.record_width))
+        rows = unrecorded(n, self.record_width)
+        for gi, parts in (l2_at or {}).items():
+            k, first = self._per_page[gi], self._first_pair[gi]
+            at = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            at = at[(at[:, 0] >= lo * k) & (at[:, 0] < n * k)]
+            col = 2 * (first + at[:, 0] % k)
+            rows[at[:, 0] // k, col] = at[:, 1]  # placed twice: either record is valid or reads stale
+            rows[at[:, 0] // k, col + 1] = at[:, 2]
+        return PageNames(out, np.zeros(n, dtype=bool), host_at=rows)
+
+    def placed(self, st: ReqState | None, pages: dict[int, list[int]], slots: dict[int, np.ndarray]) -> None:
+        """A save placed request ``st``'s ``pages`` (per group index, page indices) in L2
+        ``slots`` (parallel; ``-1``: not held): keep each slot and its stamp now on ``st``
+        (:attr:`ReqState.l2_at`) for the tree's records at the prefix manager's insert
+        (an insert before the save records nothing of it: the first lookup asks).  O(pages)."""
+        if st is None or self.records is None:
+            return
+        stamps = self.records.host.stamps
+        for gi, idx in pages.items():
+            got = slots.get(gi)
+            if got is None or not len(idx):
+                continue
+            kind = AttnKind.SWA if self._is_swa[gi] else AttnKind.FULL
+            keep = got >= 0
+            if keep.any():
+                part = np.stack([np.asarray(idx, dtype=np.int64)[keep], got[keep], stamps[kind].of(got[keep])], 1)
+                st.l2_at.setdefault(gi, []).append(part)
 
     def seed(self, st: ReqState, limit: int) -> int:
         """Fill ``st.keys`` (still empty) with the keys of the request's leading pages
@@ -164,6 +208,10 @@ class TreeNames:
         while len(self._finishing) > FINISHING_MAX:
             self._finishing.popitem(last=False)
 
+    def peek(self, request_id: str, live: dict[str, ReqState]) -> ReqState | None:
+        """The connector's state of a request, live or finished and kept (left kept).  O(1)."""
+        return live.get(request_id) or self._finishing.get(request_id)
+
     def state(self, request_id: str, live: dict[str, ReqState]) -> ReqState | None:
         """The connector's state of a request: live (``live``), or finished and kept
         (:meth:`keep`; handed out once).  O(1)."""
@@ -191,7 +239,7 @@ def bind_names(groups: Sequence[GroupInfo], manager: Any, live: dict[str, ReqSta
 
     def namer(request: Any, lo: int, n: int) -> PageNames | None:
         st = names.state(request.request_id, live)
-        return None if st is None else names.names(keys_of(st, n * page_size), lo, n)
+        return None if st is None else names.names(keys_of(st, n * page_size), lo, n, st.l2_at)
 
     manager.name_pages(namer, cap)
     return names

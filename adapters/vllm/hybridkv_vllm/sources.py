@@ -256,13 +256,15 @@ class TierView:
     def on_save(self, groups: dict[int, tuple[list[int], list[bytes]]],
                 bases: dict[int, list[bytes | None] | None] | None = None,
                 plain: Collection[bytes] = (),
-                parents: dict[int, list[bytes | None]] | None = None) -> dict[int, list[int]]:
+                parents: dict[int, list[bytes | None]] | None = None,
+                placed: dict[int, np.ndarray] | None = None) -> dict[int, list[int]]:
         """A save job's pages (per group index: block ids and keys) go into L2 and
         count as queued for L3; returns per group the L2 slot the worker writes each
         page to (``-1``: L2 holds it already, only touched, or has no room).
         ``bases``: per sliding group, the full key each page goes with in L2;
         ``plain``: SWA keys entering L2 plain; ``parents``: per full group, the key of
-        the page before each.  O(pages)."""
+        the page before each.  ``placed``: a dict to fill with, per group, the L2 slot
+        holding each page now (held before or stored now; ``-1``: none).  O(pages)."""
         plain = frozenset(plain)
         for _, keys in groups.values():
             self.store.queued(keys)
@@ -273,6 +275,8 @@ class TierView:
             if keys:
                 held, slots = self.l2.place(self.groups[gi].is_swa, keys, (bases or {}).get(gi), plain,
                                             (parents or {}).get(gi))
+                if placed is not None:
+                    placed[gi] = slots.copy()
                 slots[held] = -1  # held: only touched, not written again
                 out[gi] = slots.tolist()
         return out

@@ -3,11 +3,11 @@
 Through vLLM's real scheduler with hybridkv's prefix cache and connector, and a
 worker-role connector in the same process (the stack of ``test_l2_demote``):
 each tree page records, per block of every group, the L2 slot and its stamp
-where a lookup found it; a later lookup over those pages reads L2's answer
-there instead of asking L2's index by key.  Every answer read off the records
+where the save placed it or a lookup found it; a later lookup over those pages
+reads L2's answer there instead of asking L2's index by key.  Every answer read off the records
 equals asking L2's index by key, page by page, under eviction; a planted fault
-(stale records believed) is caught by the same check; and a second lookup of a
-prompt the device evicted asks L2 nothing by key.
+(stale records believed) is caught by the same check; and a lookup of a prompt
+the device evicted asks L2 nothing by key.
 """
 
 from __future__ import annotations
@@ -43,11 +43,16 @@ def compared(monkeypatch) -> list[int]:  # noqa: ANN001
     return blocks
 
 
-def test_a_second_lookup_reads_l2_off_the_tree(stack, monkeypatch, compared) -> None:  # noqa: ANN001, F811
-    """The device gives up a's prompt (its pages become evicted runs); b's lookup asks
-    L2 by key and records the answers on the runs; c's lookup of the same prompt (a
-    new request, a new walk) reads every block there and asks L2 nothing by key, with
-    the same hit."""
+@pytest.mark.parametrize("saves_record", [True, False])
+def test_a_lookup_reads_l2_off_the_tree(stack, monkeypatch, compared, saves_record: bool) -> None:  # noqa: ANN001, F811
+    """The device gives up a's prompt (its pages become evicted runs).  The save that
+    put a's pages in L2 recorded their slots on the tree at the insert, so b's lookup
+    reads them there and asks L2 nothing by key.  Without those records (the save's
+    placement not kept), b's lookup asks L2 by key and records the answers on the
+    runs, and c's lookup of the same prompt (a new request, a new walk) reads them
+    there.  The hit is the same each time."""
+    if not saves_record:
+        monkeypatch.setattr(TreeNames, "placed", lambda self, st, pages, slots: None)
     sched, worker = _build(stack, True, monkeypatch, device_pages=400, host_pages=4000)
     conn, mgr = sched.connector, sched.kv_cache_manager
     rnd = random.Random(11)
@@ -64,9 +69,12 @@ def test_a_second_lookup_reads_l2_off_the_tree(stack, monkeypatch, compared) -> 
         counts.append({k: conn.stats.get(k, 0) - v for k, v in before.items()})
     hit = (len(prompt) - 1) // conn.unit * conn.unit
     assert hits[0] == hits[1] == (hit, True)
-    assert counts[0]["l2_pages_asked_by_key"] > 0 and counts[0]["l2_pages_read_off_tree"] == 0
-    assert counts[1]["l2_pages_asked_by_key"] == 0
-    assert counts[1]["l2_pages_read_off_tree"] == counts[0]["l2_pages_asked_by_key"]
+    if saves_record:
+        assert counts[0]["l2_pages_asked_by_key"] == 0 and counts[0]["l2_pages_read_off_tree"] > 0
+    else:
+        assert counts[0]["l2_pages_asked_by_key"] > 0 and counts[0]["l2_pages_read_off_tree"] == 0
+    assert counts[1] == {"l2_pages_read_off_tree": counts[0]["l2_pages_read_off_tree"]
+                         + counts[0]["l2_pages_asked_by_key"], "l2_pages_asked_by_key": 0}
     assert compared and sum(compared) > 0
     mgr.check_invariants()
 
