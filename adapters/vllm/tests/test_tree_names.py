@@ -77,19 +77,27 @@ def test_the_tree_keeps_the_connectors_keys_and_a_lookup_reads_them(stack, monke
     mgr.check_invariants()
 
 
+def _evicted_prompt(stack: Any, monkeypatch: Any, names: bool) -> tuple[Any, Any, list[int]]:
+    """A 700-token prompt served (request "a") through a stack with room in L2, then
+    every page of it evicted from the device's tree."""
+    sched, worker = _build(stack, names, monkeypatch, device_pages=400, host_pages=4000)
+    rnd = random.Random(11)
+    prompt = [rnd.randrange(4, 30000) for _ in range(700)]
+    _run(_request(sched, "a", list(prompt)), sched, worker)
+    tree = sched.kv_cache_manager.tree
+    tree.evict(full_pages=tree.full_pages_cached, swa_pages=tree.swa_pages_cached)
+    assert tree.full_pages_cached == 0
+    return sched, worker, prompt
+
+
 @pytest.mark.parametrize("names", [True, False])
 def test_runs_name_what_the_device_evicted(stack, monkeypatch, checked, names: bool) -> None:  # noqa: ANN001
     """The device's tree gives up a's prompt; its pages stay named as evicted runs, and
     the repeat's lookup reads their keys there (checked against hashing).  L2 serves the
     repeat the same hit, split the same way, with the names off (nothing named)."""
-    sched, worker = _build(stack, names, monkeypatch, device_pages=400, host_pages=4000)
+    sched, worker, prompt = _evicted_prompt(stack, monkeypatch, names)
     conn, mgr = sched.connector, sched.kv_cache_manager
-    rnd = random.Random(11)
-    prompt = [rnd.randrange(4, 30000) for _ in range(700)]
-    _run(_request(sched, "a", list(prompt)), sched, worker)
     tree = mgr.tree
-    tree.evict(full_pages=tree.full_pages_cached, swa_pages=tree.swa_pages_cached)
-    assert tree.full_pages_cached == 0
     assert (tree.runs.pages > 0) == names
     req_b = _request(sched, "b", list(prompt))
     st_b = conn._state(req_b)
