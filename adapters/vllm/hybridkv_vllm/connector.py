@@ -318,6 +318,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             job.bases[g.index] = full_bases(self.groups, keys, g.index, sel)
             job.parents[g.index] = parent_keys(keys[g.index], sel)
         st.hit_sources, job.slots = self._tiers.on_load(pages, start, end, job.bases, job.parents)
+        if self._names is not None:  # where L2 holds them (or admits them from L3), for the tree's records
+            self._names.placed(st, {gi: idx for gi, (idx, _) in pages.items()}, job.slots)
         self._pending_loads[request.request_id] = job.for_workers()
         self._loading[request.request_id] = {gi: list(ks) for gi, (_, ks) in job.groups.items()}
         st.saved_tokens = max(st.saved_tokens, end)  # these pages are in storage already

@@ -22,11 +22,12 @@ give, whatever the tiers hold meanwhile.
 Where L2 holds a named page is recorded on its tree entry too, as the core's
 lookup does (:mod:`hybridkv.tiers.records`): each tree page keeps one (host
 slot, stamp) pair per block of every group (``host_at``, :attr:`TreeNames.record_width`
-columns, the groups' blocks in the connector's order).  A save that places a
-request's pages in L2 keeps each slot and its stamp on the request's state
+columns, the groups' blocks in the connector's order).  A save or a load that
+places a request's pages in L2 (a load: where L2 holds them, or admits them
+from L3) keeps each slot and its stamp on the request's state
 (:meth:`TreeNames.placed`), and the prefix manager's insert of those pages
-records them (a page whose save is placed after the insert, e.g. a finish
-save, is left to its first lookup).  A lookup reads L2's answer for a named
+records them (a page placed after the insert, e.g. by a finish save, is left
+to its first lookup).  A lookup reads L2's answer for a named
 block off that record while L2's stamp of the slot matches, asks L2's index by
 key only for the other blocks (unrecorded, recorded stale, or past the walk),
 and records the answer on the entry (:meth:`TreeNames.l2_held`), so the next
@@ -117,11 +118,13 @@ class TreeNames:
             rows[at[:, 0] // k, col + 1] = at[:, 2]
         return PageNames(out, np.zeros(n, dtype=bool), host_at=rows)
 
-    def placed(self, st: ReqState | None, pages: dict[int, list[int]], slots: dict[int, np.ndarray]) -> None:
-        """A save placed request ``st``'s ``pages`` (per group index, page indices) in L2
-        ``slots`` (parallel; ``-1``: not held): keep each slot and its stamp now on ``st``
-        (:attr:`ReqState.l2_at`) for the tree's records at the prefix manager's insert
-        (an insert before the save records nothing of it: the first lookup asks).  O(pages)."""
+    def placed(self, st: ReqState | None, pages: dict[int, list[int]],
+               slots: dict[int, np.ndarray] | dict[int, list[int]]) -> None:
+        """A save or a load placed request ``st``'s ``pages`` (per group index, page
+        indices) in L2 ``slots`` (parallel; ``-1``: not held): keep each slot and its stamp
+        now on ``st`` (:attr:`ReqState.l2_at`) for the tree's records at the prefix
+        manager's insert (an insert before the placement records nothing of it: the
+        first lookup asks).  O(pages)."""
         if st is None or self.records is None:
             return
         stamps = self.records.host.stamps
@@ -129,6 +132,7 @@ class TreeNames:
             got = slots.get(gi)
             if got is None or not len(idx):
                 continue
+            got = np.asarray(got, dtype=np.int64)
             kind = AttnKind.SWA if self._is_swa[gi] else AttnKind.FULL
             keep = got >= 0
             if keep.any():

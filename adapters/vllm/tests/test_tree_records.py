@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_l2_demote import _conversations, _request, stack  # noqa: F401
+from test_l2_demote import _conversations, _request, _run, stack  # noqa: F401
 from test_tree_names import _build, _evicted_prompt
 
 from hybridkv.tiers.slots import SlotStamps
@@ -70,6 +70,28 @@ def test_a_lookup_reads_l2_off_the_tree(stack, monkeypatch, compared, saves_reco
     assert counts[1] == {"l2_pages_read_off_tree": counts[0]["l2_pages_read_off_tree"]
                          + counts[0]["l2_pages_asked_by_key"], "l2_pages_asked_by_key": 0}
     assert compared and sum(compared) > 0
+    mgr.check_invariants()
+
+
+def test_a_load_from_l3_records_where_l2_admits_it(stack, monkeypatch, compared) -> None:  # noqa: ANN001, F811
+    """L2 loses a's pages (only L3 holds them); b's load reads them from L3 and L2
+    admits them, and the slots it admits them to are recorded at b's insert: after
+    the device evicts b's pages, c's lookup reads every full block off the tree."""
+    sched, worker, prompt = _evicted_prompt(stack, monkeypatch, True)
+    conn, mgr = sched.connector, sched.kv_cache_manager
+    assert conn._tiers.l2.tier.clear() > 0  # L2's index forgets a's pages: L3 alone holds them
+    before = dict(worker.stats)
+    _run(_request(sched, "b", list(prompt)), sched, worker)
+    assert worker.stats["load_pages_l3"] - before.get("load_pages_l3", 0) > 0
+    tree = mgr.tree
+    tree.evict(full_pages=tree.full_pages_cached, swa_pages=tree.swa_pages_cached)
+    asked = conn.stats.get("l2_pages_asked_by_key", 0)
+    read = conn.stats.get("l2_pages_read_off_tree", 0)
+    hit = (len(prompt) - 1) // conn.unit * conn.unit
+    assert conn.get_num_new_matched_tokens(_request(sched, "c", list(prompt)), 0) == (hit, True)
+    full_blocks = sum(hit // g.block_size for g in conn.groups if not g.is_swa)
+    assert conn.stats["l2_pages_read_off_tree"] - read >= full_blocks  # (the finish save's window is not)
+    assert conn.stats.get("l2_pages_asked_by_key", 0) - asked < full_blocks
     mgr.check_invariants()
 
 
