@@ -89,7 +89,7 @@ class TreeNames:
         self.record_width = 2 * sum(self.per_page)  # a (slot, stamp) pair per block of every group
         self._first_pair = {g.index: int(sum(self.per_page[:i])) for i, g in enumerate(self.groups)}
         self._per_page = {g.index: k for g, k in zip(self.groups, self.per_page)}
-        self._is_swa = {g.index: g.is_swa for g in self.groups}
+        self._kind = {g.index: AttnKind.SWA if g.is_swa else AttnKind.FULL for g in self.groups}  # L2's
         self.counts: dict[str, int] = {}
         self.records = HostRecords(l2.tier, self.counts) if l2 is not None else None
         self._finishing: OrderedDict[str, ReqState] = OrderedDict()
@@ -133,7 +133,7 @@ class TreeNames:
             if got is None or not len(idx):
                 continue
             got = np.asarray(got, dtype=np.int64)
-            kind = AttnKind.SWA if self._is_swa[gi] else AttnKind.FULL
+            kind = self._kind[gi]
             keep = got >= 0
             if keep.any():
                 part = np.stack([np.asarray(idx, dtype=np.int64)[keep], got[keep], stamps[kind].of(got[keep])], 1)
@@ -177,7 +177,7 @@ class TreeNames:
         block by key.  O(entries of the walk + blocks) per block of a tree page."""
         assert self.records is not None, "no L2 to read"
         k, first = self._per_page[g.index], self._first_pair[g.index]
-        kind = AttnKind.SWA if g.is_swa else AttnKind.FULL
+        kind = self._kind[g.index]
         blocks = np.arange(lo, hi, dtype=np.int64)
         out = np.zeros(blocks.size, dtype=bool)
         for b in range(k):  # block b of each tree page: its own column pair
