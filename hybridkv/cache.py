@@ -309,6 +309,8 @@ class HybridKVCache:
                                         mark=req.prompt_len // P, side=side, names=names)
             assert res is not None, "a request's lock ends where its tree pages do while it is live"
             new_pages = res.new_pages
+        elif names is not None and names.host_at is not None:  # nothing new: the finish's copies record
+            self.lifecycle.take_records(req.token_buffer[:aligned * P], req.namespace, names.host_at)
         rest_full = req.full_pages[aligned:req.n_pages]
         rest_swa = req.swa_pages[aligned:req.n_pages]
         if rest_full.size:

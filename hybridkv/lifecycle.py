@@ -37,7 +37,7 @@ import numpy as np
 
 from .radix import InsertResult, LockHandle, MatchResult, PagePool, WindowSafeTree
 from .radix import PageNames
-from .radix.node import TreeNode
+from .radix.node import TreeNode, take_records
 from .radix.tree import parts_pages
 from .request import Request
 
@@ -201,8 +201,25 @@ class Lifecycle:
             return None
         if names is not None and len(names.keys) != len(full):
             raise ValueError(f"names must name the {len(full)} pages, got {len(names.keys)}")
+        if names is not None and names.host_at is not None:
+            self.take_records(tokens, namespace, names.host_at)
         return self.tree.insert_tokens(tokens, full, swa, namespace, start=start, owned=True, mark=mark,
                                        continued=continued, side=side, names=names)
+
+    def take_records(self, tokens: np.ndarray, namespace: str, rows: np.ndarray) -> None:
+        """Record on the tree's nodes spelling ``tokens`` where ``host_at`` ``rows``
+        (one per page) record L2 holds (or lacks) their pages: a finish's copies
+        to L2, which may store pages the tree already names
+        (:mod:`hybridkv.tiers.records`), before the insert (whose freed
+        duplicates may record fresher facts), or a host's placement in L2 after
+        it.  Nodes without records, or with records of another width, are left
+        alone.  O(depth + pages)."""
+        _, path = self.tree.walk(tokens, namespace, len(rows) * self.page_size)
+        pos = 0
+        for nd, k in path:
+            if nd.host_at is not None and nd.host_at.shape[1] == rows.shape[1]:
+                take_records(nd.host_at[:k], rows[pos:pos + k])
+            pos += k
 
     def lock_ends_at(self, handle: LockHandle, pages: int) -> bool:
         """The request's lock holds an alive node ending at page ``pages`` (or

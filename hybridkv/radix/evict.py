@@ -223,7 +223,8 @@ class Eviction:
         names = node_names(node, keep) if freed.named else None
         freed.add_full(gone_full, names)
         if swa.size:
-            freed.add_swa(swa, names and names.select(node.swa[keep:] >= 0))
+            held = node.swa[keep:] >= 0
+            freed.add_swa(swa, names and names.select(held), (node.host_at, keep + np.flatnonzero(held)))
         gone = len(node.full) - keep
         self.index.uncount(gone, int(swa.size))
         pos = node.start + keep * size
@@ -319,7 +320,7 @@ class Eviction:
         if count == 0:
             return 0
         names = node_names(node) if freed.named else None
-        freed.add_swa(node.swa[drop], names and names.select(drop))
+        freed.add_swa(node.swa[drop], names and names.select(drop), (node.host_at, np.flatnonzero(drop)))
         node.swa = node.swa.copy()
         node.swa[drop] = NO_PAGE
         if node.side is not None:  # the side groups' pages go with the lead's

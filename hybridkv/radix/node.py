@@ -181,6 +181,15 @@ def unrecorded(n: int, width: int = len(HOST_AT_COLUMNS)) -> np.ndarray:
     return out
 
 
+def take_records(rows: np.ndarray, new: np.ndarray) -> None:
+    """Write into ``host_at`` ``rows`` each (slot, stamp) pair of ``new`` (same
+    shape) that records something (stamp not 0), fresher than what is there.  O(n * width)."""
+    for c in range(1, new.shape[1], 2):
+        at = np.flatnonzero(new[:, c])
+        if at.size:
+            rows[at, c - 1:c + 1] = new[at, c - 1:c + 1]
+
+
 def split_names(upper: TreeNode, node: TreeNode, pages: int) -> None:
     """A split hands the first ``pages`` pages' names and records of ``node`` to
     its new ``upper`` half (views of one array each, written in place).  O(pages)."""

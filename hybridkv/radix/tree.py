@@ -435,7 +435,7 @@ class WindowSafeTree:
                 child = child.parent
             ours_f, ours_s = full[pi:pi + k], swa[pi:pi + k]
             dup = ours_f != child.full
-            freed.add_full(ours_f[dup], named and named.at(pi + np.flatnonzero(dup)))
+            freed.add_full(ours_f[dup], named and named.at(pi + np.flatnonzero(dup)), (child.host_at, np.flatnonzero(dup)))
             have = child.swa >= 0
             mine = ours_s >= 0
             adopt = ~have & mine
@@ -454,7 +454,7 @@ class WindowSafeTree:
                 if self.events.listeners:
                     self.events.emit("swa_store", child)
             dup_s = have & mine & (ours_s != child.swa)
-            freed.add_swa(ours_s[dup_s], named and named.at(pi + np.flatnonzero(dup_s)))
+            freed.add_swa(ours_s[dup_s], named and named.at(pi + np.flatnonzero(dup_s)), (child.host_at, np.flatnonzero(dup_s)))
             self.ranking.touch(child, now)
             node = child
             pi += k

@@ -9,7 +9,7 @@ importing each other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -239,17 +239,19 @@ class PageNames:
             raise ValueError(f"host_at must have shape ({n}, 2 * pairs), got {shape}")
 
     def select(self, mask: np.ndarray) -> "PageNames":
-        """The names where bool ``mask`` is True.  O(pages)."""
+        """The names where bool ``mask`` is True (records copied).  O(pages)."""
         pick = mask.tolist()
         par = self.parents
         return PageNames([k for k, m in zip(self.keys, pick) if m], self.anchored[mask],
-                         None if par is None else [k for k, m in zip(par, pick) if m])
+                         None if par is None else [k for k, m in zip(par, pick) if m],
+                         None if self.host_at is None else self.host_at[mask])
 
     def at(self, idx: np.ndarray) -> "PageNames":
         """The names of pages ``idx`` (int indices into ``keys``), with their parents
-        (the key before each; None at page 0).  O(len(idx))."""
+        (the key before each; None at page 0) and records (copied).  O(len(idx))."""
         keys, at = self.keys, idx.tolist()
-        return PageNames([keys[i] for i in at], self.anchored[idx], parent_keys(keys, at))
+        return PageNames([keys[i] for i in at], self.anchored[idx], parent_keys(keys, at),
+                         None if self.host_at is None else self.host_at[idx])
 
 
 def parent_keys(keys: Sequence[bytes | None], pages: Iterable[int]) -> list[bytes | None]:
@@ -276,9 +278,14 @@ def node_names(node: TreeNode, keep: int = 0) -> PageNames | None:
 class FreedPages:
     """The full and SWA pages one tree call frees, with their tier names when
     ``named`` (the tree has ``free_listeners``), given back at the call's end
-    (:meth:`give_back`) so listeners hear them in one batch per kind."""
+    (:meth:`give_back`) so listeners hear them in one batch per kind.
 
-    __slots__ = ("named", "full", "swa", "full_names", "swa_names", "_any")
+    A listener may record on the names it hears where L2 now holds the pages
+    (``host_at``, :mod:`hybridkv.tiers.records`): those records reach the
+    entries naming the pages, through the views the names share with them or,
+    for names copied out of an entry, the ``back`` an add names."""
+
+    __slots__ = ("named", "full", "swa", "full_names", "swa_names", "_any", "_back")
 
     def __init__(self, named: bool) -> None:
         self.named = named
@@ -287,35 +294,58 @@ class FreedPages:
         self.swa: list[np.ndarray] = []
         self.full_names: list[PageNames] = []
         self.swa_names: list[PageNames] = []
+        # (names' records, as added, the entry's records, the rows of it they copy)
+        self._back: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
 
-    def add_full(self, pages: np.ndarray, names: PageNames | None = None) -> None:
+    def add_full(self, pages: np.ndarray, names: PageNames | None = None,
+                 back: tuple[np.ndarray | None, np.ndarray] | None = None) -> None:
+        """Free full ``pages`` named ``names``; ``back``: ``(records, rows)``, the
+        entry's ``host_at`` the names' records copy rows ``rows`` of (None: a view)."""
         self.full.append(pages)
         if self.named:
-            self._any = self._any or names is not None
-            self.full_names.append(names if names is not None else unnamed(len(pages)))
+            self._add(self.full_names, len(pages), names, back)
 
-    def add_swa(self, pages: np.ndarray, names: PageNames | None = None) -> None:
+    def add_swa(self, pages: np.ndarray, names: PageNames | None = None,
+                back: tuple[np.ndarray | None, np.ndarray] | None = None) -> None:
+        """:meth:`add_full` for SWA ``pages``."""
         self.swa.append(pages)
         if self.named:
-            self._any = self._any or names is not None
-            self.swa_names.append(names if names is not None else unnamed(len(pages)))
+            self._add(self.swa_names, len(pages), names, back)
+
+    def _add(self, into: list[PageNames], n: int, names: PageNames | None,
+             back: tuple[np.ndarray | None, np.ndarray] | None) -> None:
+        self._any = self._any or names is not None
+        into.append(names if names is not None else unnamed(n))
+        rows = None if names is None else names.host_at
+        if back is not None and back[0] is not None and rows is not None and rows.shape[1] == back[0].shape[1]:
+            self._back.append((rows, rows.copy(), back[0], back[1]))
 
     def give_back(self, index: "FreeingIndex") -> None:
         """Hand the pages (and names) to ``index``'s ``return_*_pages``; the L2
-        records a listener writes on the joined full names go back to each part's
-        (views of the nodes' and runs' records).  O(pages)."""
+        records a listener writes on the joined names go back to each part's
+        (views of the nodes' and runs' records), and the cells it changed in a
+        copied part to the entry it copies.  O(pages)."""
         if self.full:
-            joined = join_names(self.full_names) if self._any else None
-            index.return_full_pages(self.full[0] if len(self.full) == 1 else np.concatenate(self.full), joined)
-            if joined is not None and len(self.full_names) > 1 and joined.host_at is not None:
-                at = 0
-                for part in self.full_names:
-                    if part.host_at is not None:
-                        part.host_at[:] = joined.host_at[at:at + len(part.keys)]
-                    at += len(part.keys)
+            self._give(index.return_full_pages, self.full, self.full_names)
         if self.swa:
-            index.return_swa_pages(self.swa[0] if len(self.swa) == 1 else np.concatenate(self.swa),
-                                   join_names(self.swa_names) if self._any else None)
+            self._give(index.return_swa_pages, self.swa, self.swa_names)
+        for rows, before, entry, at in self._back:
+            changed = rows != before
+            if changed.any():
+                mine = entry[at]
+                mine[changed] = rows[changed]
+                entry[at] = mine
+
+    def _give(self, hook: Callable[[np.ndarray, "PageNames | None"], None], pages: list[np.ndarray],
+              parts: list[PageNames]) -> None:
+        joined = join_names(parts) if self._any else None
+        hook(pages[0] if len(pages) == 1 else np.concatenate(pages), joined)
+        if joined is not None and len(parts) > 1 and joined.host_at is not None:
+            at = 0
+            for part in parts:
+                if part.host_at is not None:
+                    part.host_at[:] = joined.host_at[at:at + len(part.keys)]
+                at += len(part.keys)
 
 
 class FreeingIndex(Protocol):

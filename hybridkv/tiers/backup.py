@@ -292,8 +292,9 @@ class L2Backup:
                     return
                 named = [keys[i] for i in np.flatnonzero(sel).tolist()]
                 slots = self.host.lookup_full(named) if kind is AttnKind.FULL else self.host.lookup_swa(named)
-                # full KV: where L2 holds each page is recorded on the run eviction made of them
-                rows = names.host_at if kind is AttnKind.FULL and names.host_at is not None else unrecorded(len(keys))
+                # where L2 holds each page is recorded on the names (they reach the pages' entries:
+                # the run eviction made of them, or the node that keeps them: FreedPages)
+                rows = names.host_at if names.host_at is not None else unrecorded(len(keys))
                 record_rows(self.host, rows, kind, np.flatnonzero(sel), slots)
                 idx = np.flatnonzero(sel)[slots < 0]
                 record_rows(self.host, rows, kind, idx, self.store_l2(

@@ -132,7 +132,8 @@ class TierCoordinator:
         self._stream = (torch.cuda.Stream(device=pool.buffers.device)
                         if real and pool.buffers.device.type == "cuda" else None)
         self.counters = dict.fromkeys(_COUNTERS, 0)
-        self.records = HostRecords(self.host, self.counters)  # L2 read off the tree's entries first
+        # L2 read off the tree's entries (every admission here records on them: complete)
+        self.records = HostRecords(self.host, self.counters, complete=True)
         # what L3 holds as far as this cache knows (the record the vLLM connector keeps
         # too); the read-ahead probes the store only for keys it has no answer for
         self.l3_record = StoreIndex(self.l3.backend_exists if self.l3 is not None else None)
@@ -288,7 +289,7 @@ class TierCoordinator:
         with self.mutex:
             res = self.resident(keys, walk)
             return self.reads.start(keys, res.full > PageOrigin.NONE, res.swa > PageOrigin.NONE,
-                                    swa_keys=res.swa_keys)
+                                    swa_keys=res.swa_keys, walk=(walk.segments(), self.records))
 
     def _l1_pages(self, walk: TreeWalk) -> tuple[np.ndarray, np.ndarray, np.ndarray, TreeNode | None]:
         """Full and SWA page ids of the raw (not window-safe) L1 token match of

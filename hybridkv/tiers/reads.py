@@ -36,11 +36,16 @@ from .manager import TierManager
 from .index import StoreIndex
 from .lookup import GroupInfo, stored_hit
 from .payload import PayloadCodec, swa_key
+from .records import HostRecords
 from .writes import L3WriteQueue
 
 __all__ = ["Landing", "PrefetchHandle", "ReadAhead", "leading_true", "window_safe"]
 
 logger = logging.getLogger("hybridkv.tiers")
+
+#: A read's tree entries, as :meth:`~hybridkv.tiers.records.TreeWalk.segments` gave
+#: them when it began, and the records to tell where its pages land.
+Walked = tuple[list[tuple[np.ndarray | None, int, int]], HostRecords]
 _LANDED_BOUND = 1_000_000  # landed keys remembered (only the L3 hit attribution suffers past it)
 
 
@@ -91,12 +96,14 @@ class Landing:
         self._landed: OrderedDict[bytes, bool] = OrderedDict()
 
     def land(self, keys: list[bytes], full_idx: np.ndarray, swa_idx: np.ndarray, full_keys: list[bytes],
-             swa_keys: list[bytes], values: list[Any], hit: int, lo: int) -> None:
+             swa_keys: list[bytes], values: list[Any], hit: int, lo: int, *, walk: Walked | None = None) -> None:
         """Decode ``values`` (full pages ``full_idx`` then SWA pages ``swa_idx`` of
         ``keys``) into new L2 pages and index them.  Pages of the planned hit
         ``[0, hit)`` (SWA: ``[lo, hit)``) already in L2 are protected from the
         L2 eviction this allocation may cause.  A value that does not decode is a
-        miss, reported to L3 as lost.  O(pages)."""
+        miss, reported to L3 as lost.  ``walk``: the tree entries naming ``keys``'
+        pages and the owner's records (``(segments, records)``), told where L2 now
+        holds what landed.  O(pages)."""
         host = self._host
         in_l2_full = host.lookup_full(keys[:hit])
         in_l2_swa = host.lookup_swa([swa_key(k) for k in keys[lo:hit]])
@@ -108,6 +115,10 @@ class Landing:
             ok_full, ok_swa = self._decode(keys, full_idx, swa_idx, full_keys, swa_keys, values, got)
         else:
             self._counters["l2_store_failed"] += full_idx.size + swa_idx.size
+        if walk is not None and got is not None:
+            segments, records = walk
+            records.landed(segments, AttnKind.FULL, full_idx[ok_full], [k for k, o in zip(full_keys, ok_full) if o])
+            records.landed(segments, AttnKind.SWA, swa_idx[ok_swa], [k for k, o in zip(swa_keys, ok_swa) if o])
         c = self._counters
         c["l3_to_l2_full_pages"] += int(ok_full.sum())
         c["l3_to_l2_swa_pages"] += int(ok_swa.sum())
@@ -188,10 +199,11 @@ class ReadAhead:
         self._inflight: dict[bytes, Future] = {}  # L3 key -> fetch job loading it
 
     def start(self, keys: list[bytes], have_full: np.ndarray, have_swa: np.ndarray, *,
-              swa_keys: dict[int, bytes] | None = None) -> tuple[PrefetchHandle, bool]:
+              swa_keys: dict[int, bytes] | None = None, walk: Walked | None = None) -> tuple[PrefetchHandle, bool]:
         """Queue a fetch of what L1/L2 lack (``have_*`` False) for ``keys``, unless in
         flight (under the mutex).  ``swa_keys``: SWA keys already hashed, by page
-        index (the others are hashed here).  Returns the handle over this and
+        index (the others are hashed here).  ``walk``: the tree entries naming the
+        pages, told where they land (:meth:`Landing.land`).  Returns the handle over this and
         overlapping in-flight fetches, and whether the new fetch is the read
         breaker's probe (not to be waited for).  O(len(keys))."""
         n = len(keys)
@@ -220,7 +232,7 @@ class ReadAhead:
 
         def job() -> None:
             try:
-                self._fetch(keys, have_full, have_swa, want_full, want_swa, full_keys, swa_keys)
+                self._fetch(keys, have_full, have_swa, want_full, want_swa, full_keys, swa_keys, walk)
             finally:
                 with self._mutex:  # registration below finished before this lock was free
                     fut = box.get("fut")
@@ -240,7 +252,7 @@ class ReadAhead:
         return PrefetchHandle(list(waits.values())), gate == "probe"
 
     def _fetch(self, keys: list[bytes], have_full: np.ndarray, have_swa: np.ndarray, want_full: np.ndarray,
-               want_swa: np.ndarray, full_keys: list[bytes], swa_keys: list[bytes]) -> None:
+               want_swa: np.ndarray, full_keys: list[bytes], swa_keys: list[bytes], walk: Walked | None) -> None:
         """On the L3 read worker: plan the hit over what L1/L2 hold, queued writes and
         L3 (:func:`~hybridkv.tiers.lookup.stored_hit`: the record first, the store
         asked only what the answer needs, off the lock), read the pages of the
@@ -271,7 +283,8 @@ class ReadAhead:
         values = [queued[k] if k in queued else read[k] for k in read_full + read_swa]
         try:
             with self._mutex:
-                self._landing.land(keys, want_full[sel_full], want_swa[sel_swa], read_full, read_swa, values, hit, lo)
+                self._landing.land(keys, want_full[sel_full], want_swa[sel_swa], read_full, read_swa, values, hit, lo,
+                                   walk=walk)
         except Exception as exc:  # noqa: BLE001 - a bad page is a miss, never a failed request
             self._counters["tier_errors"] += 1
             logger.warning("landing L3 pages in L2 failed (%s: %s); treated as a miss", type(exc).__name__, exc)

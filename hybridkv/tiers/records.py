@@ -7,18 +7,30 @@ holds it (``host_at``: a host slot and its stamp for the full KV and for the
 SWA, :mod:`.slots`).  :class:`HostRecords` answers "which host page holds this
 page's full KV / SWA" from those records first: a record is valid exactly while
 L2's stamp of its slot matches, so a valid one is the answer and L2 is not asked.
-Only pages with no valid record (never recorded, or the slot was freed or
-reused since) are asked of L2 by key; the answer is then recorded on the entry
-(on the engine's thread only: the one that changes the tree), so the next walk
-reads it there.  Answers are the same as asking L2 every time (the records are
-either valid or not used), which the tests check page by page.
+A page L2 was found not to hold is recorded too, as *absent*
+(:data:`ABSENT`: slot ``-1``, stamp ``-1``; never recorded is stamp 0).
 
-Recorded eagerly where the slot is at hand: pages an L2 -> L1 load inserts
-(:meth:`TierCoordinator._to_l1`); the rest on their first lookup.
+An owner whose every L2 admission of a page an entry names is recorded on that
+entry (``complete``: the core's :class:`~hybridkv.tiers.coordinator.TierCoordinator`)
+reads the records as the whole answer for the pages the walk names: valid is
+held, absent or stale (the slot was freed or reused since) is not held, and
+only pages never recorded (or past the walk: no entry names them) are asked of
+L2 by key.  The admissions record where they happen: a finish's copies on the
+request's path (:meth:`hybridkv.lifecycle.Lifecycle.insert`), a free listener's
+on the pages' entry (:class:`~hybridkv.radix.types.FreedPages`), an L2 -> L1
+load on the pages it inserts, an L3 -> L2 landing on the walk that asked for it.
+:meth:`HostRecords.check` then holds every record to L2 exactly.
+Otherwise (vLLM's connector, whose finish saves land in L2 after the prefix
+manager's insert) an absent or stale record is asked again, and only valid
+records are believed.  The answer for a page asked is recorded on the entry
+(on the engine's thread only: the one that changes the tree), so the next walk
+reads it there.  Either way answers are the same as asking L2 every time, which
+the tests check page by page.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
@@ -30,18 +42,30 @@ from ..spec import AttnKind
 from .host import HostTier
 from .payload import swa_key
 
-__all__ = ["HostRecords", "TreeWalk", "record_rows"]
+__all__ = ["ABSENT", "HostRecords", "TreeWalk", "record_rows"]
 
 _SLOT = {AttnKind.FULL: 0, AttnKind.SWA: 2}  # a kind's columns in host_at: slot, then stamp
+
+PENDING_MAX = 1 << 16  # keys admitted_unnamed remembered
+
+_WIDTH = 2 * len(_SLOT)  # the core's records: a full and an SWA pair
+
+#: The stamp of a record saying L2 does not hold the page (slot ``-1``); 0: never recorded.
+ABSENT = -1
+
+
+def _stamps_of(host: HostTier, kind: AttnKind, slots: np.ndarray) -> np.ndarray:
+    """The stamp to record for each of ``slots`` (:data:`ABSENT` where ``-1``).  O(n)."""
+    return np.where(np.asarray(slots) >= 0, host.stamps[kind].of(slots), ABSENT)
 
 
 def record_rows(host: HostTier, rows: np.ndarray, kind: AttnKind, idx: np.ndarray, slots: np.ndarray) -> None:
     """Record in ``host_at`` ``rows`` that L2 holds the ``kind`` KV of pages ``idx``
-    in host ``slots`` (``-1``: not), stamped now: call it while those slots still
-    hold those pages.  O(pages)."""
+    in host ``slots`` (``-1``: not, recorded :data:`ABSENT`), stamped now: call it
+    while those slots still hold those pages.  O(pages)."""
     col = _SLOT[kind]
     rows[idx, col] = slots
-    rows[idx, col + 1] = host.stamps[kind].of(slots)
+    rows[idx, col + 1] = _stamps_of(host, kind, slots)
 
 
 @dataclass
@@ -83,19 +107,27 @@ class TreeWalk:
 
 class HostRecords:
     """Where L2 holds a walk's pages, read off the tree's records (see the module
-    docstring).  Counters: ``l2_pages_read_off_tree`` (valid records used) and
+    docstring).  Counters: ``l2_pages_read_off_tree`` (pages answered by their
+    record: valid, or with ``complete`` absent or stale), of them
+    ``l2_pages_absent_off_tree`` (answered "not held"), and
     ``l2_pages_asked_by_key`` (pages L2 was asked by key).
 
     Args:
         host: L2.
-        counters: the owner's counters (the two above are added to it).
+        counters: the owner's counters (the three above are added to it).
+        complete: every L2 admission of a page an entry names is recorded on that
+            entry, so a record is the whole answer (keyword only).
     """
 
-    def __init__(self, host: HostTier, counters: dict[str, int]) -> None:
+    def __init__(self, host: HostTier, counters: dict[str, int], *, complete: bool = False) -> None:
+        if not isinstance(complete, bool):
+            raise TypeError(f"complete must be a bool, got {type(complete).__name__}")
         self.host = host
         self.counters = counters
-        counters.setdefault("l2_pages_read_off_tree", 0)
-        counters.setdefault("l2_pages_asked_by_key", 0)
+        self.complete = complete
+        self._pending: OrderedDict[bytes, None] = OrderedDict()  # admitted_unnamed, oldest first
+        for name in ("l2_pages_read_off_tree", "l2_pages_absent_off_tree", "l2_pages_asked_by_key"):
+            counters.setdefault(name, 0)
 
     def slots(self, kind: AttnKind, walk: TreeWalk, pages: np.ndarray,
               key_of: Callable[[int], bytes], *, leading: bool = False, pair: int | None = None) -> np.ndarray:
@@ -119,7 +151,12 @@ class HostRecords:
         rec, views = self._gather(walk, pages, col)
         valid = stamps.held(rec[:, 0], rec[:, 1])
         out = np.where(valid, rec[:, 0], -1)
-        ask = np.flatnonzero(~valid)
+        known = valid | (rec[:, 1] != 0) if self.complete else valid  # complete: absent and stale are "not held"
+        pending = self._pending
+        if pending:  # admitted where no entry could record it: a "not held" record of one is asked
+            doubt = np.flatnonzero(known & ~valid)
+            known[[j for j in doubt.tolist() if key_of(int(pages[j])) in pending]] = False
+        ask = np.flatnonzero(~known)
         lookup = self.host.lookup_full if kind is AttnKind.FULL else self.host.lookup_swa
         done, chunk = 0, 16 if leading else ask.size
         while done < ask.size:
@@ -127,14 +164,45 @@ class HostRecords:
             got = lookup([key_of(i) for i in part.tolist()])
             out[ask[done:done + chunk]] = got
             if walk.engine:
-                self._record(views, part, got, stamps.of(got), col)
+                self._record(views, part, got, _stamps_of(self.host, kind, got), col)
+                if pending:
+                    for i in part.tolist():
+                        pending.pop(key_of(i), None)
             done += part.size
             if leading and (got < 0).any():
                 break
             chunk *= 4
-        self.counters["l2_pages_read_off_tree"] += int(valid.sum())
+        answered = int(np.count_nonzero(known))
+        self.counters["l2_pages_read_off_tree"] += answered
+        self.counters["l2_pages_absent_off_tree"] += answered - int(np.count_nonzero(valid))
         self.counters["l2_pages_asked_by_key"] += done
         return out
+
+    def admitted_unnamed(self, keys: Iterable[bytes]) -> None:
+        """L2 admitted ``keys`` where its owner could not record them on the entries
+        naming them (vLLM's copy-downs of blocks its pool gave up come with keys
+        only): a record reading "not held" for one of them is asked of L2 by key
+        (once: the answer is recorded).  At most :data:`PENDING_MAX` are kept,
+        oldest out (past it such a page reads as a miss, never a wrong page).  O(keys)."""
+        pending = self._pending
+        for k in keys:
+            pending[k] = None
+        while len(pending) > PENDING_MAX:
+            pending.popitem(last=False)
+
+    def landed(self, views: Sequence[tuple[np.ndarray | None, int, int]], kind: AttnKind, pages: np.ndarray,
+               keys: Sequence[bytes]) -> None:
+        """Record on ``views`` (a walk's :meth:`TreeWalk.segments`, taken on the
+        engine's thread when the read began) where L2 holds the ``kind`` KV of
+        ``pages`` (ascending page indices of the walk's prompt, stored under L2
+        ``keys``) now: an L3 -> L2 landing, admitted off the engine's thread (under
+        the owner's mutex; a torn pair reads as not held: a miss, never a wrong
+        page).  O(entries + pages)."""
+        if not len(pages):
+            return
+        slots = self.host.lookup_full(keys) if kind is AttnKind.FULL else self.host.lookup_swa(keys)
+        views = [(rows, lo, k) for rows, lo, k in views if rows is not None and rows.shape[1] == _WIDTH]
+        self._record(views, np.asarray(pages, dtype=np.int64), slots, _stamps_of(self.host, kind, slots), _SLOT[kind])
 
     def loaded(self, names: PageNames, full_idx: np.ndarray, from_full: np.ndarray, swa_idx: np.ndarray,
                from_swa: np.ndarray) -> PageNames:
@@ -149,15 +217,19 @@ class HostRecords:
 
     def check(self, entries: Iterable[tuple[list[bytes | None], np.ndarray]]) -> None:
         """Every valid record names a page L2 holds under that entry's name, in that
-        slot: ``entries`` gives each named entry's names and ``host_at``.  O(pages)."""
+        slot; with ``complete``, every recorded page too (absent or stale: L2 holds
+        none under that name).  ``entries`` gives each named entry's names and
+        ``host_at``.  O(pages)."""
         host = self.host
         for names, rows in entries:
             for kind, col in _SLOT.items():
-                ok = np.flatnonzero(host.stamps[kind].held(rows[:, col], rows[:, col + 1]))
+                valid = host.stamps[kind].held(rows[:, col], rows[:, col + 1])
+                ok = np.flatnonzero(valid | (rows[:, col + 1] != 0) if self.complete else valid)
                 if ok.size:
                     keys = [names[i] if kind is AttnKind.FULL else swa_key(names[i]) for i in ok.tolist()]
                     got = host.lookup_full(keys) if kind is AttnKind.FULL else host.lookup_swa(keys)
-                    assert (got == rows[ok, col]).all(), f"a valid {kind} record L2 does not hold"
+                    want = np.where(valid[ok], rows[ok, col], -1)
+                    assert (got == want).all(), f"a {kind} record L2 does not bear out"
 
     @staticmethod
     def _gather(walk: TreeWalk, pages: np.ndarray, col: int

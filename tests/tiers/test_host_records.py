@@ -66,6 +66,7 @@ def test_l2_read_off_the_tree_equals_l2_asked_by_key(policy):
         _workload(cache, seed=5, steps=150, check=check)
         c = co.counters
         assert c["l2_pages_read_off_tree"] > 0 and c["l2_pages_asked_by_key"] > 0, c
+        assert c["l2_pages_absent_off_tree"] > 0, c  # "not held" read off the tree too
         assert cache.tree.runs.pages > 0
     finally:
         cache.close()
@@ -102,6 +103,76 @@ def test_a_second_walk_reads_l2_off_the_runs():
         cache.check_invariants()
     finally:
         cache.close()
+
+
+def test_what_l2_lost_is_read_off_the_tree_not_asked():
+    """The core's records are complete: a page L2 dropped (evicted, cleared) reads
+    "not held" off its entry's stale record, and L2 is asked nothing by key for a
+    prompt every page of which the tree names."""
+    cache = _cache(l1_pages=20, l2_pages=400, policy="write_through")
+    co = cache.lower_tiers
+    P = cache.spec.page_size
+    rng = np.random.default_rng(1)
+    first = rng.integers(0, 500, 12 * P + 1).astype(np.int32)
+    try:
+        for tokens in [first] + [rng.integers(500, 900, 12 * P + 1).astype(np.int32) for _ in range(8)]:
+            serve_once(cache, tokens)
+        n = (len(first) - 1) // P
+        keys, walk = co.walk_prompt(first, "default", n)
+        named = sum(k for _, k in walk.path) + sum(k for _, k in walk.runs)
+        assert named == n and walk.runs, "the tree names every page of the first prompt, some in runs"
+        assert co.clear_l2() > 0
+        c = co.counters
+        before = dict(c)
+        with co.mutex:
+            res = co.resident(keys, walk)
+        n1 = len(res.l1_full)
+        assert (res.l2_full[n1:] < 0).all() and (res.l2_swa[res.swa == 0] < 0).all()
+        assert c["l2_pages_asked_by_key"] == before["l2_pages_asked_by_key"]
+        absent = c["l2_pages_absent_off_tree"] - before["l2_pages_absent_off_tree"]
+        assert absent >= n - n1, (absent, n, n1)
+        cache.check_invariants()
+        # and served again, the pages are copied back to L2 and recorded where they land
+        serve_once(cache, first)
+        keys, walk = co.walk_prompt(first, "default", n)
+        before = dict(c)
+        with co.mutex:
+            res = co.resident(keys, walk)
+            want_full, _ = _by_key(co, keys)
+        n1 = len(res.l1_full)
+        assert (res.l2_full[n1:] == want_full[n1:]).all()
+        assert c["l2_pages_asked_by_key"] == before["l2_pages_asked_by_key"]
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("fault", ["finish_copies", "freed_swa"])
+def test_an_admission_not_recorded_is_caught(monkeypatch, fault):
+    """Planted faults: a finish's copies to L2 are not recorded on the request's path
+    (the lifecycle's ``take_records``), or a free listener's SWA copies do not reach
+    the entry (``FreedPages``' write-back).  A stale or absent record then hides a
+    page L2 holds, and the complete records' check fails."""
+    from hybridkv.lifecycle import Lifecycle
+    from hybridkv.radix.types import FreedPages
+
+    if fault == "finish_copies":
+        monkeypatch.setattr(Lifecycle, "take_records", lambda self, tokens, namespace, rows: None)
+        policy = "write_through"
+    else:
+        real = FreedPages._add
+        monkeypatch.setattr(FreedPages, "_add", lambda self, into, n, names, back: real(self, into, n, names, None))
+        policy = "write_back"
+    cache = _cache(l1_pages=60, l2_pages=60, policy=policy)
+    failed = False
+    try:
+        try:
+            _workload(cache, seed=7, steps=200, check=lambda tokens: None)
+        except AssertionError as exc:
+            failed = "does not bear out" in str(exc)
+    finally:
+        cache.close()
+    assert failed, "an admission the records missed went unnoticed"
 
 
 def test_a_record_of_a_reused_slot_is_not_valid(monkeypatch):
@@ -165,7 +236,7 @@ def test_records_of_more_pairs_are_read_and_written_at_their_pair():
         keys = [b"k0", b"k1", b"gone"]
         out = rec.slots(AttnKind.FULL, walk, np.arange(3), keys.__getitem__, pair=2)
         assert out.tolist() == [int(got[0][0]), int(got[0][1]), -1]
-        assert counts == {"l2_pages_read_off_tree": 0, "l2_pages_asked_by_key": 3}
+        assert counts == {"l2_pages_read_off_tree": 0, "l2_pages_absent_off_tree": 0, "l2_pages_asked_by_key": 3}
         rows = walk.segments()[0][0]
         assert rows[:2, 4].tolist() == out[:2].tolist() and (rows[:, :4] == unrecorded(3, 6)[:, :4]).all()
         again = rec.slots(AttnKind.FULL, walk, np.arange(3), keys.__getitem__, pair=2)

@@ -164,7 +164,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         """With hybridkv's prefix manager, its tree keeps the pages' keys (:mod:`.names`)."""
         super().bind_kv_cache_manager(kv_cache_manager)
-        self._names = bind_names(self.groups, kv_cache_manager, self._reqs, self._keys, self._tiers.l2)
+        self._names = bind_names(self.groups, kv_cache_manager, self._reqs, self._keys, self._tiers.l2, self._l1)
         if self._names is not None and self.cfg.repair_windows:  # repair case 2 (:mod:`.repair`)
             kv_cache_manager.repair_windows(self._window_hit)
 
@@ -346,7 +346,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         hit-able end, all on the hit unit (a hit can only end there).  Those windows enter
         L2 as anchors but for checkpoints off ``anchor_checkpoint`` (plain)."""
         keys = self._keys(st, end_tokens)
-        job = PageJob(st.request.request_id)
+        job = PageJob(st.request.request_id, state=st)
         swa_end = end_tokens // self.unit * self.unit
         ckpts = checkpoint_ends(st.saved_tokens, swa_end, self.unit,
                                 self.cfg.checkpoint_interval, self.cfg.checkpoints_per_doubling)
@@ -418,7 +418,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             placed: dict[int, np.ndarray] = {}
             job.slots = self._tiers.on_save(job.groups, job.bases, job.plain, job.parents, placed)
             if self._names is not None:  # where L2 holds them, for the tree's records at the insert
-                self._names.placed(self._names.peek(job.req_id, self._reqs), job.pages, placed)
+                self._names.placed(job.state, job.pages, placed)
         meta.saves = [job.for_workers() for job in meta.saves if job.groups]
         self._claimed.clear()
         meta.rescues = self._l1.take_rescues() if self._l1 is not None else {}

@@ -50,6 +50,8 @@ class PageJob:
     parents: dict[int, list[bytes | None]] = field(default_factory=dict)
     # per group index: each page's index in the request's pages of that group (parallel to its keys)
     pages: dict[int, list[int]] = field(default_factory=dict)
+    # the request's state (a finish save is placed in L2 after the request left the connector)
+    state: ReqState | None = None
 
     def for_workers(self) -> PageJob:
         """This job as the workers get it: pages and slots, without the fields only

@@ -37,7 +37,7 @@ SWA page leaves L2 with the full page it is based on, as before).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybridkv.tiers.keys import parent_keys
@@ -64,6 +64,8 @@ class L1View:
         self._gone: dict[int, dict[bytes, tuple[int, bytes | None]]] = {}  # per group: pages given up
         # this step -> (block, parent key)
         self.rescued = 0  # pages queued to be copied down so far
+        # told the keys each copy-down admits to L2 (the tree's records, :mod:`.names`)
+        self.on_admit: Callable[[list[bytes]], None] | None = None
 
     def hook(self, block_pool: Any) -> bool:
         """Follow ``block_pool``'s removals of cached blocks (once per pool) and turn
@@ -162,6 +164,8 @@ class L1View:
                 sel = [keys[i] for i in idx.tolist()]
                 out[gi] = ([cand[k][0] for k in sel], sel, [int(r) for r in rows.tolist()])
                 self.rescued += len(sel)
+                if self.on_admit is not None:
+                    self.on_admit(sel)
         return out
 
     def pending(self) -> bool:

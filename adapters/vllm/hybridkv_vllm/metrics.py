@@ -42,10 +42,12 @@ COUNTERS: dict[str, str] = {
     "lookup_probes_given_up": "lookups answered from the tiers' record alone: the store did not answer in time",
     "tree_named_pages": "prompt pages whose keys a lookup read off hybridkv's device tree (its pages and evicted "
                         "runs) instead of hashing them",
-    "l2_pages_read_off_tree": "blocks a lookup found in L2 from the valid record on hybridkv's device tree "
-                              "entry naming them, without asking L2's index (--scheduler-cls)",
-    "l2_pages_asked_by_key": "blocks a lookup asked L2's index about by key (no valid record on the tree; "
-                             "--scheduler-cls), the answers then recorded on the tree",
+    "l2_pages_read_off_tree": "blocks a lookup answered from the record on hybridkv's device tree entry "
+                              "naming them, without asking L2's index (--scheduler-cls): held (a valid "
+                              "record) or not (absent, or its slot freed since)",
+    "l2_pages_absent_off_tree": "of l2_pages_read_off_tree, the blocks the records answered 'not held'",
+    "l2_pages_asked_by_key": "blocks a lookup asked L2's index about by key (never recorded, or past the "
+                             "entries the tree has; --scheduler-cls), the answers then recorded on the tree",
     "reloaded_held_tokens": "hit tokens whose full KV hybridkv's device tree holds, loaded again from L2 / L3 "
                             "with the window the device lacked (repair case 2 without a window repair, or the "
                             "last unit or page of one: a load carries at least one token)",

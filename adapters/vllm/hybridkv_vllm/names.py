@@ -51,6 +51,7 @@ from hybridkv.tiers.keys import KEY_BYTES
 from hybridkv.tiers.records import HostRecords, TreeWalk
 
 from .jobs import ReqState
+from .l1 import L1View
 from .l2 import HostPageIndex
 from .plan import GroupInfo
 
@@ -91,7 +92,8 @@ class TreeNames:
         self._per_page = {g.index: k for g, k in zip(self.groups, self.per_page)}
         self._kind = {g.index: AttnKind.SWA if g.is_swa else AttnKind.FULL for g in self.groups}  # L2's
         self.counts: dict[str, int] = {}
-        self.records = HostRecords(l2.tier, self.counts) if l2 is not None else None
+        # complete: every L2 admission (a save's or a load's placement) is recorded on the tree
+        self.records = HostRecords(l2.tier, self.counts, complete=True) if l2 is not None else None
         self._finishing: OrderedDict[str, ReqState] = OrderedDict()
 
     @staticmethod
@@ -108,26 +110,34 @@ class TreeNames:
         cols = [(keys[g.index], k) for g, k in zip(self.groups, self.per_page)]
         out: list[bytes | None] = [None] * lo
         out += [b"".join(b"".join(ks[i * k:(i + 1) * k]) for ks, k in cols) for i in range(lo, n)]
+        return PageNames(out, np.zeros(n, dtype=bool), host_at=self._rows(lo, n, l2_at or {}))
+
+    def _rows(self, lo: int, n: int, l2_at: dict[int, list[np.ndarray]]) -> np.ndarray:
+        """``host_at`` rows of pages ``[0, n)`` with the records ``l2_at`` holds for
+        pages ``[lo, n)`` (later placements of a block win).  O(n + records)."""
         rows = unrecorded(n, self.record_width)
-        for gi, parts in (l2_at or {}).items():
+        for gi, parts in l2_at.items():
             k, first = self._per_page[gi], self._first_pair[gi]
             at = np.concatenate(parts) if len(parts) > 1 else parts[0]
             at = at[(at[:, 0] >= lo * k) & (at[:, 0] < n * k)]
             col = 2 * (first + at[:, 0] % k)
-            rows[at[:, 0] // k, col] = at[:, 1]  # placed twice: either record is valid or reads stale
+            rows[at[:, 0] // k, col] = at[:, 1]
             rows[at[:, 0] // k, col + 1] = at[:, 2]
-        return PageNames(out, np.zeros(n, dtype=bool), host_at=rows)
+        return rows
 
     def placed(self, st: ReqState | None, pages: dict[int, list[int]],
                slots: dict[int, np.ndarray] | dict[int, list[int]]) -> None:
         """A save or a load placed request ``st``'s ``pages`` (per group index, page
         indices) in L2 ``slots`` (parallel; ``-1``: not held): keep each slot and its stamp
         now on ``st`` (:attr:`ReqState.l2_at`) for the tree's records at the prefix
-        manager's insert (an insert before the placement records nothing of it: the
-        first lookup asks).  O(pages)."""
+        manager's insert, and record them now on the tree pages already spelling the
+        request's tokens (a finish save is placed after the insert): every L2
+        admission is recorded on the entries naming its pages, so the records are
+        complete (:mod:`hybridkv.tiers.records`).  O(depth + pages)."""
         if st is None or self.records is None:
             return
         stamps = self.records.host.stamps
+        now: dict[int, list[np.ndarray]] = {}
         for gi, idx in pages.items():
             got = slots.get(gi)
             if got is None or not len(idx):
@@ -138,6 +148,13 @@ class TreeNames:
             if keep.any():
                 part = np.stack([np.asarray(idx, dtype=np.int64)[keep], got[keep], stamps[kind].of(got[keep])], 1)
                 st.l2_at.setdefault(gi, []).append(part)
+                now[gi] = [part]
+        n = max((int(p[0][:, 0].max()) // self._per_page[gi] + 1 for gi, p in now.items()), default=0)
+        tokens = st.request.all_token_ids
+        if n and len(tokens) >= n * self.page_size:
+            mgr = self.manager
+            mgr.lifecycle.take_records(np.asarray(tokens[:n * self.page_size], dtype=np.int32),
+                                       mgr.namespace(st.request), self._rows(0, n, now))
 
     def seed(self, st: ReqState, limit: int) -> int:
         """Fill ``st.keys`` (still empty) with the keys of the request's leading pages
@@ -224,17 +241,21 @@ class TreeNames:
 
 def bind_names(groups: Sequence[GroupInfo], manager: Any, live: dict[str, ReqState],
                keys_of: Callable[[ReqState, int], dict[int, list[bytes]]],
-               l2: HostPageIndex | None) -> TreeNames | None:
+               l2: HostPageIndex | None, l1: L1View | None = None) -> TreeNames | None:
     """Keep names on ``manager``'s tree when it is hybridkv's prefix manager (its
     ``name_pages``) and its pages fit every group's blocks; None otherwise.  The
     names come from the connector's state (``live``: its requests by id, then
     :meth:`TreeNames.keep`) and keys (``keys_of(state, tokens)``); the evicted
     runs are capped at the full tree pages L2's index (``l2``) holds, or at the
-    device's pages without L2."""
+    device's pages without L2.  ``l1``: the copy-downs whose admissions to L2 the
+    records hear of by key (:meth:`HostRecords.admitted_unnamed
+    <hybridkv.tiers.records.HostRecords.admitted_unnamed>`)."""
     page_size = getattr(manager, "page_size", 0)
     if not hasattr(manager, "name_pages") or not TreeNames.fits(groups, page_size):
         return None
     names = TreeNames(groups, manager, page_size, l2)
+    if l1 is not None and names.records is not None:
+        l1.on_admit = names.records.admitted_unnamed
     per = sum(k for g, k in zip(names.groups, names.per_page) if not g.is_swa) or 1
     device = manager.block_pool.num_gpu_blocks
 

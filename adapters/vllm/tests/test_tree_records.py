@@ -119,7 +119,26 @@ def test_records_answer_as_asking_by_key_under_eviction(stack, monkeypatch, comp
     off = _replay(stack, monkeypatch, False, seed)
     assert on[0] == off[0] and on[1] == off[1]
     assert compared and stats["l2_pages_read_off_tree"] > 0 and stats["l2_pages_asked_by_key"] > 0
+    assert stats["l2_pages_absent_off_tree"] > 0  # "not held" read off the records too: they are complete
     assert on[1]["load_pages_l2"] > 0
+
+
+@pytest.mark.parametrize("fault", ["finish_saves", "copy_downs"])
+def test_an_admission_the_records_miss_is_caught(stack, monkeypatch, compared, fault: str) -> None:  # noqa: ANN001, F811
+    """Planted faults: a placement after the prefix manager's insert is not recorded on
+    the tree (only kept for an insert), or L2's copy-downs of blocks vLLM's pool gave
+    up are not reported to the records.  A stale or absent record then hides a block
+    L2 holds, and the by-key comparison fails."""
+    from hybridkv.lifecycle import Lifecycle
+    from hybridkv.tiers.records import HostRecords
+
+    if fault == "finish_saves":
+        monkeypatch.setattr(Lifecycle, "take_records", lambda self, tokens, namespace, rows: None)
+    else:
+        monkeypatch.setattr(HostRecords, "admitted_unnamed", lambda self, keys: None)
+    with pytest.raises(AssertionError, match="differs from asking by key"):
+        for seed in (5, 6):
+            _replay(stack, monkeypatch, True, seed)[2].shutdown()
 
 
 def test_a_stale_record_believed_is_caught(stack, monkeypatch, compared) -> None:  # noqa: ANN001, F811
