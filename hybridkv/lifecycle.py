@@ -206,20 +206,22 @@ class Lifecycle:
         return self.tree.insert_tokens(tokens, full, swa, namespace, start=start, owned=True, mark=mark,
                                        continued=continued, side=side, names=names)
 
-    def take_records(self, tokens: np.ndarray, namespace: str, rows: np.ndarray) -> None:
+    def take_records(self, tokens: np.ndarray, namespace: str, rows: np.ndarray) -> int:
         """Record on the tree's nodes spelling ``tokens`` where ``host_at`` ``rows``
         (one per page) record L2 holds (or lacks) their pages: a finish's copies
         to L2, which may store pages the tree already names
         (:mod:`hybridkv.tiers.records`), before the insert (whose freed
         duplicates may record fresher facts), or a host's placement in L2 after
         it.  Nodes without records, or with records of another width, are left
-        alone.  O(depth + pages)."""
+        alone.  Returns the leading pages the tree's nodes spell (the rest have no
+        node to record on).  O(depth + pages)."""
         _, path = self.tree.walk(tokens, namespace, len(rows) * self.page_size)
         pos = 0
         for nd, k in path:
             if nd.host_at is not None and nd.host_at.shape[1] == rows.shape[1]:
                 take_records(nd.host_at[:k], rows[pos:pos + k])
             pos += k
+        return pos
 
     def lock_ends_at(self, handle: LockHandle, pages: int) -> bool:
         """The request's lock holds an alive node ending at page ``pages`` (or

@@ -149,7 +149,7 @@ def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], dev
             named = ({k: sched.connector.stats.get(k, 0)
                       for k in ("tree_named_pages", "reloaded_held_tokens", "repaired_tokens",
                                 "l2_pages_read_off_tree", "l2_pages_absent_off_tree",
-                                "l2_pages_asked_by_key")} if tiers else {})
+                                "l2_pages_read_off_orphans", "l2_pages_asked_by_key")} if tiers else {})
             if l2 and l1 is not None:
                 l2["rescued_full_pages"] = l1.rescued
         finally:

@@ -129,6 +129,13 @@ class Eviction:
             self.ranking.evict_done()
 
     def _evict(self, full_pages: int, swa_pages: int, nbytes: int) -> tuple[int, int]:
+        self.runs.hold()  # runs made here are capped after the listeners recorded on them
+        try:
+            return self._evict_held(full_pages, swa_pages, nbytes)
+        finally:
+            self.runs.settle()
+
+    def _evict_held(self, full_pages: int, swa_pages: int, nbytes: int) -> tuple[int, int]:
         freed = FreedPages(bool(self.index.free_listeners))  # names only for listeners
         nf = ns = 0
         fb, sb = self.full_page_bytes, self.swa_page_bytes

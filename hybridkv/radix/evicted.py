@@ -64,6 +64,11 @@ class EvictedRuns:
         self.dropped = 0
         self._order: deque[EvictedRun] = deque()  # runs, oldest first (dropped ones skipped)
         self._live = 0  # runs kept
+        # told each run dropped (with those below it), before it is forgotten (the tiers'
+        # records keep what L2 still holds of it: :meth:`~hybridkv.tiers.records.HostRecords.orphan_run`)
+        self.on_drop: Callable[[EvictedRun], None] | None = None
+        self._holds = 0  # :meth:`hold` calls not yet settled
+        self._made: list[EvictedRun] = []  # runs made while held and kept nowhere (off)
 
     def enable(self, on: bool = True) -> None:
         """Keep runs from now on (``on``), or keep no new one."""
@@ -99,7 +104,7 @@ class EvictedRuns:
         runs at ``node``'s end along.  Only the named leading pages become the run;
         under an unnamed page nothing goes on (the chain of names breaks there).
         O(1) plus the scan for an unnamed page, and the runs the cap drops."""
-        if not self.on:
+        if not self.on and self.on_drop is None:
             return
         at_end, node.evicted = node.evicted, None
         names = node.page_keys
@@ -111,7 +116,13 @@ class EvictedRuns:
                 P = self.page_size
                 # (the records are a view: what a free listener records on the freed names lands here)
                 run = EvictedRun(node.key[keep * P:(keep + n) * P], gone[:n], node.host_at[keep:keep + n])
-                if n == len(gone) and at_end:
+                if not self.on:  # kept nowhere: dropped as soon as made (or settled)
+                    if self._holds:
+                        self._made.append(run)
+                    else:
+                        self.on_drop(run)  # type: ignore[misc]
+                    run = None
+                elif n == len(gone) and at_end:
                     run.below, at_end = at_end, None  # the map moves whole: its runs' home stays it
         if at_end:
             self._drop_all(at_end.values())
@@ -126,6 +137,25 @@ class EvictedRuns:
         self._order.append(run)
         self._live += 1
         self.pages += len(run.names)
+        if not self._holds:
+            self.trim()
+
+    def hold(self) -> None:
+        """Keep every run made from now until :meth:`settle` (the cap waits): an
+        eviction's free listeners record where L2 stores the pages on the runs
+        made of them, so a run the cap drops tells :attr:`on_drop` what L2 holds
+        of it.  Calls nest.  O(1)."""
+        self._holds += 1
+
+    def settle(self) -> None:
+        """End a :meth:`hold`: runs made kept nowhere (off) are dropped, and the
+        cap applied.  O(runs dropped)."""
+        self._holds -= 1
+        if self._holds:
+            return
+        made, self._made = self._made, []
+        for run in made:
+            self.on_drop(run)  # type: ignore[misc]
         self.trim()
 
     def covered(self, node: TreeNode, first: bytes) -> None:
@@ -205,8 +235,11 @@ class EvictedRuns:
     def _drop_all(self, runs: Iterable[EvictedRun]) -> None:
         """Forget ``runs`` and everything below them.  O(runs dropped)."""
         stack = list(runs)
+        hook = self.on_drop
         while stack:
             run = stack.pop()
+            if hook is not None:
+                hook(run)
             self.pages -= len(run.names)
             self._live -= 1
             run.home = None

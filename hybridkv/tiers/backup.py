@@ -65,11 +65,14 @@ class L2Backup:
         copy: moves pages between L1 and L2 (:data:`PageCopy`).
         protected: the L2 pages (full, SWA) a load under way reads; a store
             made meanwhile must not evict them.
+        orphan: told the pages L2 stores that no entry records (names freed
+            without records: :meth:`HostRecords.orphan <hybridkv.tiers.records.HostRecords.orphan>`).
     """
 
     def __init__(self, tree: WindowSafeTree, pool: DualPool, host: HostTier, writes: L3WriteQueue,
                  codec: PayloadCodec, tiers: TierConfig, counters: dict[str, int], mutex: RLock, *,
-                 window_pages: int, copy: PageCopy, protected: Callable[[], tuple[set[int], set[int]]]) -> None:
+                 window_pages: int, copy: PageCopy, protected: Callable[[], tuple[set[int], set[int]]],
+                 orphan: Callable[[AttnKind, list[bytes], np.ndarray], None]) -> None:
         self.tree = tree
         self.pool = pool
         self.host = host
@@ -81,6 +84,7 @@ class L2Backup:
         self.window_pages = window_pages
         self.copy = copy
         self.protected = protected
+        self.orphan = orphan
 
     # =============================================================== names
     def name_pages(self, req: Request, aligned: int, keys: list[bytes]) -> PageNames:
@@ -293,14 +297,18 @@ class L2Backup:
                 named = [keys[i] for i in np.flatnonzero(sel).tolist()]
                 slots = self.host.lookup_full(named) if kind is AttnKind.FULL else self.host.lookup_swa(named)
                 # where L2 holds each page is recorded on the names (they reach the pages' entries:
-                # the run eviction made of them, or the node that keeps them: FreedPages)
+                # the run eviction made of them, or the node that keeps them: FreedPages); names
+                # without records: no entry records them, the pages L2 stores become orphans
                 rows = names.host_at if names.host_at is not None else unrecorded(len(keys))
                 record_rows(self.host, rows, kind, np.flatnonzero(sel), slots)
                 idx = np.flatnonzero(sel)[slots < 0]
-                record_rows(self.host, rows, kind, idx, self.store_l2(
+                stored = self.store_l2(
                     kind, pages[idx], [keys[i] for i in idx], None if anchored is None else anchored[idx],
                     base=None if bases is None else [bases[i] for i in idx],
-                    parents=[names.parents[i] for i in idx] if kind is AttnKind.FULL and names.parents else None))
+                    parents=[names.parents[i] for i in idx] if kind is AttnKind.FULL and names.parents else None)
+                record_rows(self.host, rows, kind, idx, stored)
+                if names.host_at is None:
+                    self.orphan(kind, [keys[i] for i in idx], stored)
         except Exception as exc:  # noqa: BLE001 - freeing must go on; the backup is best effort
             self.counters["tier_errors"] += 1
             logger.warning("L1 -> L2 backup failed (%s: %s); pages dropped", type(exc).__name__, exc)

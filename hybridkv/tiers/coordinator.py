@@ -134,6 +134,7 @@ class TierCoordinator:
         self.counters = dict.fromkeys(_COUNTERS, 0)
         # L2 read off the tree's entries (every admission here records on them: complete)
         self.records = HostRecords(self.host, self.counters, complete=True)
+        tree.runs.on_drop = self.records.orphan_run  # what a dropped run recorded L2 holds: orphans
         # what L3 holds as far as this cache knows (the record the vLLM connector keeps
         # too); the read-ahead probes the store only for keys it has no answer for
         self.l3_record = StoreIndex(self.l3.backend_exists if self.l3 is not None else None)
@@ -146,6 +147,7 @@ class TierCoordinator:
         # an injected fault) serves the backup's copies too
         self.backup = L2Backup(tree, pool, self.host, self.writes, self.codec, tiers, self.counters, self.mutex,
                                window_pages=spec.window_pages, protected=lambda: self._protect,
+                               orphan=self.records.orphan,
                                copy=lambda kind, src, sp, dst, dp: self.copy(kind, src, sp, dst, dp))
         self._protect: tuple[set[int], set[int]] = (set(), set())  # L2 pages a load reads
         tree.free_listeners.append(self.backup.on_l1_free)  # back L1 pages up to L2 before they go
@@ -336,7 +338,7 @@ class TierCoordinator:
         """Fill ``res``'s SWA of pages ``[lo, hi)`` that L1 lacks from L2.  O(hi - lo)."""
         need = lo + np.flatnonzero(res.swa[lo:hi] == PageOrigin.NONE)
         if need.size:
-            def key_of(i: int) -> bytes:  # hashed only for pages L2 is asked by key
+            def key_of(i: int) -> bytes:  # hashed only for pages looked up among the orphans
                 res.swa_keys[i] = k = swa_key(keys[i])
                 return k
             res.l2_swa[need] = self.records.slots(AttnKind.SWA, res.walk, need, key_of)

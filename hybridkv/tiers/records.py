@@ -10,27 +10,44 @@ L2's stamp of its slot matches, so a valid one is the answer and L2 is not asked
 A page L2 was found not to hold is recorded too, as *absent*
 (:data:`ABSENT`: slot ``-1``, stamp ``-1``; never recorded is stamp 0).
 
-An owner whose every L2 admission of a page an entry names is recorded on that
-entry (``complete``: the core's :class:`~hybridkv.tiers.coordinator.TierCoordinator`)
-reads the records as the whole answer for the pages the walk names: valid is
-held, absent or stale (the slot was freed or reused since) is not held, and
-only pages never recorded (or past the walk: no entry names them) are asked of
-L2 by key.  The admissions record where they happen: a finish's copies on the
-request's path (:meth:`hybridkv.lifecycle.Lifecycle.insert`), a free listener's
-on the pages' entry (:class:`~hybridkv.radix.types.FreedPages`), an L2 -> L1
-load on the pages it inserts, an L3 -> L2 landing on the walk that asked for it.
-:meth:`HostRecords.check` then holds every record to L2 exactly.
-Otherwise (vLLM's connector, whose finish saves land in L2 after the prefix
-manager's insert) an absent or stale record is asked again, and only valid
-records are believed.  The answer for a page asked is recorded on the entry
-(on the engine's thread only: the one that changes the tree), so the next walk
-reads it there.  Either way answers are the same as asking L2 every time, which
-the tests check page by page.
+*Complete records* (``complete``: the core's
+:class:`~hybridkv.tiers.coordinator.TierCoordinator`, so SGLang's radix cache
+too, and vLLM's connector with hybridkv's prefix manager): every page L2 holds
+is recorded on the tree entry naming it, or else is an *orphan*, a page L2
+holds that no entry records, kept in a short list (:meth:`HostRecords.orphan`).
+A lookup then never asks L2's index: valid is held; absent, stale (the slot
+was freed or reused since), never recorded or past the walk is not held unless
+the page is an orphan (then recorded on the entry naming it, if any).  So what
+L2 holds is known in one place, the tree, as HiCache's host nodes are; L2's
+index serves L2 alone (admission, eviction).  Every admission records where it
+happens:
+
+* a finish's copies on the request's path (:meth:`hybridkv.lifecycle.Lifecycle.take_records`,
+  before the insert) and on the new leaves (the insert's names);
+* a free listener's on the pages' entry (:class:`~hybridkv.radix.types.FreedPages`:
+  views, or the cells it changed written back); names without records: orphans;
+* an L2 -> L1 load on the pages it inserts; an L3 -> L2 landing on the walk
+  that asked for it (:meth:`HostRecords.landed`), orphans past it;
+* vLLM: a save's or load's placement on the tree pages spelling the request's
+  tokens, orphans past them until the insert adopts them
+  (:meth:`HostRecords.adopted`); copy-downs (keys only): orphans;
+* a run the tree drops (its cap, an insert over it, runs off) leaves its held
+  pages as orphans (:attr:`EvictedRuns.on_drop
+  <hybridkv.radix.evicted.EvictedRuns.on_drop>`; an eviction's runs are capped
+  after its listeners recorded on them).
+
+Orphans are believed only while L2's stamp of their slot matches, and swept
+of stale ones as they grow.  :meth:`HostRecords.check` holds every record to
+L2 exactly and every full page L2 holds to a record or an orphan.  Without
+``complete`` only valid records are believed and the other pages are asked of
+L2's index by key, the answers recorded on the entry (on the engine's thread
+only: the one that changes the tree).  Either way answers are the same as
+asking L2 every time, which the tests check page by page, with planted faults
+for each admission path.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
@@ -46,7 +63,7 @@ __all__ = ["ABSENT", "HostRecords", "TreeWalk", "record_rows"]
 
 _SLOT = {AttnKind.FULL: 0, AttnKind.SWA: 2}  # a kind's columns in host_at: slot, then stamp
 
-PENDING_MAX = 1 << 16  # keys admitted_unnamed remembered
+_ORPHANS_MIN = 4096  # orphans kept before the first sweep for stale ones
 
 _WIDTH = 2 * len(_SLOT)  # the core's records: a full and an SWA pair
 
@@ -125,8 +142,11 @@ class HostRecords:
         self.host = host
         self.counters = counters
         self.complete = complete
-        self._pending: OrderedDict[bytes, None] = OrderedDict()  # admitted_unnamed, oldest first
-        for name in ("l2_pages_read_off_tree", "l2_pages_absent_off_tree", "l2_pages_asked_by_key"):
+        # pages L2 holds that no entry records (complete only): L2 key -> (slot, stamp), per kind
+        self._orphans: dict[AttnKind, dict[bytes, tuple[int, int]]] = {AttnKind.FULL: {}, AttnKind.SWA: {}}
+        self._bound = dict.fromkeys(self._orphans, _ORPHANS_MIN)  # swept for stale ones past it
+        for name in ("l2_pages_read_off_tree", "l2_pages_absent_off_tree", "l2_pages_read_off_orphans",
+                     "l2_pages_asked_by_key"):
             counters.setdefault(name, 0)
 
     def slots(self, kind: AttnKind, walk: TreeWalk, pages: np.ndarray,
@@ -151,12 +171,10 @@ class HostRecords:
         rec, views = self._gather(walk, pages, col)
         valid = stamps.held(rec[:, 0], rec[:, 1])
         out = np.where(valid, rec[:, 0], -1)
-        known = valid | (rec[:, 1] != 0) if self.complete else valid  # complete: absent and stale are "not held"
-        pending = self._pending
-        if pending:  # admitted where no entry could record it: a "not held" record of one is asked
-            doubt = np.flatnonzero(known & ~valid)
-            known[[j for j in doubt.tolist() if key_of(int(pages[j])) in pending]] = False
-        ask = np.flatnonzero(~known)
+        if self.complete:
+            self._off_orphans(kind, walk, pages, key_of, valid, out, views, col)
+            return out
+        ask = np.flatnonzero(~valid)
         lookup = self.host.lookup_full if kind is AttnKind.FULL else self.host.lookup_swa
         done, chunk = 0, 16 if leading else ask.size
         while done < ask.size:
@@ -165,30 +183,103 @@ class HostRecords:
             out[ask[done:done + chunk]] = got
             if walk.engine:
                 self._record(views, part, got, _stamps_of(self.host, kind, got), col)
-                if pending:
-                    for i in part.tolist():
-                        pending.pop(key_of(i), None)
             done += part.size
             if leading and (got < 0).any():
                 break
             chunk *= 4
-        answered = int(np.count_nonzero(known))
-        self.counters["l2_pages_read_off_tree"] += answered
-        self.counters["l2_pages_absent_off_tree"] += answered - int(np.count_nonzero(valid))
+        self.counters["l2_pages_read_off_tree"] += int(np.count_nonzero(valid))
         self.counters["l2_pages_asked_by_key"] += done
         return out
 
-    def admitted_unnamed(self, keys: Iterable[bytes]) -> None:
-        """L2 admitted ``keys`` where its owner could not record them on the entries
-        naming them (vLLM's copy-downs of blocks its pool gave up come with keys
-        only): a record reading "not held" for one of them is asked of L2 by key
-        (once: the answer is recorded).  At most :data:`PENDING_MAX` are kept,
-        oldest out (past it such a page reads as a miss, never a wrong page).  O(keys)."""
-        pending = self._pending
-        for k in keys:
-            pending[k] = None
-        while len(pending) > PENDING_MAX:
-            pending.popitem(last=False)
+    def _off_orphans(self, kind: AttnKind, walk: TreeWalk, pages: np.ndarray, key_of: Callable[[int], bytes],
+                     valid: np.ndarray, out: np.ndarray, views: list[tuple[np.ndarray, int, int]], col: int) -> None:
+        """:meth:`slots` with complete records: a page without a valid record is held
+        only as an orphan (:meth:`orphan`), found there and then recorded on the
+        walk's entry naming it; L2's index is not asked.  Fills ``out``.  O(pages)."""
+        orphans = self._orphans[kind]
+        rest = np.flatnonzero(~valid)
+        found = 0
+        if rest.size and orphans:  # (keys hashed only while some page is an orphan)
+            at = [(j, orphans.get(key_of(int(pages[j])))) for j in rest.tolist()]
+            at = [(j, got) for j, got in at if got is not None]
+            if at:
+                idx = np.array([j for j, _ in at], dtype=np.int64)
+                cand = np.array([got for _, got in at], dtype=np.int64)
+                ok = self.host.stamps[kind].held(cand[:, 0], cand[:, 1])
+                idx, cand = idx[ok], cand[ok]
+                out[idx] = cand[:, 0]
+                found = idx.size
+                if walk.engine and found:
+                    self._record(views, pages[idx], cand[:, 0], cand[:, 1], col)
+        c = self.counters
+        c["l2_pages_read_off_tree"] += len(pages)
+        c["l2_pages_absent_off_tree"] += int(rest.size) - found
+        c["l2_pages_read_off_orphans"] += found
+
+    def orphan(self, kind: AttnKind, keys: Sequence[bytes], slots: np.ndarray) -> None:
+        """L2 holds the ``kind`` KV stored under ``keys`` in host ``slots`` (``-1``:
+        not: skipped), and no tree entry records it: a page the owner admitted
+        before any entry named it (an L3 landing past a walk, a save before the
+        insert, a copy-down known by key only), or whose entry the tree dropped
+        (:meth:`orphan_rows`).  Kept while L2's stamp of the slot matches (swept
+        past a bound).  O(keys), amortized."""
+        slots = np.asarray(slots, dtype=np.int64)
+        stamps = _stamps_of(self.host, kind, slots)
+        d = self._orphans[kind]
+        for k, s, t in zip(keys, slots.tolist(), stamps.tolist()):
+            if s >= 0:
+                d[k] = (s, t)
+        if len(d) > self._bound[kind]:
+            self._sweep(kind)
+
+    def adopted(self, kind: AttnKind, keys: Sequence[bytes], rows: np.ndarray) -> None:
+        """An entry now records the pages stored under ``keys`` at (slot, stamp)
+        ``rows`` (an insert named them with their records): an orphan recorded
+        there is one no more (one L2 moved since stays).  O(keys)."""
+        d = self._orphans[kind]
+        if d:
+            for k, s, t in zip(keys, rows[:, 0].tolist(), rows[:, 1].tolist()):
+                if d.get(k) == (s, t):
+                    del d[k]
+
+    def orphan_rows(self, kind: AttnKind, keys: Sequence[bytes], rows: np.ndarray) -> None:
+        """The entry naming ``keys`` with (slot, stamp) ``rows`` (two columns, one
+        per key) leaves the tree: its pages L2 still holds become orphans.  O(keys)."""
+        ok = np.flatnonzero(self.host.stamps[kind].held(rows[:, 0], rows[:, 1]))
+        if ok.size:
+            d = self._orphans[kind]
+            for i, s, t in zip(ok.tolist(), rows[ok, 0].tolist(), rows[ok, 1].tolist()):
+                d[keys[i]] = (s, t)
+            if len(d) > self._bound[kind]:
+                self._sweep(kind)
+
+    def orphan_run(self, run: EvictedRun) -> None:
+        """An evicted run the tree drops (its cap, an insert over it): the pages it
+        records L2 holds become orphans (a run hook of the core's records; SWA keys
+        hashed only for those).  O(pages)."""
+        rows = run.host_at
+        if rows.shape[1] != _WIDTH:
+            return
+        self.orphan_rows(AttnKind.FULL, run.names, rows[:, 0:2])
+        held = np.flatnonzero(self.host.stamps[AttnKind.SWA].held(rows[:, 2], rows[:, 3]))
+        if held.size:
+            self.orphan_rows(AttnKind.SWA, [swa_key(run.names[i]) for i in held.tolist()], rows[held, 2:4])
+
+    def _sweep(self, kind: AttnKind) -> None:
+        """Forget the orphans L2 no longer holds; the next sweep waits for twice as
+        many.  O(orphans)."""
+        d = self._orphans[kind]
+        if d:
+            keys = list(d)
+            cand = np.array(list(d.values()), dtype=np.int64)
+            ok = self.host.stamps[kind].held(cand[:, 0], cand[:, 1])
+            self._orphans[kind] = {k: d[k] for k, o in zip(keys, ok.tolist()) if o}
+        self._bound[kind] = max(_ORPHANS_MIN, 2 * len(self._orphans[kind]))
+
+    @property
+    def num_orphans(self) -> int:
+        """Orphans kept (some may be stale until the next sweep).  O(1)."""
+        return sum(len(d) for d in self._orphans.values())
 
     def landed(self, views: Sequence[tuple[np.ndarray | None, int, int]], kind: AttnKind, pages: np.ndarray,
                keys: Sequence[bytes]) -> None:
@@ -197,12 +288,21 @@ class HostRecords:
         ``pages`` (ascending page indices of the walk's prompt, stored under L2
         ``keys``) now: an L3 -> L2 landing, admitted off the engine's thread (under
         the owner's mutex; a torn pair reads as not held: a miss, never a wrong
-        page).  O(entries + pages)."""
+        page).  Pages no entry of the walk names become orphans (:meth:`orphan`).
+        O(entries + pages)."""
         if not len(pages):
             return
+        pages = np.asarray(pages, dtype=np.int64)
         slots = self.host.lookup_full(keys) if kind is AttnKind.FULL else self.host.lookup_swa(keys)
         views = [(rows, lo, k) for rows, lo, k in views if rows is not None and rows.shape[1] == _WIDTH]
-        self._record(views, np.asarray(pages, dtype=np.int64), slots, _stamps_of(self.host, kind, slots), _SLOT[kind])
+        self._record(views, pages, slots, _stamps_of(self.host, kind, slots), _SLOT[kind])
+        named = np.zeros(len(pages), dtype=bool)
+        for _, lo, k in views:
+            a, b = np.searchsorted(pages, (lo, lo + k))
+            named[a:b] = True
+        if not named.all():
+            rest = np.flatnonzero(~named)
+            self.orphan(kind, [keys[i] for i in rest.tolist()], slots[rest])
 
     def loaded(self, names: PageNames, full_idx: np.ndarray, from_full: np.ndarray, swa_idx: np.ndarray,
                from_swa: np.ndarray) -> PageNames:
@@ -217,10 +317,12 @@ class HostRecords:
 
     def check(self, entries: Iterable[tuple[list[bytes | None], np.ndarray]]) -> None:
         """Every valid record names a page L2 holds under that entry's name, in that
-        slot; with ``complete``, every recorded page too (absent or stale: L2 holds
-        none under that name).  ``entries`` gives each named entry's names and
-        ``host_at``.  O(pages)."""
+        slot.  With ``complete``: every recorded page too (absent or stale: L2
+        holds none under that name, unless it is an orphan), and every full page
+        L2 holds is recorded on an entry or an orphan, so a lookup needs not ask
+        L2.  ``entries`` gives each named entry's names and ``host_at``.  O(pages)."""
         host = self.host
+        named: set[bytes] = set()
         for names, rows in entries:
             for kind, col in _SLOT.items():
                 valid = host.stamps[kind].held(rows[:, col], rows[:, col + 1])
@@ -229,7 +331,21 @@ class HostRecords:
                     keys = [names[i] if kind is AttnKind.FULL else swa_key(names[i]) for i in ok.tolist()]
                     got = host.lookup_full(keys) if kind is AttnKind.FULL else host.lookup_swa(keys)
                     want = np.where(valid[ok], rows[ok, col], -1)
-                    assert (got == want).all(), f"a {kind} record L2 does not bear out"
+                    bad = np.flatnonzero(got != want)
+                    assert all(self._orphan_at(kind, keys[i]) == got[i] for i in bad.tolist()), \
+                        f"a {kind} record L2 does not bear out"
+                    if kind is AttnKind.FULL:
+                        named.update(keys[i] for i in np.flatnonzero(valid[ok]).tolist())
+        if self.complete:
+            for k in host.full_keys():
+                assert k in named or self._orphan_at(AttnKind.FULL, k) >= 0, "a full page L2 holds that no entry records"
+
+    def _orphan_at(self, kind: AttnKind, key: bytes) -> int:
+        """The slot of orphan ``key`` while L2 holds it there, else ``-1``.  O(1)."""
+        got = self._orphans[kind].get(key)
+        if got is None or not self.host.stamps[kind].held(np.array([got[0]]), np.array([got[1]]))[0]:
+            return -1
+        return got[0]
 
     @staticmethod
     def _gather(walk: TreeWalk, pages: np.ndarray, col: int

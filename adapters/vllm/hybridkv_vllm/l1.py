@@ -64,8 +64,8 @@ class L1View:
         self._gone: dict[int, dict[bytes, tuple[int, bytes | None]]] = {}  # per group: pages given up
         # this step -> (block, parent key)
         self.rescued = 0  # pages queued to be copied down so far
-        # told the keys each copy-down admits to L2 (the tree's records, :mod:`.names`)
-        self.on_admit: Callable[[list[bytes]], None] | None = None
+        # told the (group index, keys, L2 rows) each copy-down admits (the tree's records, :mod:`.names`)
+        self.on_admit: Callable[[int, list[bytes], Any], None] | None = None
 
     def hook(self, block_pool: Any) -> bool:
         """Follow ``block_pool``'s removals of cached blocks (once per pool) and turn
@@ -165,7 +165,7 @@ class L1View:
                 out[gi] = ([cand[k][0] for k in sel], sel, [int(r) for r in rows.tolist()])
                 self.rescued += len(sel)
                 if self.on_admit is not None:
-                    self.on_admit(sel)
+                    self.on_admit(gi, sel, rows)
         return out
 
     def pending(self) -> bool:

@@ -46,8 +46,11 @@ COUNTERS: dict[str, str] = {
                               "naming them, without asking L2's index (--scheduler-cls): held (a valid "
                               "record) or not (absent, or its slot freed since)",
     "l2_pages_absent_off_tree": "of l2_pages_read_off_tree, the blocks the records answered 'not held'",
-    "l2_pages_asked_by_key": "blocks a lookup asked L2's index about by key (never recorded, or past the "
-                             "entries the tree has; --scheduler-cls), the answers then recorded on the tree",
+    "l2_pages_read_off_orphans": "of l2_pages_read_off_tree, the blocks found held in the list of L2 pages no "
+                                 "tree entry records (placed before the insert, copy-downs, runs the tree "
+                                 "dropped), then recorded on the entry naming them",
+    "l2_pages_asked_by_key": "blocks a lookup asked L2's index about by key (0 with hybridkv's prefix cache: "
+                             "its records are complete; kept for a host whose records are not)",
     "reloaded_held_tokens": "hit tokens whose full KV hybridkv's device tree holds, loaded again from L2 / L3 "
                             "with the window the device lacked (repair case 2 without a window repair, or the "
                             "last unit or page of one: a load carries at least one token)",

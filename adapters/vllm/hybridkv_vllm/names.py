@@ -25,15 +25,18 @@ slot, stamp) pair per block of every group (``host_at``, :attr:`TreeNames.record
 columns, the groups' blocks in the connector's order).  A save or a load that
 places a request's pages in L2 (a load: where L2 holds them, or admits them
 from L3) keeps each slot and its stamp on the request's state
-(:meth:`TreeNames.placed`), and the prefix manager's insert of those pages
-records them (a page placed after the insert, e.g. by a finish save, is left
-to its first lookup).  A lookup reads L2's answer for a named
-block off that record while L2's stamp of the slot matches, asks L2's index by
-key only for the other blocks (unrecorded, recorded stale, or past the walk),
-and records the answer on the entry (:meth:`TreeNames.l2_held`), so the next
-lookup over those pages reads it there.  Counters ``l2_pages_read_off_tree``
-and ``l2_pages_asked_by_key``.  L3 is still asked through its record by key
-(:mod:`.sources`).
+(:meth:`TreeNames.placed`) for the prefix manager's insert of those pages, and
+records it at once on the tree pages already spelling the request's tokens; the
+blocks past them are *orphans* (pages L2 holds that no entry records) until the
+insert names them.  L2's copy-downs of blocks vLLM's pool gave up are orphans
+too (:meth:`TreeNames.rescued`), and so are the held blocks of a run the tree
+drops (:meth:`TreeNames.orphan_run`).  The records are then complete
+(:mod:`hybridkv.tiers.records`): a lookup (:meth:`TreeNames.l2_held`) answers
+every block off the tree's records and the orphans, never asking L2's index;
+an orphan found is recorded on the entry naming it.  Counters
+``l2_pages_read_off_tree`` (of them ``l2_pages_absent_off_tree`` and
+``l2_pages_read_off_orphans``) and ``l2_pages_asked_by_key`` (0).  L3 is still
+asked through its record by key (:mod:`.sources`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from typing import Any, Callable
 import numpy as np
 
 from hybridkv.radix import PageNames
-from hybridkv.radix.node import unrecorded
+from hybridkv.radix.node import EvictedRun, unrecorded
 from hybridkv.spec import AttnKind
 from hybridkv.tiers.keys import KEY_BYTES
 from hybridkv.tiers.records import HostRecords, TreeWalk
@@ -110,7 +113,14 @@ class TreeNames:
         cols = [(keys[g.index], k) for g, k in zip(self.groups, self.per_page)]
         out: list[bytes | None] = [None] * lo
         out += [b"".join(b"".join(ks[i * k:(i + 1) * k]) for ks, k in cols) for i in range(lo, n)]
-        return PageNames(out, np.zeros(n, dtype=bool), host_at=self._rows(lo, n, l2_at or {}))
+        rows = self._rows(lo, n, l2_at or {})
+        if self.records is not None:  # the insert records these placements: no longer orphans
+            for gi, parts in (l2_at or {}).items():
+                k, ks = self._per_page[gi], keys[gi]
+                for part in parts:
+                    part = part[(part[:, 0] >= lo * k) & (part[:, 0] < min(n * k, len(ks)))]
+                    self.records.adopted(self._kind[gi], [ks[i] for i in part[:, 0].tolist()], part[:, 1:3])
+        return PageNames(out, np.zeros(n, dtype=bool), host_at=rows)
 
     def _rows(self, lo: int, n: int, l2_at: dict[int, list[np.ndarray]]) -> np.ndarray:
         """``host_at`` rows of pages ``[0, n)`` with the records ``l2_at`` holds for
@@ -151,10 +161,40 @@ class TreeNames:
                 now[gi] = [part]
         n = max((int(p[0][:, 0].max()) // self._per_page[gi] + 1 for gi, p in now.items()), default=0)
         tokens = st.request.all_token_ids
+        named = 0
         if n and len(tokens) >= n * self.page_size:
             mgr = self.manager
-            mgr.lifecycle.take_records(np.asarray(tokens[:n * self.page_size], dtype=np.int32),
-                                       mgr.namespace(st.request), self._rows(0, n, now))
+            named = mgr.lifecycle.take_records(np.asarray(tokens[:n * self.page_size], dtype=np.int32),
+                                               mgr.namespace(st.request), self._rows(0, n, now))
+        for gi, (part,) in now.items():  # placed where no tree page spells them yet: orphans until the insert
+            keys = st.keys.get(gi, [])
+            rest = part[(part[:, 0] >= named * self._per_page[gi]) & (part[:, 0] < len(keys))]
+            if len(rest):
+                self.records.orphan(self._kind[gi], [keys[i] for i in rest[:, 0].tolist()], rest[:, 1])
+
+    def rescued(self, gi: int, keys: list[bytes], slots: Any) -> None:
+        """L2 admitted copy-downs of group ``gi``'s blocks vLLM's pool gave up (keys and
+        L2 ``slots``; the tree's entry naming each, if any, is unknown here): orphans,
+        read by the next lookup over them (:meth:`HostRecords.orphan
+        <hybridkv.tiers.records.HostRecords.orphan>`).  O(keys)."""
+        if self.records is not None:
+            self.records.orphan(self._kind[gi], keys, np.asarray(slots, dtype=np.int64))
+
+    def orphan_run(self, run: EvictedRun) -> None:
+        """The device tree drops an evicted run (its cap, an insert over it): each block
+        its records say L2 holds becomes an orphan, under the block's own key (a tree
+        page's name is its blocks' keys, group by group).  O(pages * blocks)."""
+        rows = run.host_at
+        if self.records is None or rows.shape[1] != self.record_width:
+            return
+        for gi, k in self._per_page.items():
+            kind, first = self._kind[gi], self._first_pair[gi]
+            for b in range(k):
+                p = first + b
+                held = np.flatnonzero(self.records.host.stamps[kind].held(rows[:, 2 * p], rows[:, 2 * p + 1]))
+                if held.size:
+                    keys = [run.names[i][p * KEY_BYTES:(p + 1) * KEY_BYTES] for i in held.tolist()]
+                    self.records.orphan_rows(kind, keys, rows[held, 2 * p:2 * p + 2])
 
     def seed(self, st: ReqState, limit: int) -> int:
         """Fill ``st.keys`` (still empty) with the keys of the request's leading pages
@@ -173,10 +213,10 @@ class TreeNames:
             tokens = np.asarray(st.request.all_token_ids[:limit], dtype=np.int32)  # the tree's token dtype
         runs: list = []
         names, path = mgr.tree.walk_names(tokens, mgr.namespace(st.request), limit, runs=runs)  # runs trimmed first
+        if self.records is not None:  # the entries' records as they are now (later lookups read them too;
+            st.walk = TreeWalk(path, runs).freeze(self.record_width)  # none: every page past the tree)
         if not names:
             return 0
-        if self.records is not None:  # the entries' records as they are now (later lookups read them too)
-            st.walk = TreeWalk(path, runs).freeze(self.record_width)
         blob = b"".join(names)
         assert len(blob) == len(names) * self.width, "a tree name of another group layout"
         cols = np.frombuffer(blob, dtype=f"V{KEY_BYTES}").reshape(len(names), -1)  # a key per column
@@ -188,10 +228,11 @@ class TreeNames:
 
     def l2_held(self, walk: TreeWalk, g: GroupInfo, keys: Sequence[bytes], lo: int, hi: int) -> np.ndarray:
         """Bool per block ``[lo, hi)`` of group ``g`` (``keys``: the group's keys, at least
-        ``hi``): L2's index holds it.  Read off the records of ``walk``'s entries where
-        valid; the other blocks are asked of the index by key and the answers recorded
-        there (so only on the scheduler's thread).  The same answers as asking every
-        block by key.  O(entries of the walk + blocks) per block of a tree page."""
+        ``hi``): L2's index holds it.  Read off the records of ``walk``'s entries and
+        the orphans (complete records, :mod:`hybridkv.tiers.records`); an orphan found
+        is recorded on the entry naming it (so only on the scheduler's thread).  The
+        same answers as asking every block by key.  O(entries of the walk + blocks)
+        per block of a tree page."""
         assert self.records is not None, "no L2 to read"
         k, first = self._per_page[g.index], self._first_pair[g.index]
         kind = self._kind[g.index]
@@ -248,14 +289,15 @@ def bind_names(groups: Sequence[GroupInfo], manager: Any, live: dict[str, ReqSta
     :meth:`TreeNames.keep`) and keys (``keys_of(state, tokens)``); the evicted
     runs are capped at the full tree pages L2's index (``l2``) holds, or at the
     device's pages without L2.  ``l1``: the copy-downs whose admissions to L2 the
-    records hear of by key (:meth:`HostRecords.admitted_unnamed
-    <hybridkv.tiers.records.HostRecords.admitted_unnamed>`)."""
+    records hear of by key (:meth:`TreeNames.rescued`)."""
     page_size = getattr(manager, "page_size", 0)
     if not hasattr(manager, "name_pages") or not TreeNames.fits(groups, page_size):
         return None
     names = TreeNames(groups, manager, page_size, l2)
-    if l1 is not None and names.records is not None:
-        l1.on_admit = names.records.admitted_unnamed
+    if names.records is not None:
+        manager.tree.runs.on_drop = names.orphan_run
+        if l1 is not None:
+            l1.on_admit = names.rescued
     per = sum(k for g, k in zip(names.groups, names.per_page) if not g.is_swa) or 1
     device = manager.block_pool.num_gpu_blocks
 

@@ -42,16 +42,11 @@ def compared(monkeypatch) -> list[int]:  # noqa: ANN001
     return blocks
 
 
-@pytest.mark.parametrize("saves_record", [True, False])
-def test_a_lookup_reads_l2_off_the_tree(stack, monkeypatch, compared, saves_record: bool) -> None:  # noqa: ANN001, F811
+def test_a_lookup_reads_l2_off_the_tree(stack, monkeypatch, compared) -> None:  # noqa: ANN001, F811
     """The device gives up a's prompt (its pages become evicted runs).  The save that
-    put a's pages in L2 recorded their slots on the tree at the insert, so b's lookup
-    reads them there and asks L2 nothing by key.  Without those records (the save's
-    placement not kept), b's lookup asks L2 by key and records the answers on the
-    runs, and c's lookup of the same prompt (a new request, a new walk) reads them
-    there.  The hit is the same each time."""
-    if not saves_record:
-        monkeypatch.setattr(TreeNames, "placed", lambda self, st, pages, slots: None)
+    put a's pages in L2 recorded their slots on the tree, so b's lookup reads them
+    there and asks L2 nothing by key, and so does c's lookup of the same prompt (a
+    new request, a new walk).  The hit is the same each time."""
     sched, _, prompt = _evicted_prompt(stack, monkeypatch, True)
     conn, mgr = sched.connector, sched.kv_cache_manager
     assert mgr.tree.runs.pages > 0
@@ -63,14 +58,35 @@ def test_a_lookup_reads_l2_off_the_tree(stack, monkeypatch, compared, saves_reco
         counts.append({k: conn.stats.get(k, 0) - v for k, v in before.items()})
     hit = (len(prompt) - 1) // conn.unit * conn.unit
     assert hits[0] == hits[1] == (hit, True)
-    if saves_record:
-        assert counts[0]["l2_pages_asked_by_key"] == 0 and counts[0]["l2_pages_read_off_tree"] > 0
-    else:
-        assert counts[0]["l2_pages_asked_by_key"] > 0 and counts[0]["l2_pages_read_off_tree"] == 0
-    assert counts[1] == {"l2_pages_read_off_tree": counts[0]["l2_pages_read_off_tree"]
-                         + counts[0]["l2_pages_asked_by_key"], "l2_pages_asked_by_key": 0}
+    assert counts[0]["l2_pages_asked_by_key"] == 0 and counts[0]["l2_pages_read_off_tree"] > 0
+    assert counts[1] == counts[0]
     assert compared and sum(compared) > 0
     mgr.check_invariants()
+
+
+@pytest.mark.parametrize("orphans", [True, False])
+def test_pages_of_a_dropped_run_are_read_off_the_orphans(stack, monkeypatch, compared, orphans: bool) -> None:  # noqa: ANN001, F811
+    """The tree drops the runs naming a's evicted prompt (its cap at 0): the blocks
+    L2 still holds become orphans, so b's lookup past the tree's entries still finds
+    them without asking L2's index, and hits as before.  Planted fault: a dropped
+    run leaves nothing behind; the lookup then misses blocks L2 holds and the by-key
+    comparison fails."""
+    if not orphans:
+        monkeypatch.setattr(TreeNames, "orphan_run", lambda self, run: None)
+    sched, _, prompt = _evicted_prompt(stack, monkeypatch, True)
+    conn, mgr = sched.connector, sched.kv_cache_manager
+    assert mgr.tree.runs.pages > 0
+    mgr.tree.runs.keep_within(0)
+    assert mgr.tree.runs.pages == 0
+    if not orphans:
+        with pytest.raises(AssertionError, match="differs from asking by key"):
+            conn.get_num_new_matched_tokens(_request(sched, "b", list(prompt)), 0)
+        return
+    before = {k: conn.stats.get(k, 0) for k in ("l2_pages_read_off_orphans", "l2_pages_asked_by_key")}
+    hit = (len(prompt) - 1) // conn.unit * conn.unit
+    assert conn.get_num_new_matched_tokens(_request(sched, "b", list(prompt)), 0) == (hit, True)
+    assert conn.stats["l2_pages_read_off_orphans"] > before["l2_pages_read_off_orphans"]
+    assert conn.stats.get("l2_pages_asked_by_key", 0) == before["l2_pages_asked_by_key"]
 
 
 def test_a_load_from_l3_records_where_l2_admits_it(stack, monkeypatch, compared) -> None:  # noqa: ANN001, F811
@@ -90,8 +106,8 @@ def test_a_load_from_l3_records_where_l2_admits_it(stack, monkeypatch, compared)
     hit = (len(prompt) - 1) // conn.unit * conn.unit
     assert conn.get_num_new_matched_tokens(_request(sched, "c", list(prompt)), 0) == (hit, True)
     full_blocks = sum(hit // g.block_size for g in conn.groups if not g.is_swa)
-    assert conn.stats["l2_pages_read_off_tree"] - read >= full_blocks  # (the finish save's window is not)
-    assert conn.stats.get("l2_pages_asked_by_key", 0) - asked < full_blocks
+    assert conn.stats["l2_pages_read_off_tree"] - read >= full_blocks
+    assert conn.stats.get("l2_pages_asked_by_key", 0) - asked == 0
     mgr.check_invariants()
 
 
@@ -118,24 +134,28 @@ def test_records_answer_as_asking_by_key_under_eviction(stack, monkeypatch, comp
     monkeypatch.undo()
     off = _replay(stack, monkeypatch, False, seed)
     assert on[0] == off[0] and on[1] == off[1]
-    assert compared and stats["l2_pages_read_off_tree"] > 0 and stats["l2_pages_asked_by_key"] > 0
-    assert stats["l2_pages_absent_off_tree"] > 0  # "not held" read off the records too: they are complete
+    # complete records: every answer off the tree (its entries, the pages it lost the names of)
+    assert compared and stats["l2_pages_read_off_tree"] > 0 and stats.get("l2_pages_asked_by_key", 0) == 0
+    assert stats["l2_pages_absent_off_tree"] > 0 and stats["l2_pages_read_off_orphans"] > 0
     assert on[1]["load_pages_l2"] > 0
 
 
-@pytest.mark.parametrize("fault", ["finish_saves", "copy_downs"])
+@pytest.mark.parametrize("fault", ["placements", "finish_saves", "copy_downs"])
 def test_an_admission_the_records_miss_is_caught(stack, monkeypatch, compared, fault: str) -> None:  # noqa: ANN001, F811
-    """Planted faults: a placement after the prefix manager's insert is not recorded on
-    the tree (only kept for an insert), or L2's copy-downs of blocks vLLM's pool gave
-    up are not reported to the records.  A stale or absent record then hides a block
-    L2 holds, and the by-key comparison fails."""
+    """Planted faults: a save's or load's placement in L2 is not recorded at all, or
+    one after the prefix manager's insert is not recorded on the tree (only kept for
+    an insert), or L2's copy-downs of blocks vLLM's pool gave up are not reported,
+    A record (or its absence) then hides a block L2 holds, and the by-key comparison
+    fails."""
     from hybridkv.lifecycle import Lifecycle
-    from hybridkv.tiers.records import HostRecords
 
-    if fault == "finish_saves":
-        monkeypatch.setattr(Lifecycle, "take_records", lambda self, tokens, namespace, rows: None)
+    if fault == "placements":
+        monkeypatch.setattr(TreeNames, "placed", lambda self, st, pages, slots: None)
+    elif fault == "finish_saves":
+        # claims the tree's pages took the records, writes none
+        monkeypatch.setattr(Lifecycle, "take_records", lambda self, tokens, namespace, rows: len(rows))
     else:
-        monkeypatch.setattr(HostRecords, "admitted_unnamed", lambda self, keys: None)
+        monkeypatch.setattr(TreeNames, "rescued", lambda self, gi, keys, slots: None)
     with pytest.raises(AssertionError, match="differs from asking by key"):
         for seed in (5, 6):
             _replay(stack, monkeypatch, True, seed)[2].shutdown()
