@@ -77,18 +77,24 @@ def test_l2_read_off_the_tree_equals_l2_asked_by_key(policy):
         cache.close()
 
 
-def test_a_second_walk_reads_l2_off_the_runs():
-    """A prompt whose pages L1 evicted: the first lookup asks L2 at most once per
-    page and records the answers; the second reads them all off the tree."""
+def _evicted_first(seed: int) -> tuple[TieredCache, np.ndarray, int]:
+    """A cache whose L1 evicted a first prompt (write-through: L2 holds its pages)
+    for 8 others; the cache, the first prompt and its pages."""
     cache = _cache(l1_pages=20, l2_pages=400, policy="write_through")
-    co = cache.lower_tiers
     P = cache.spec.page_size
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     first = rng.integers(0, 500, 12 * P + 1).astype(np.int32)
+    for tokens in [first] + [rng.integers(500, 900, 12 * P + 1).astype(np.int32) for _ in range(8)]:
+        serve_once(cache, tokens)
+    return cache, first, (len(first) - 1) // P
+
+
+def test_a_second_walk_reads_l2_off_the_runs():
+    """A prompt whose pages L1 evicted: both lookups read every page's answer off
+    the tree (its runs' records), L2's index asked nothing."""
+    cache, first, n = _evicted_first(0)
+    co = cache.lower_tiers
     try:
-        for tokens in [first] + [rng.integers(500, 900, 12 * P + 1).astype(np.int32) for _ in range(8)]:
-            serve_once(cache, tokens)
-        n = (len(first) - 1) // P
         keys, walk = co.walk_prompt(first, "default", n)
         assert sum(k for _, k in walk.runs) > 0, "L1 kept nothing of the first prompt as runs"
         c = co.counters
@@ -111,15 +117,9 @@ def test_what_l2_lost_is_read_off_the_tree_not_asked():
     """The core's records are complete: a page L2 dropped (evicted, cleared) reads
     "not held" off its entry's stale record, and L2 is asked nothing by key for a
     prompt every page of which the tree names."""
-    cache = _cache(l1_pages=20, l2_pages=400, policy="write_through")
+    cache, first, n = _evicted_first(1)
     co = cache.lower_tiers
-    P = cache.spec.page_size
-    rng = np.random.default_rng(1)
-    first = rng.integers(0, 500, 12 * P + 1).astype(np.int32)
     try:
-        for tokens in [first] + [rng.integers(500, 900, 12 * P + 1).astype(np.int32) for _ in range(8)]:
-            serve_once(cache, tokens)
-        n = (len(first) - 1) // P
         keys, walk = co.walk_prompt(first, "default", n)
         named = sum(k for _, k in walk.path) + sum(k for _, k in walk.runs)
         assert named == n and walk.runs, "the tree names every page of the first prompt, some in runs"
