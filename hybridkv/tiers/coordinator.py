@@ -34,7 +34,7 @@ import torch
 from .._validate import as_token_array
 from ..lifecycle import TierPlan
 from ..modes import WritePolicy
-from ..radix.node import NO_PAGE, TreeNode, parts_side
+from ..radix.node import NO_PAGE, EvictedRun, TreeNode, parts_side
 from ..radix import PageNames
 from ..radix.types import node_names
 from ..spec import AttnKind, ModelSpec
@@ -134,7 +134,7 @@ class TierCoordinator:
         self.counters = dict.fromkeys(_COUNTERS, 0)
         # L2 read off the tree's entries (every admission here records on them: complete)
         self.records = HostRecords(self.host, self.counters, complete=True)
-        tree.runs.on_drop = self.records.orphan_run  # what a dropped run recorded L2 holds: orphans
+        tree.runs.on_drop = self._run_dropped  # what a dropped run recorded L2 holds: orphans
         # what L3 holds as far as this cache knows (the record the vLLM connector keeps
         # too); the read-ahead probes the store only for keys it has no answer for
         self.l3_record = StoreIndex(self.l3.backend_exists if self.l3 is not None else None)
@@ -502,6 +502,12 @@ class TierCoordinator:
         return names
 
     # ============================================================== misc
+    def _run_dropped(self, run: EvictedRun) -> None:
+        """The tree dropped ``run`` (on the engine's thread): its pages L2 still holds
+        become orphans, under the mutex (an L3 landing writes them too).  O(pages)."""
+        with self.mutex:
+            self.records.orphan_run(run)
+
     def clear_l2(self) -> int:
         """Drop every L2 page under the mutex; returns pages dropped.  O(pages)."""
         with self.mutex:

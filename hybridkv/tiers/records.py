@@ -273,7 +273,7 @@ class HostRecords:
             keys = list(d)
             cand = np.array(list(d.values()), dtype=np.int64)
             ok = self.host.stamps[kind].held(cand[:, 0], cand[:, 1])
-            self._orphans[kind] = {k: d[k] for k, o in zip(keys, ok.tolist()) if o}
+            self._orphans[kind] = {k: (v[0], v[1]) for k, v, o in zip(keys, cand.tolist(), ok.tolist()) if o}
         self._bound[kind] = max(_ORPHANS_MIN, 2 * len(self._orphans[kind]))
 
     @property

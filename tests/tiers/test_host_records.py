@@ -317,3 +317,35 @@ def test_records_written_on_joined_freed_names_reach_each_part():
 
     freed.give_back(Index())
     assert a[:, 0].tolist() == [10, 11] and b[:, 0].tolist() == [13, 14, 15] and (a[:, 1] == 7).all()
+
+
+def test_orphans_are_believed_while_l2_holds_them():
+    """An orphan (a page L2 holds that no entry records) answers a lookup past the
+    walk while L2's stamp of its slot matches; one L2 dropped reads "not held" and a
+    sweep forgets it; one an entry adopts with its record leaves, one L2 moved since
+    stays."""
+    from hybridkv.tiers.records import HostRecords, TreeWalk
+
+    cache = _cache(l1_pages=24, l2_pages=8, policy="write_through")
+    host = cache.lower_tiers.host
+    try:
+        counts: dict[str, int] = {}
+        rec = HostRecords(host, counts, complete=True)
+        got = host.alloc(3, 0)
+        assert got is not None
+        keys = [b"k0", b"k1", b"k2"]
+        host.insert_full(keys, got[0])
+        rec.orphan(AttnKind.FULL, keys, got[0])
+        assert host.discard([b"k1"]) == 1
+        out = rec.slots(AttnKind.FULL, TreeWalk(), np.arange(3), keys.__getitem__)  # all past the (empty) walk
+        assert out.tolist() == [int(got[0][0]), -1, int(got[0][2])]
+        assert counts["l2_pages_read_off_orphans"] == 2 and counts["l2_pages_asked_by_key"] == 0
+        rec._sweep(AttnKind.FULL)
+        assert rec.num_orphans == 2
+        stamps = host.stamps[AttnKind.FULL].of(got[0])
+        rec.adopted(AttnKind.FULL, [b"k0", b"k2"], np.array([[got[0][0], stamps[0]], [got[0][2], stamps[2] + 1]]))
+        assert rec.num_orphans == 1  # k2's record names another stamp: it stays an orphan
+        with pytest.raises(TypeError, match="complete"):
+            HostRecords(host, counts, complete=1)  # type: ignore[arg-type]
+    finally:
+        cache.close()
