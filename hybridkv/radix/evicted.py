@@ -158,15 +158,26 @@ class EvictedRuns:
             self.on_drop(run)  # type: ignore[misc]
         self.trim()
 
-    def covered(self, node: TreeNode, first: bytes) -> None:
-        """An insert adds an L1 leaf with first page ``first`` at ``node``'s end:
+    def covered(self, node: TreeNode, first: bytes, leaf: TreeNode | None = None) -> None:
+        """An insert adds an L1 ``leaf`` with first page ``first`` at ``node``'s end:
         a run there starting with the same page is dropped (what it named is in L1
-        again, or the prompt left it).  O(1), plus the dropped pages."""
+        again, or the prompt left it).  The leaf takes the run's records of the
+        pages both spell where it records nothing itself; :attr:`on_drop` hears
+        of the rest only.  O(1), plus the dropped pages."""
         runs = node.evicted
         if runs:
             run = runs.pop(first, None)
             if run is not None:
-                self._drop_all((run,))
+                k = 0
+                if leaf is not None:
+                    P = self.page_size
+                    k = common_pages(run.key, leaf.key, 0, min(len(run.key), len(leaf.key)), P)
+                    if leaf.host_at is not None and leaf.host_at.shape[1] == run.host_at.shape[1]:
+                        mine, theirs = leaf.host_at[:k], run.host_at[:k]
+                        for c in range(1, mine.shape[1], 2):  # a (slot, stamp) pair the leaf lacks
+                            at = np.flatnonzero(mine[:, c] == 0)
+                            mine[at, c - 1:c + 1] = theirs[at, c - 1:c + 1]
+                self._drop_all((run,), taken=k)
 
     # ------------------------------------------------------------------- reads
     def along(self, root: TreeNode, path: list[tuple[TreeNode, int]], key: np.ndarray, limit: int,
@@ -232,14 +243,19 @@ class EvictedRuns:
         if len(order) > 2 * self._live + 64:
             self._order = deque(r for r in order if r.home is not None)
 
-    def _drop_all(self, runs: Iterable[EvictedRun]) -> None:
-        """Forget ``runs`` and everything below them.  O(runs dropped)."""
+    def _drop_all(self, runs: Iterable[EvictedRun], taken: int = 0) -> None:
+        """Forget ``runs`` and everything below them; :attr:`on_drop` hears of each
+        but the first ``taken`` pages of the first (an L1 leaf took them over).
+        O(runs dropped)."""
         stack = list(runs)
         hook = self.on_drop
+        first = stack[0] if stack else None
         while stack:
             run = stack.pop()
-            if hook is not None:
-                hook(run)
+            if hook is not None and (run is not first or taken < len(run.names)):
+                P = self.page_size
+                hook(run if run is not first or not taken
+                     else EvictedRun(run.key[taken * P:], run.names[taken:], run.host_at[taken:]))
             self.pages -= len(run.names)
             self._live -= 1
             run.home = None

@@ -484,7 +484,7 @@ class WindowSafeTree:
         elif mark == pi and node is not root:  # the prompt ended where the new pages start
             node.mark = mark
         first = leaf.key[:size].tobytes()
-        self.runs.covered(node, first)  # a run L1 evicted there is dropped
+        self.runs.covered(node, first, leaf)  # a run L1 evicted there is dropped
         node.children[first] = leaf
         if len(node.children) > 1:
             node.branched = True

@@ -49,6 +49,7 @@ for each admission path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import chain, compress
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -172,7 +173,7 @@ class HostRecords:
         valid = stamps.held(rec[:, 0], rec[:, 1])
         out = np.where(valid, rec[:, 0], -1)
         if self.complete:
-            self._off_orphans(kind, walk, pages, key_of, valid, out, views, col)
+            self._off_orphans(kind, walk, pages, key_of, valid, out, views, col, leading)
             return out
         ask = np.flatnonzero(~valid)
         lookup = self.host.lookup_full if kind is AttnKind.FULL else self.host.lookup_swa
@@ -192,16 +193,25 @@ class HostRecords:
         return out
 
     def _off_orphans(self, kind: AttnKind, walk: TreeWalk, pages: np.ndarray, key_of: Callable[[int], bytes],
-                     valid: np.ndarray, out: np.ndarray, views: list[tuple[np.ndarray, int, int]], col: int) -> None:
+                     valid: np.ndarray, out: np.ndarray, views: list[tuple[np.ndarray, int, int]], col: int,
+                     leading: bool) -> None:
         """:meth:`slots` with complete records: a page without a valid record is held
         only as an orphan (:meth:`orphan`), found there and then recorded on the
-        walk's entry naming it; L2's index is not asked.  Fills ``out``.  O(pages)."""
+        walk's entry naming it; L2's index is not asked.  ``leading``: the orphans
+        are looked up in page order up to the first page neither recorded held
+        nor an orphan (the pages after it read ``-1`` unless recorded).  Fills
+        ``out``.  O(pages), or O(pages up to that one) with ``leading``."""
         orphans = self._orphans[kind]
         rest = np.flatnonzero(~valid)
         found = 0
         if rest.size and orphans:  # (keys hashed only while some page is an orphan)
-            at = [(j, orphans.get(key_of(int(pages[j])))) for j in rest.tolist()]
-            at = [(j, got) for j, got in at if got is not None]
+            at = []
+            for j in rest.tolist():
+                got = orphans.get(key_of(int(pages[j])))
+                if got is not None:
+                    at.append((j, got))
+                elif leading:
+                    break
             if at:
                 idx = np.array([j for j, _ in at], dtype=np.int64)
                 cand = np.array([got for _, got in at], dtype=np.int64)
@@ -248,8 +258,7 @@ class HostRecords:
         ok = np.flatnonzero(self.host.stamps[kind].held(rows[:, 0], rows[:, 1]))
         if ok.size:
             d = self._orphans[kind]
-            for i, s, t in zip(ok.tolist(), rows[ok, 0].tolist(), rows[ok, 1].tolist()):
-                d[keys[i]] = (s, t)
+            d.update(zip([keys[i] for i in ok.tolist()], zip(rows[ok, 0].tolist(), rows[ok, 1].tolist())))
             if len(d) > self._bound[kind]:
                 self._sweep(kind)
 
@@ -270,10 +279,9 @@ class HostRecords:
         many.  O(orphans)."""
         d = self._orphans[kind]
         if d:
-            keys = list(d)
-            cand = np.array(list(d.values()), dtype=np.int64)
+            cand = np.fromiter(chain.from_iterable(d.values()), dtype=np.int64, count=2 * len(d)).reshape(-1, 2)
             ok = self.host.stamps[kind].held(cand[:, 0], cand[:, 1])
-            self._orphans[kind] = {k: (v[0], v[1]) for k, v, o in zip(keys, cand.tolist(), ok.tolist()) if o}
+            self._orphans[kind] = {k: d[k] for k in compress(list(d), ok.tolist())}
         self._bound[kind] = max(_ORPHANS_MIN, 2 * len(self._orphans[kind]))
 
     @property
