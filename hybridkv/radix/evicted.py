@@ -41,7 +41,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .node import EvictedRun, TreeNode, common_pages
+from .node import EvictedRun, TreeNode, common_pages, take_records
 
 __all__ = ["EvictedRuns"]
 
@@ -173,10 +173,7 @@ class EvictedRuns:
                     P = self.page_size
                     k = common_pages(run.key, leaf.key, 0, min(len(run.key), len(leaf.key)), P)
                     if leaf.host_at is not None and leaf.host_at.shape[1] == run.host_at.shape[1]:
-                        mine, theirs = leaf.host_at[:k], run.host_at[:k]
-                        for c in range(1, mine.shape[1], 2):  # a (slot, stamp) pair the leaf lacks
-                            at = np.flatnonzero(mine[:, c] == 0)
-                            mine[at, c - 1:c + 1] = theirs[at, c - 1:c + 1]
+                        take_records(leaf.host_at[:k], run.host_at[:k], fill=True)  # pairs the leaf lacks
                 self._drop_all((run,), taken=k)
 
     # ------------------------------------------------------------------- reads

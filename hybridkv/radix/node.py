@@ -181,11 +181,12 @@ def unrecorded(n: int, width: int = len(HOST_AT_COLUMNS)) -> np.ndarray:
     return out
 
 
-def take_records(rows: np.ndarray, new: np.ndarray) -> None:
+def take_records(rows: np.ndarray, new: np.ndarray, *, fill: bool = False) -> None:
     """Write into ``host_at`` ``rows`` each (slot, stamp) pair of ``new`` (same
-    shape) that records something (stamp not 0), fresher than what is there.  O(n * width)."""
+    shape) that records something (stamp not 0), fresher than what is there;
+    ``fill``: only where ``rows`` record nothing.  O(n * width)."""
     for c in range(1, new.shape[1], 2):
-        at = np.flatnonzero(new[:, c])
+        at = np.flatnonzero((new[:, c] != 0) & (rows[:, c] == 0) if fill else new[:, c])
         if at.size:
             rows[at, c - 1:c + 1] = new[at, c - 1:c + 1]
 
