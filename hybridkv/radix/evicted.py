@@ -23,9 +23,15 @@ oldest runs go first, with what hangs below them.  Each run is dropped at most
 once, so that costs O(1) per run made, amortized: no sweep over the tree, no
 lookup in a tier.
 
+Runs also hang inside a node or a run, after its page ``j`` (``inner``), where
+the entry would be split if they were L1 nodes: an insert that adds an L1 leaf
+over a run takes the pages both spell and hangs what leaves the leaf where it
+leaves it (:meth:`EvictedRuns.covered`), as HiCache splits a host node, and a
+split or an eviction moves a node's inner runs with the pages they leave.
+
 Invariants (:meth:`EvictedRuns.check`): at each point a run's first page
-differs from every L1 child's there (an insert that adds an L1 leaf over a run
-drops the run: :meth:`EvictedRuns.covered`), runs hang only at node ends, every
+differs from every L1 child's there and from the page of the entry it hangs
+inside, runs hang only at node or run ends or strictly inside them, every
 page of a run is named, each run knows the map it hangs in, and ``pages`` counts
 them all.  The cap is a bound the runs are brought back within whenever a run is
 made or :meth:`EvictedRuns.trim` runs (a tier may shrink in between).
@@ -101,14 +107,17 @@ class EvictedRuns:
     def evicted(self, node: TreeNode, keep: int) -> None:
         """Eviction gives up pages ``[keep:]`` of leaf ``node`` (before it trims
         or removes it): they become a run at the end of what stays, taking the
-        runs at ``node``'s end along.  Only the named leading pages become the run;
-        under an unnamed page nothing goes on (the chain of names breaks there).
-        O(1) plus the scan for an unnamed page, and the runs the cap drops."""
+        runs at ``node``'s end and inside those pages along (the runs inside the
+        pages that stay, and at ``keep``, stay with ``node``).  Only the named
+        leading pages become the run; under an unnamed page nothing goes on (the
+        chain of names breaks there).  O(1) plus the scan for an unnamed page,
+        the node's inner maps, and the runs dropped."""
         if not self.on and self.on_drop is None:
             return
         at_end, node.evicted = node.evicted, None
+        inner, node.inner = node.inner, None
         names = node.page_keys
-        run = None
+        run, n = None, 0
         if names is not None:
             gone = names[keep:]
             n = gone.index(None) if None in gone else len(gone)
@@ -124,8 +133,24 @@ class EvictedRuns:
                     run = None
                 elif n == len(gone) and at_end:
                     run.below, at_end = at_end, None  # the map moves whole: its runs' home stays it
-        if at_end:
-            self._drop_all(at_end.values())
+        drop = list(at_end.values()) if at_end else []
+        for j, at in (inner or {}).items():  # maps move whole, as above
+            if not at:
+                continue
+            if j < keep:
+                node.inner = node.inner or {}
+                node.inner[j] = at
+            elif j == keep and self.on:  # they continue what stays, beside the new run
+                node.evicted = at
+            elif run is not None and j < keep + n:
+                run.inner = run.inner or {}
+                run.inner[j - keep] = at
+            elif run is not None and j == keep + n:  # the run's end (an unnamed page follows)
+                run.below = at
+            else:
+                drop += at.values()
+        if drop:
+            self._drop_all(drop)
         if run is None:
             return
         host = node if keep else node.parent
@@ -160,21 +185,85 @@ class EvictedRuns:
 
     def covered(self, node: TreeNode, first: bytes, leaf: TreeNode | None = None) -> None:
         """An insert adds an L1 ``leaf`` with first page ``first`` at ``node``'s end:
-        a run there starting with the same page is dropped (what it named is in L1
-        again, or the prompt left it).  The leaf takes the run's records of the
-        pages both spell where it records nothing itself; :attr:`on_drop` hears
-        of the rest only.  O(1), plus the dropped pages."""
+        the run there starting with the same page gives up the pages the leaf
+        spells (what it named is in L1 again), and the leaf takes their records
+        where it records nothing itself.  What the run and the runs under it spell
+        past where they leave the leaf hangs there, inside the leaf or at its end,
+        as HiCache splits a host node (a run that leaves a run the leaf spells
+        after its page ``i`` leaves the leaf there too); nothing is dropped.
+        Without ``leaf`` the run is dropped (:attr:`on_drop` hears of it).
+        O(1), plus the pages and runs covered and moved."""
         runs = node.evicted
-        if runs:
-            run = runs.pop(first, None)
-            if run is not None:
-                k = 0
-                if leaf is not None:
-                    P = self.page_size
-                    k = common_pages(run.key, leaf.key, 0, min(len(run.key), len(leaf.key)), P)
-                    if leaf.host_at is not None and leaf.host_at.shape[1] == run.host_at.shape[1]:
-                        take_records(leaf.host_at[:k], run.host_at[:k], fill=True)  # pairs the leaf lacks
-                self._drop_all((run,), taken=k)
+        run = runs.pop(first, None) if runs else None
+        if run is None:
+            return
+        if leaf is None:
+            self._drop_all((run,))
+            return
+        P = self.page_size
+        lk, n_leaf = leaf.key, leaf.n_pages
+        rows = leaf.host_at
+        work = [(run, 0)]  # (a run, the leaf page it starts at)
+        while work:
+            r, j = work.pop()
+            if j == n_leaf or r.key[:P].tobytes() != lk[j * P:(j + 1) * P].tobytes():
+                self._hang(leaf, j, r)  # it leaves the leaf after page j (0 < j)
+                continue
+            k = common_pages(r.key, lk, j * P, len(lk), P)  # >= 1: the first page is the leaf's
+            if rows is not None and rows.shape[1] == r.host_at.shape[1]:
+                take_records(rows[j:j + k], r.host_at[:k], fill=True)  # pairs the leaf lacks
+            self.pages -= k
+            inner, rest = r.inner, None
+            r.inner = None
+            for i, at in (inner or {}).items():
+                if i <= k:  # they leave the leaf where they leave the run
+                    work.extend((b, j + i) for b in at.values())
+                else:  # inside what is left of the run: the map moves whole
+                    rest = rest or {}
+                    rest[i - k] = at
+            if k < len(r.names):  # the rest of the run goes on from leaf page j + k
+                r.key, r.names, r.host_at, r.inner = r.key[k * P:], r.names[k:], r.host_at[k:], rest
+                work.append((r, j + k))
+                continue
+            r.home = None  # spelled whole by the leaf
+            self._live -= 1
+            if r.below:
+                work.extend((b, j + k) for b in r.below.values())
+                r.below = None
+
+    def _hang(self, leaf: TreeNode, j: int, run: EvictedRun) -> None:
+        """Hang ``run`` after page ``j`` of ``leaf`` (its end, or an inner map);
+        one whose first page is there already is dropped.  O(1)."""
+        assert j > 0
+        if j == leaf.n_pages:
+            if leaf.evicted is None:
+                leaf.evicted = {}
+            at = leaf.evicted
+        else:
+            if leaf.inner is None:
+                leaf.inner = {}
+            at = leaf.inner.setdefault(j, {})
+        first = run.key[:self.page_size].tobytes()
+        if first in at:  # (a trie's runs never meet so; kept safe)
+            self._drop_all((run,))
+            return
+        at[first] = run
+        run.home = at
+
+    def split(self, upper: TreeNode, node: TreeNode, pages: int) -> None:
+        """The tree cuts ``node`` after ``pages`` pages, ``upper`` (new) taking the
+        first: each inner map moves whole with the pages it leaves, those at the
+        cut to ``upper``'s end.  O(maps)."""
+        inner, node.inner = node.inner, None
+        for j, at in (inner or {}).items():
+            if j < pages:
+                upper.inner = upper.inner or {}
+                upper.inner[j] = at
+            elif j == pages:
+                upper.evicted = at
+            else:
+                node.inner = node.inner or {}
+                node.inner[j - pages] = at
 
     # ------------------------------------------------------------------- reads
     def along(self, root: TreeNode, path: list[tuple[TreeNode, int]], key: np.ndarray, limit: int,
@@ -194,18 +283,19 @@ class EvictedRuns:
                 return have + part[:part.index(None)]
             have += part
         end = path[-1][0] if path else root
-        if not path or path[-1][1] == end.n_pages:  # on into the runs at its end
-            have += self.names(end, key, len(have) * self.page_size, limit, runs)
+        # on into the runs at its end, or where it leaves its last node
+        have += self.names(end, key, len(have) * self.page_size, limit, runs, at=path[-1][1] if path else None)
         return have
 
     def names(self, node: TreeNode, key: np.ndarray, pos: int, limit: int,
-              read: list[tuple[EvictedRun, int]] | None = None) -> list[bytes]:
+              read: list[tuple[EvictedRun, int]] | None = None, *, at: int | None = None) -> list[bytes]:
         """Names of the pages of ``key[pos:limit]`` (page aligned) that the runs
-        at ``node``'s end spell, in order, up to the first page none does; ``read``
-        collects each run and its pages read.  O(pages read)."""
+        at ``node``'s end (or after its page ``at``: where ``key`` leaves it) spell,
+        in order, up to the first page none does; ``read`` collects each run and
+        its pages read.  O(pages read)."""
         out: list[bytes] = []
         P = self.page_size
-        runs = node.evicted
+        runs = node.evicted if at is None or at == node.n_pages else (node.inner or {}).get(at)
         while runs and pos < limit:
             run = runs.get(key[pos:pos + P].tobytes())
             if run is None:
@@ -215,9 +305,9 @@ class EvictedRuns:
             if read is not None and k:
                 read.append((run, k))
             pos += k * P
-            if k < len(run.names):
+            if k == 0:
                 break
-            runs = run.below
+            runs = run.below if k == len(run.names) else (run.inner or {}).get(k)
         return out
 
     # ------------------------------------------------------------- within the cap
@@ -240,34 +330,41 @@ class EvictedRuns:
         if len(order) > 2 * self._live + 64:
             self._order = deque(r for r in order if r.home is not None)
 
-    def _drop_all(self, runs: Iterable[EvictedRun], taken: int = 0) -> None:
-        """Forget ``runs`` and everything below them; :attr:`on_drop` hears of each
-        but the first ``taken`` pages of the first (an L1 leaf took them over).
-        O(runs dropped)."""
+    def _drop_all(self, runs: Iterable[EvictedRun]) -> None:
+        """Forget ``runs`` and everything below and inside them; :attr:`on_drop`
+        hears of each.  O(runs dropped)."""
         stack = list(runs)
         hook = self.on_drop
-        first = stack[0] if stack else None
         while stack:
             run = stack.pop()
-            if hook is not None and (run is not first or taken < len(run.names)):
-                P = self.page_size
-                hook(run if run is not first or not taken
-                     else EvictedRun(run.key[taken * P:], run.names[taken:], run.host_at[taken:]))
+            if hook is not None:
+                hook(run)
             self.pages -= len(run.names)
             self._live -= 1
             run.home = None
             if run.below:
                 stack.extend(run.below.values())
+            if run.inner:
+                for at in run.inner.values():
+                    stack.extend(at.values())
 
     @staticmethod
     def iter_runs(nodes: Iterable[TreeNode]) -> Iterator[EvictedRun]:
-        """Every run hanging at ``nodes``' ends or below those.  O(runs)."""
-        stack = [nd.evicted for nd in nodes if nd.evicted]
+        """Every run hanging at ``nodes``' ends or inside them, or below or inside
+        those.  O(runs)."""
+        stack: list[dict[bytes, EvictedRun]] = []
+        for nd in nodes:
+            if nd.evicted:
+                stack.append(nd.evicted)
+            if nd.inner:
+                stack.extend(nd.inner.values())
         while stack:
             for run in stack.pop().values():
                 yield run
                 if run.below:
                     stack.append(run.below)
+                if run.inner:
+                    stack.extend(run.inner.values())
 
     # -------------------------------------------------------------- invariants
     def check(self, nodes: Iterator[TreeNode]) -> None:
@@ -276,10 +373,12 @@ class EvictedRuns:
         P = self.page_size
         total = runs_seen = 0
         for node in nodes:
-            if not node.evicted:
-                continue
-            assert not set(node.evicted) & set(node.children), f"a run under an L1 child of {node}"
-            stack = [node.evicted]
+            stack = []
+            if node.evicted:
+                assert not set(node.evicted) & set(node.children), f"a run under an L1 child of {node}"
+                stack.append(node.evicted)
+            if node.inner:
+                stack += self._inner_maps(node.inner, node.key, node.n_pages, node)
             while stack:
                 at = stack.pop()
                 for first, run in at.items():
@@ -291,5 +390,17 @@ class EvictedRuns:
                     runs_seen += 1
                     if run.below:
                         stack.append(run.below)
+                    if run.inner:
+                        stack += self._inner_maps(run.inner, run.key, n, run)
         assert total == self.pages, (total, self.pages)
         assert runs_seen == self._live, (runs_seen, self._live)
+
+    def _inner_maps(self, inner: dict[int, dict[bytes, EvictedRun]], key: np.ndarray, n: int,
+                    owner: object) -> list[dict[bytes, EvictedRun]]:
+        """The maps of ``inner`` (of ``owner``, ``n`` pages spelling ``key``), each
+        checked to hang inside it and to leave it there.  O(maps)."""
+        P = self.page_size
+        for j, at in inner.items():
+            assert 0 < j < n, f"a run hangs after page {j} of {owner}, outside it"
+            assert key[j * P:(j + 1) * P].tobytes() not in at, f"a run inside {owner} that it spells"
+        return list(inner.values())

@@ -95,11 +95,14 @@ class TreeNode:
             L2's stamp of the slot matches, :mod:`hybridkv.tiers.slots`), cut with the node.
         evicted: the runs of pages L1 evicted that continue this node's end (first
             page's bytes -> run; :mod:`~hybridkv.radix.evicted`), None when none.
+        inner: the runs that leave this node after its page ``j`` (``0 < j <
+            n_pages``: ``j`` -> first page's bytes -> run; where the node would be
+            split if they were L1 nodes), None when none.
     """
 
     __slots__ = ("key", "full", "swa", "side", "children", "parent", "start", "last_access",
                  "lock", "swa_valid", "nid", "namespace", "anchor", "ends", "branched", "points", "mark", "seg", "returns", "gap", "vcls",
-                 "since", "page_keys", "tier_anchor", "host_at", "evicted")
+                 "since", "page_keys", "tier_anchor", "host_at", "evicted", "inner")
 
     def __init__(self, key: np.ndarray, full: np.ndarray, swa: np.ndarray,
                  parent: "TreeNode | None", start: int, namespace: str, tick: int,
@@ -130,6 +133,7 @@ class TreeNode:
         self.tier_anchor: np.ndarray | None = None
         self.host_at: np.ndarray | None = None
         self.evicted: dict[bytes, EvictedRun] | None = None
+        self.inner: dict[int, dict[bytes, EvictedRun]] | None = None
 
     @property
     def n_pages(self) -> int:
@@ -149,10 +153,11 @@ class TreeNode:
 
 class EvictedRun:
     """Pages L1 evicted, in order: their tokens and names, where L2 holds them as
-    last recorded (``host_at``, as :attr:`TreeNode.host_at`), and the runs evicted
-    from under them (``below``: first page's bytes -> run, None when none)."""
+    last recorded (``host_at``, as :attr:`TreeNode.host_at`), the runs evicted
+    from under them (``below``: first page's bytes -> run, None when none) and
+    those that leave them after page ``j`` (``inner``, as :attr:`TreeNode.inner`)."""
 
-    __slots__ = ("key", "names", "host_at", "below", "home")
+    __slots__ = ("key", "names", "host_at", "below", "home", "inner")
 
     def __init__(self, key: np.ndarray, names: list[bytes], host_at: np.ndarray | None = None) -> None:
         self.key = key
@@ -160,9 +165,10 @@ class EvictedRun:
         self.host_at = host_at if host_at is not None else unrecorded(len(names))
         self.below: dict[bytes, EvictedRun] | None = None
         self.home: dict[bytes, EvictedRun] | None = None  # the map it hangs in (None: dropped)
+        self.inner: dict[int, dict[bytes, EvictedRun]] | None = None
 
     def __repr__(self) -> str:
-        return f"EvictedRun(pages={len(self.names)}, below={len(self.below or ())})"
+        return f"EvictedRun(pages={len(self.names)}, below={len(self.below or ())}, inner={len(self.inner or ())})"
 
 
 #: The columns of the core's ``host_at`` record: L2's slot of the page's full KV

@@ -1,8 +1,7 @@
 """The window-safe prefix tree: the prefix index.
 
-The tree decides what is a hit and what is evicted; it never touches KV
-tensors.  Pages it drops are returned to the pool through ``free_full`` /
-``free_swa`` (``free_listeners`` hear them first).
+The tree decides what is a hit and what is evicted; it never touches KV tensors.
+Pages it drops go back to the pool by ``free_full`` / ``free_swa`` (``free_listeners`` first).
 
 This module holds the index itself (nodes, walk, match, insert, split, locks,
 invariants); the rest are named collaborators in their own modules, reached
@@ -331,6 +330,7 @@ class WindowSafeTree:
         if 0 <= node.mark <= node.start // self.page_size + pages:  # the prompt ended in the upper half
             upper.mark, node.mark = node.mark, -1
         split_names(upper, node, pages)
+        self.runs.split(upper, node, pages)  # the runs inside go with the pages they leave
         node.key = node.key[cut:]
         node.full = node.full[pages:]
         node.swa = node.swa[pages:]
@@ -484,7 +484,7 @@ class WindowSafeTree:
         elif mark == pi and node is not root:  # the prompt ended where the new pages start
             node.mark = mark
         first = leaf.key[:size].tobytes()
-        self.runs.covered(node, first, leaf)  # a run L1 evicted there is dropped
+        self.runs.covered(node, first, leaf)  # a run L1 evicted there hangs past the pages the leaf spells
         node.children[first] = leaf
         if len(node.children) > 1:
             node.branched = True

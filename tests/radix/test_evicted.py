@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hybridkv.radix import TreeConfig, WindowSafeTree
+from hybridkv.radix.node import EvictedRun
 from hybridkv.radix.types import PageNames
 
 from helpers import RecordingPool as Pool
@@ -39,9 +40,7 @@ def _walk(t: WindowSafeTree, tokens: np.ndarray) -> list[bytes]:
     root, path = t.walk(tokens, "default", len(tokens))
     have = [k for nd, k_ in path for k in nd.page_keys[:k_]]
     end = path[-1][0] if path else root
-    if not path or path[-1][1] == end.n_pages:
-        have += t.runs.names(end, tokens, len(have) * P, len(tokens))
-    return have
+    return have + t.runs.names(end, tokens, len(have) * P, len(tokens), at=path[-1][1] if path else None)
 
 
 def test_a_trimmed_leaf_keeps_its_pages_as_a_run_that_spells_their_names():
@@ -73,17 +72,46 @@ def test_runs_follow_evictions_down_to_the_root_and_off_when_not_enabled():
         assert _walk(t, b) == (_names(b).keys if enabled else [])
 
 
-def test_an_insert_over_a_run_drops_it_and_the_tree_stays_consistent():
+def test_an_insert_over_a_run_takes_what_both_spell_and_hangs_the_rest_inside_the_leaf():
     t = _tree()
     a = np.arange(30, dtype=np.int32)
     _insert(t, a, 0)
     t.evict(full_pages=t.full_pages_cached)
     assert t.runs.pages == 15
     c = np.concatenate([a[:6], np.arange(200, 210, dtype=np.int32)])
-    _insert(t, c, 50)  # a new L1 leaf at the root, over the run's first page
+    _insert(t, c, 50)  # a new L1 leaf at the root, over the run's first three pages
     t.check_invariants()
-    assert t.runs.pages == 0
-    assert _walk(t, a) == _names(a).keys[:3]  # L1's pages only: the run is gone
+    assert t.runs.pages == 12  # the three pages the leaf spells left the run; the rest stays
+    leaf = next(t.iter_nodes())
+    assert set(leaf.inner) == {3} and not leaf.evicted  # it leaves the leaf after its page 3
+    assert _walk(t, a) == _names(a).keys  # L1's three pages, then the run's twelve
+    assert _walk(t, c) == _names(c).keys
+    d = np.concatenate([a[:20], np.arange(300, 310, dtype=np.int32)])
+    _insert(t, d, 80)  # splits the leaf at page 3 and covers ten more pages of the run
+    t.check_invariants()
+    assert t.runs.pages == 5 and _walk(t, a) == _names(a).keys
+    t.evict(full_pages=t.full_pages_cached)  # all of L1 back into runs
+    t.check_invariants()
+    assert t.runs.pages == 15 + 5 + 5  # a, c's tail, d's tail
+    for w in (a, c, d):
+        assert _walk(t, w) == _names(w).keys
+
+
+def test_a_run_inside_a_leaf_moves_with_the_pages_it_leaves_when_l1_evicts_them():
+    t = _tree()
+    a = np.arange(40, dtype=np.int32)
+    _insert(t, a, 0)
+    t.evict(full_pages=t.full_pages_cached)
+    b = np.concatenate([a[:20], np.arange(400, 420, dtype=np.int32)])
+    _insert(t, b, 100)  # covers 10 pages of a's run; a's last 10 hang inside the leaf at 10
+    leaf = next(t.iter_nodes())
+    assert set(leaf.inner) == {10}
+    for keep_pages in (15, 10, 4, 0):  # evict inside, at and before where the run leaves
+        t.evict(full_pages=t.full_pages_cached - keep_pages)
+        t.check_invariants()
+        assert t.full_pages_cached == keep_pages
+        assert _walk(t, a) == _names(a).keys and _walk(t, b) == _names(b).keys
+    assert t.runs.pages == 30
 
 
 def test_the_check_catches_a_run_beside_an_l1_child_and_a_wrong_count():
@@ -107,6 +135,26 @@ def test_the_check_catches_a_run_beside_an_l1_child_and_a_wrong_count():
     run.home = {}
     with pytest.raises(AssertionError, match="does not know the map"):
         t.check_invariants()
+
+
+def test_the_check_catches_a_run_inside_a_node_that_it_spells_or_outside_its_pages():
+    t = _tree()
+    a = np.arange(40, dtype=np.int32)
+    _insert(t, a, 0)
+    t.evict(full_pages=t.full_pages_cached)
+    _insert(t, np.concatenate([a[:20], np.arange(400, 420, dtype=np.int32)]), 100)
+    t.check_invariants()
+    leaf = next(t.iter_nodes())
+    at = leaf.inner[10]
+    fake = EvictedRun(leaf.key[11 * P:12 * P].copy(), [b"x"])
+    leaf.inner[11] = {fake.key.tobytes(): fake}  # a run starting with the leaf's own page 11
+    with pytest.raises(AssertionError, match="that it spells"):
+        t.check_invariants()
+    leaf.inner = {leaf.n_pages: at}  # at its end: not inside
+    with pytest.raises(AssertionError, match="outside it"):
+        t.check_invariants()
+    leaf.inner = {10: at}
+    t.check_invariants()
 
 
 @pytest.mark.parametrize("bad", [0, 1, "yes", None])
@@ -199,9 +247,9 @@ def test_random_inserts_matches_and_evictions_keep_every_walk_named_right(seed):
         root, path = t.walk(probe, ns, len(probe))
         got = [k for nd, k_ in path for k in nd.page_keys[:k_]]
         end = path[-1][0] if path else root
-        if not path or path[-1][1] == end.n_pages:
-            more = t.runs.names(end, probe, len(got) * P, len(probe))
-            from_runs += len(more)
-            got += more
+        more = t.runs.names(end, probe, len(got) * P, len(probe), at=path[-1][1] if path else None)
+        from_runs += len(more)
+        got += more
         assert got == _names(probe).keys[:len(got)]
     assert t.runs.pages > 0 and from_runs > 0
+    assert any(nd.inner for nd in t.iter_nodes()) or any(r.inner for r in t.runs.iter_runs(t.iter_nodes()))

@@ -77,8 +77,8 @@ def test_walks_read_evicted_names_and_the_cache_decides_as_without_them(policy, 
             cache.tree.runs.enable(False)  # off: every page past L1 is hashed
         named = cache.tree.runs.names
 
-        def names_counted(*args):
-            got = named(*args)
+        def names_counted(*args, **kw):
+            got = named(*args, **kw)
             read[0] += len(got)
             return got
 
@@ -103,11 +103,11 @@ def test_walks_read_evicted_names_and_the_cache_decides_as_without_them(policy, 
 def _run_names(cache: TieredCache) -> list[list[bytes]]:
     out = []
     for node in [cache.tree.root("default"), *cache.tree.iter_nodes()]:
-        stack = [node.evicted or {}]
+        stack = [node.evicted or {}, *(node.inner or {}).values()]  # at its end and inside it
         while stack:
             for run in stack.pop().values():
                 out.append(run.names)
-                stack.append(run.below or {})
+                stack += [run.below or {}, *(run.inner or {}).values()]
     return out
 
 
