@@ -15,6 +15,11 @@ max) of the rounds' paired ratios of p50 and of the mean.
     git worktree add /tmp/old <commit>
     python benchmarks/request_path_ab.py /tmp/old . --rounds 4 [--budget-gb 594] [--step 128,4096,256]
 
+``--together`` runs the two versions of a round at the same time, one process
+each (on a machine with two free cores): drift between runs (the clock, other
+tenants) then hits both halves of a pair alike, so the paired ratios scatter less
+than with runs in turn; read the paired ratios, not the absolute times.
+
 ``--l2-gb G`` adds an L2 of G GB (write-through, accounting only) beside L1:
 the tiers' part of the request path (page keys, L1/L2 residency, backups).
 
@@ -144,6 +149,10 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--l2-gb", type=float, default=0.0,
                     help="with an L2 of this many GB (write-through, accounting only; default 0: L1 alone)")
+    ap.add_argument("--together", action="store_true",
+                    help="run the two versions of each round at the same time, one process each (needs 2 free "
+                         "cores): the machine's drift between runs then hits both, so the paired ratios are "
+                         "steadier; the absolute times are those of a loaded machine")
     ap.add_argument("--step", default="128,4096,256", metavar="B,C,STEPS",
                     help="batched decode step A/B: batch, context, steps (default 128,4096,256; 'none': skip)")
     args = ap.parse_args()
@@ -165,12 +174,26 @@ def main() -> None:
         path = os.path.join(tmp, "prompts.pkl")
         with open(path, "wb") as f:
             pickle.dump(prompts, f)
+        def child(root: str) -> list[str]:
+            return [sys.executable, "-c", _CHILD, root, path, str(int(args.budget_gb * 10**9)),
+                    str(args.chunk), args.preset, str(args.page_size), str(args.l2_gb)]
+
         for i in range(args.rounds):
-            for root in roots if i % 2 == 0 else roots[::-1]:  # each goes first in turn
-                res = subprocess.run([sys.executable, "-c", _CHILD, root, path, str(int(args.budget_gb * 10**9)),
-                                      str(args.chunk), args.preset, str(args.page_size), str(args.l2_gb)],
-                                     capture_output=True, text=True, check=True, cwd=tmp)
-                r = json.loads(res.stdout.strip().splitlines()[-1])
+            order = roots if i % 2 == 0 else roots[::-1]  # each goes first in turn
+            if args.together:  # both at once, a core each: the pair sees the same machine
+                procs = [subprocess.Popen(child(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          cwd=tmp) for root in order]
+                outs = []
+                for proc in procs:
+                    out, err = proc.communicate()
+                    if proc.returncode:
+                        raise RuntimeError(f"a run failed ({proc.returncode}): {err[-2000:]}")
+                    outs.append(out)
+            else:
+                outs = [subprocess.run(child(root), capture_output=True, text=True, check=True, cwd=tmp).stdout
+                        for root in order]
+            for root, out in zip(order, outs):
+                r = json.loads(out.strip().splitlines()[-1])
                 runs[root].append(r)
                 print(f"round {i + 1} {root}: p50 {r['p50']:.1f} us, p90 {r['p90']:.1f} us, "
                       f"mean {r['mean']:.1f} us, hit rate {r['hit_rate']:.2%}", flush=True)

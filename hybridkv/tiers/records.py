@@ -31,7 +31,7 @@ happens:
 * vLLM: a save's or load's placement on the tree pages spelling the request's
   tokens, orphans past them until the insert adopts them
   (:meth:`HostRecords.adopted`); copy-downs (keys only): orphans;
-* a run the tree drops (its cap, an insert over it, runs off) leaves its held
+* a run the tree drops (its cap, runs off) leaves its held
   pages as orphans (:attr:`EvictedRuns.on_drop
   <hybridkv.radix.evicted.EvictedRuns.on_drop>`; an eviction's runs are capped
   after its listeners recorded on them).
@@ -263,7 +263,7 @@ class HostRecords:
                 self._sweep(kind)
 
     def orphan_run(self, run: EvictedRun) -> None:
-        """An evicted run the tree drops (its cap, an insert over it): the pages it
+        """An evicted run the tree drops (its cap, runs off): the pages it
         records L2 holds become orphans (a run hook of the core's records; SWA keys
         hashed only for those).  O(pages)."""
         rows = run.host_at
