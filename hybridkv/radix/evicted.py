@@ -51,6 +51,27 @@ from .node import EvictedRun, TreeNode, common_pages, take_records
 
 __all__ = ["EvictedRuns"]
 
+_Inner = dict[int, dict[bytes, EvictedRun]]  # an entry's inner maps: page j -> first page's bytes -> run
+
+
+def _cut(inner: _Inner | None, at: int) -> tuple[_Inner | None, dict[bytes, EvictedRun] | None, _Inner | None]:
+    """Split an entry's inner maps at its page ``at``: those before it, the one at
+    it, and those after it (their pages counted from ``at``), each None when none;
+    empty maps go.  Maps move whole, so their runs' ``home`` stays right.  O(maps)."""
+    before: _Inner = {}
+    after: _Inner = {}
+    there = None
+    for j, m in (inner or {}).items():
+        if not m:
+            continue
+        if j < at:
+            before[j] = m
+        elif j == at:
+            there = m
+        else:
+            after[j - at] = m
+    return before or None, there, after or None
+
 
 class EvictedRuns:
     """The evicted runs of one tree (see the module docstring).
@@ -115,7 +136,6 @@ class EvictedRuns:
         if not self.on and self.on_drop is None:
             return
         at_end, node.evicted = node.evicted, None
-        inner, node.inner = node.inner, None
         names = node.page_keys
         run, n = None, 0
         if names is not None:
@@ -134,21 +154,17 @@ class EvictedRuns:
                 elif n == len(gone) and at_end:
                     run.below, at_end = at_end, None  # the map moves whole: its runs' home stays it
         drop = list(at_end.values()) if at_end else []
-        for j, at in (inner or {}).items():  # maps move whole, as above
-            if not at:
-                continue
-            if j < keep:
-                node.inner = node.inner or {}
-                node.inner[j] = at
-            elif j == keep and self.on:  # they continue what stays, beside the new run
-                node.evicted = at
-            elif run is not None and j < keep + n:
-                run.inner = run.inner or {}
-                run.inner[j - keep] = at
-            elif run is not None and j == keep + n:  # the run's end (an unnamed page follows)
-                run.below = at
-            else:
-                drop += at.values()
+        node.inner, at_keep, past = _cut(node.inner, keep)  # those inside what stays stay
+        if at_keep and self.on:  # they continue what stays, beside the new run
+            node.evicted = at_keep
+        elif at_keep:
+            drop += at_keep.values()
+        if run is not None:  # inside the run, and at its end (an unnamed page follows)
+            run.inner, run_end, past = _cut(past, n)
+            if run_end:
+                run.below = run_end
+        for at in (past or {}).values():
+            drop += at.values()
         if drop:
             self._drop_all(drop)
         if run is None:
@@ -213,14 +229,12 @@ class EvictedRuns:
             if rows is not None and rows.shape[1] == r.host_at.shape[1]:
                 take_records(rows[j:j + k], r.host_at[:k], fill=True)  # pairs the leaf lacks
             self.pages -= k
-            inner, rest = r.inner, None
+            spelled, at_k, rest = _cut(r.inner, k)  # rest: inside what is left of the run
             r.inner = None
-            for i, at in (inner or {}).items():
-                if i <= k:  # they leave the leaf where they leave the run
-                    work.extend((b, j + i) for b in at.values())
-                else:  # inside what is left of the run: the map moves whole
-                    rest = rest or {}
-                    rest[i - k] = at
+            for i, at in (spelled or {}).items():  # they leave the leaf where they leave the run
+                work.extend((b, j + i) for b in at.values())
+            if at_k:
+                work.extend((b, j + k) for b in at_k.values())
             if k < len(r.names):  # the rest of the run goes on from leaf page j + k
                 r.key, r.names, r.host_at, r.inner = r.key[k * P:], r.names[k:], r.host_at[k:], rest
                 work.append((r, j + k))
@@ -254,16 +268,7 @@ class EvictedRuns:
         """The tree cuts ``node`` after ``pages`` pages, ``upper`` (new) taking the
         first: each inner map moves whole with the pages it leaves, those at the
         cut to ``upper``'s end.  O(maps)."""
-        inner, node.inner = node.inner, None
-        for j, at in (inner or {}).items():
-            if j < pages:
-                upper.inner = upper.inner or {}
-                upper.inner[j] = at
-            elif j == pages:
-                upper.evicted = at
-            else:
-                node.inner = node.inner or {}
-                node.inner[j - pages] = at
+        upper.inner, upper.evicted, node.inner = _cut(node.inner, pages)
 
     # ------------------------------------------------------------------- reads
     def along(self, root: TreeNode, path: list[tuple[TreeNode, int]], key: np.ndarray, limit: int,
