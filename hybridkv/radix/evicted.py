@@ -17,8 +17,9 @@ the node; :mod:`hybridkv.tiers.records`): a record is only believed while L2's
 stamp of its slot matches, so a stale one reads as "ask L2", never as a wrong
 answer.  The runs are kept within a cap (:meth:`EvictedRuns.cap_by`; the owner,
 :class:`~hybridkv.tiers.coordinator.TierCoordinator` or vLLM's prefix manager
-with hybridkv's connector, gives the number of full pages L2 holds, read each
-time a run is made and at each walk): past it the
+with hybridkv's connector, gives the pages the tiers below hold as far as it
+knows, L2's full pages plus the keys of L3's record, read each time a run is
+made and at each walk: the runs are the tree's L2 and L3 entries): past it the
 oldest runs go first, with what hangs below them.  Each run is dropped at most
 once, so that costs O(1) per run made, amortized: no sweep over the tree, no
 lookup in a tier.

@@ -125,10 +125,6 @@ class TierCoordinator:
         self.fingerprint = spec.fingerprint()
         self.window_pages = spec.window_pages  # pages of the sliding window (the spec is frozen)
         self.mutex = threading.RLock()
-        # what L1 evicts stays in its tree as evicted runs, naming at most as many pages as L2
-        # holds full pages (a size read: no lock, the engine's thread makes the runs)
-        tree.runs.enable()
-        tree.runs.cap_by(lambda: self.host.num_full_pages)
         self._stream = (torch.cuda.Stream(device=pool.buffers.device)
                         if real and pool.buffers.device.type == "cuda" else None)
         self.counters = dict.fromkeys(_COUNTERS, 0)
@@ -138,6 +134,11 @@ class TierCoordinator:
         # what L3 holds as far as this cache knows (the record the vLLM connector keeps
         # too); the read-ahead probes the store only for keys it has no answer for
         self.l3_record = StoreIndex(self.l3.backend_exists if self.l3 is not None else None)
+        # what L1 evicts stays in its tree as evicted runs, L2 and L3 entries, naming at most as
+        # many pages as the tiers below hold as far as this cache knows: L2's full pages and
+        # the keys of L3's record (size reads: no lock; the engine's thread makes the runs)
+        tree.runs.enable()
+        tree.runs.cap_by(lambda: self.host.num_full_pages + len(self.l3_record))
         self.writes = L3WriteQueue(self.l3, self.codec, self.mutex, self.l3_record, self.counters)
         self.landing = Landing(self.host, self.codec, self.l3, self.l3_record, self.writes.predates, self.counters)
         self.reads = (ReadAhead(self.l3, self.mutex, self.page_size, spec.window_pages, self.writes, self.landing,
@@ -181,7 +182,7 @@ class TierCoordinator:
         only the pages past both are hashed.  Only the engine's thread
         changes the tree (the tiers' threads change L2 and L3), so on that thread
         the walk holds until the engine's call returns; there (``engine``) it also
-        brings the runs back within their cap (the full pages L2 holds).  A
+        brings the runs back within their cap (the pages L2 and L3 hold).  A
         :meth:`prefetch` from another thread may read a walk the engine changed
         since: it only picks which pages to read ahead, never what a request is
         served."""

@@ -1,7 +1,7 @@
 """With lower tiers the L1 tree keeps what it evicts as evicted runs: a prompt's
 walk reads the names of the pages L1 gave up off them instead of hashing them,
 the names are the ones hashing gives, the cache decides exactly as without the
-runs, and the runs stay within what L2 holds."""
+runs, and the runs stay within what L2 and L3 hold, outliving L2 as L3 entries."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def test_runs_stay_within_the_full_pages_l2_holds_the_oldest_going_first():
         _replay(cache, seed=8, steps=200)
         assert runs.dropped > 0 and 0 < runs.pages <= runs.cap
         co.walk_prompt(np.arange(9, dtype=np.int32), "default", 2)  # a walk sets the cap: L2's full pages
-        assert runs.cap == co.host.num_full_pages
+        assert len(co.l3_record) == 0 and runs.cap == co.host.num_full_pages  # (no L3: L2's alone)
         named = sum(len(n) for n in _run_names(cache))
         st = cache.stats()
         assert st["evicted_run_pages"] == named == runs.pages
@@ -162,3 +162,41 @@ def test_with_l3_the_cache_decides_as_without_runs(tmp_path):
             cache.close()
     assert out[0] == out[1]
     assert sum(1 for _, t in out[0] if dict(t).get("l3_hit_tokens", 0) > 0) > 0, out[0]  # L3 served some
+
+
+def test_with_l3_runs_outlive_l2_as_l3_entries(tmp_path):
+    """With an L3, the runs are capped at what L2 and L3 hold as far as the cache
+    knows (L2's full pages and the keys of L3's record), so they keep naming pages
+    L2 gave up that L3 holds, and later walks read those names off the tree."""
+    spec = tiny_spec()
+    fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
+    cache = TieredCache(spec, CacheConfig(budget_bytes=60 * (fpb + spb), device="meta"),
+                        tiers=TierConfig(l2_bytes=20 * (fpb + spb), l3=f"file://{tmp_path}",
+                                         write_policy="write_through", l3_timeout_s=30.0))
+    runs, co = cache.tree.runs, cache.lower_tiers
+    try:
+        rng = np.random.default_rng(11)
+        stems = [rng.integers(0, 500, 200).astype(np.int32) for _ in range(8)]
+        for _ in range(120):
+            stem = stems[int(rng.integers(0, len(stems)))]
+            tokens = np.concatenate([stem[:int(rng.integers(8, len(stem)))], rng.integers(0, 500, 9).astype(np.int32)])
+            assert cache.flush(30.0)
+            n = (len(tokens) - 1) // spec.page_size
+            keys = co.walk_prompt(tokens, "default", n)[0]
+            assert keys == page_keys(tokens[:n * spec.page_size], spec.page_size, namespace="default",
+                                     fingerprint=co.fingerprint)
+            req = cache.begin(tokens)
+            left = len(tokens) - req.computed
+            cache.reserve(req, left)
+            cache.commit(req, left)
+            cache.finish(req)
+            cache.check_invariants()
+        co.walk_prompt(np.arange(9, dtype=np.int32), "default", 2)  # a walk applies the cap
+        assert runs.cap == co.host.num_full_pages + len(co.l3_record) and runs.pages <= runs.cap
+        assert runs.pages > co.host.num_full_pages  # more than L2 alone would allow
+        # pages the runs name that L2 no longer holds but L3's record does: L3 entries
+        l3_only = [k for names in _run_names(cache) for k in names
+                   if k not in co.host and co.l3_record.state(k) is not None]
+        assert len(l3_only) > 0, runs.pages
+    finally:
+        cache.close()

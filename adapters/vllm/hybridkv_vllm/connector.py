@@ -164,7 +164,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         """With hybridkv's prefix manager, its tree keeps the pages' keys (:mod:`.names`)."""
         super().bind_kv_cache_manager(kv_cache_manager)
-        self._names = bind_names(self.groups, kv_cache_manager, self._reqs, self._keys, self._tiers.l2, self._l1)
+        self._names = bind_names(self.groups, kv_cache_manager, self._reqs, self._keys, self._tiers.l2, self._l1,
+                                 self._tiers.store)
         if self._names is not None and self.cfg.repair_windows:  # repair case 2 (:mod:`.repair`)
             kv_cache_manager.repair_windows(self._window_hit)
 

@@ -50,6 +50,7 @@ import numpy as np
 from hybridkv.radix import PageNames
 from hybridkv.radix.node import EvictedRun, unrecorded
 from hybridkv.spec import AttnKind
+from hybridkv.tiers.index import StoreIndex
 from hybridkv.tiers.keys import KEY_BYTES
 from hybridkv.tiers.records import HostRecords, TreeWalk
 
@@ -282,14 +283,17 @@ class TreeNames:
 
 def bind_names(groups: Sequence[GroupInfo], manager: Any, live: dict[str, ReqState],
                keys_of: Callable[[ReqState, int], dict[int, list[bytes]]],
-               l2: HostPageIndex | None, l1: L1View | None = None) -> TreeNames | None:
+               l2: HostPageIndex | None, l1: L1View | None = None, store: StoreIndex | None = None
+               ) -> TreeNames | None:
     """Keep names on ``manager``'s tree when it is hybridkv's prefix manager (its
     ``name_pages``) and its pages fit every group's blocks; None otherwise.  The
     names come from the connector's state (``live``: its requests by id, then
     :meth:`TreeNames.keep`) and keys (``keys_of(state, tokens)``); the evicted
-    runs are capped at the full tree pages L2's index (``l2``) holds, or at the
-    device's pages without L2.  ``l1``: the copy-downs whose admissions to L2 the
-    records hear of by key (:meth:`TreeNames.rescued`)."""
+    runs, L2 and L3 entries, are capped at the tree pages the tiers below hold as
+    far as the connector knows: the full blocks L2's index (``l2``) holds (the
+    device's without L2) and the keys of L3's record (``store``), per tree page's
+    full blocks.  ``l1``: the copy-downs whose admissions to L2 the records hear of
+    by key (:meth:`TreeNames.rescued`)."""
     page_size = getattr(manager, "page_size", 0)
     if not hasattr(manager, "name_pages") or not TreeNames.fits(groups, page_size):
         return None
@@ -302,7 +306,8 @@ def bind_names(groups: Sequence[GroupInfo], manager: Any, live: dict[str, ReqSta
     device = manager.block_pool.num_gpu_blocks
 
     def cap() -> int:  # full blocks of every full group per tree page
-        return (l2.tier.num_full_pages if l2 is not None else device) // per
+        held = l2.tier.num_full_pages if l2 is not None else device
+        return (held + (len(store) if store is not None else 0)) // per
 
     def namer(request: Any, lo: int, n: int) -> PageNames | None:
         st = names.state(request.request_id, live)

@@ -135,6 +135,11 @@ def test_conversations_hit_the_same_with_the_names(stack, monkeypatch, checked, 
     on = _replay(stack, monkeypatch, True, seed)
     named = sum(checked)
     runs_named = on[2].kv_cache_manager.tree.runs
+    # the runs are L2 and L3 entries: capped at what L2 and L3's record hold, per tree page
+    conn = on[2].connector
+    per = sum(k for g, k in zip(conn._names.groups, conn._names.per_page) if not g.is_swa)
+    l2_full, l3_keys = conn._tiers.l2.tier.num_full_pages, len(conn._tiers.store)
+    assert l3_keys > 0 and runs_named.cap == (l2_full + l3_keys) // per > l2_full // per
     on[2].shutdown()
     shutil.rmtree(tmp_path / "l3")  # the second replay starts from an empty store too
     monkeypatch.undo()
