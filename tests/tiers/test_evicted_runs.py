@@ -14,6 +14,8 @@ from hybridkv.eval.model.reference import tiny_spec
 from hybridkv.tiers.keys import page_keys
 from hybridkv.tiers.tiered import TierConfig, TieredCache
 
+from .helpers import serve_once
+
 
 def _cache(spec, l1_pages: int, l2_pages: int, policy: str) -> TieredCache:
     fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
@@ -185,11 +187,7 @@ def test_with_l3_runs_outlive_l2_as_l3_entries(tmp_path):
             keys = co.walk_prompt(tokens, "default", n)[0]
             assert keys == page_keys(tokens[:n * spec.page_size], spec.page_size, namespace="default",
                                      fingerprint=co.fingerprint)
-            req = cache.begin(tokens)
-            left = len(tokens) - req.computed
-            cache.reserve(req, left)
-            cache.commit(req, left)
-            cache.finish(req)
+            serve_once(cache, tokens)
             cache.check_invariants()
         co.walk_prompt(np.arange(9, dtype=np.int32), "default", 2)  # a walk applies the cap
         assert runs.cap == co.host.num_full_pages + len(co.l3_record) and runs.pages <= runs.cap
