@@ -22,6 +22,8 @@ than with runs in turn; read the paired ratios, not the absolute times.
 
 ``--l2-gb G`` adds an L2 of G GB (write-through, accounting only) beside L1:
 the tiers' part of the request path (page keys, L1/L2 residency, backups).
+``--l3`` adds an L3 below it, a file store, empty at the start of each run (its
+writes and read-ahead run on the tiers' threads, beside the measured loop).
 
 Then the batched decode step (``cache.step`` + ``commit_step`` of B requests
 with a C-token context, ``--step B,C,STEPS``), alternated the same way: the
@@ -47,7 +49,7 @@ from pathlib import Path
 _CHILD = r"""
 import json, pickle, sys, time
 import numpy as np
-root, prompts_path, budget, chunk, preset, page, l2 = sys.argv[1:8]
+root, prompts_path, budget, chunk, preset, page, l2, l3 = sys.argv[1:9]
 sys.path.insert(0, root)
 import hybridkv
 assert hybridkv.__file__.startswith(root), hybridkv.__file__
@@ -63,7 +65,7 @@ spec = ModelSpec.preset(preset, page_size=int(page))
 tiers = None
 if float(l2):  # an L2 beside L1 (accounting only): the tiers' part of the request path
     from hybridkv.tiers.tiered import TierConfig
-    tiers = TierConfig(l2_bytes=int(float(l2) * 10**9))
+    tiers = TierConfig(l2_bytes=int(float(l2) * 10**9), l3=f"file://{l3}" if l3 else None)
 cache = _make_cache("hybridkv", spec, int(budget), 16384, tiers)
 chunk = int(chunk)
 us, hit, total = [], 0, 0
@@ -81,6 +83,8 @@ for tokens, ns in prompts:
     except CacheFullError:
         cache.abort(req)
     us.append((time.perf_counter() - t0) * 1e6)
+if tiers is not None:
+    cache.close()  # (after the loop: the L3 writer's threads stop)
 print(json.dumps({"p50": float(np.percentile(us, 50)), "p90": float(np.percentile(us, 90)),
                   "mean": float(np.mean(us)), "hit_rate": hit / max(1, total)}))
 """
@@ -149,6 +153,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--l2-gb", type=float, default=0.0,
                     help="with an L2 of this many GB (write-through, accounting only; default 0: L1 alone)")
+    ap.add_argument("--l3", action="store_true",
+                    help="with --l2-gb: an L3 file store below L2, a fresh one per run (in the temp folder)")
     ap.add_argument("--together", action="store_true",
                     help="run the two versions of each round at the same time, one process each (needs 2 free "
                          "cores): the machine's drift between runs then hits both, so the paired ratios are "
@@ -161,6 +167,8 @@ def main() -> None:
         raise ValueError(f"--step must be B,C,STEPS (three positive ints) or 'none', got {args.step!r}")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    if args.l3 and not args.l2_gb:
+        raise ValueError("--l3 needs --l2-gb (L3 loads go through L2)")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from hybridkv.eval.replay import TokenMaterializer
     from hybridkv.eval.traces import load_trace
@@ -174,9 +182,12 @@ def main() -> None:
         path = os.path.join(tmp, "prompts.pkl")
         with open(path, "wb") as f:
             pickle.dump(prompts, f)
+        stores = iter(range(1 << 30))
+
         def child(root: str) -> list[str]:
+            l3 = os.path.join(tmp, f"l3-{next(stores)}") if args.l3 else ""  # a fresh store per run
             return [sys.executable, "-c", _CHILD, root, path, str(int(args.budget_gb * 10**9)),
-                    str(args.chunk), args.preset, str(args.page_size), str(args.l2_gb)]
+                    str(args.chunk), args.preset, str(args.page_size), str(args.l2_gb), l3]
 
         for i in range(args.rounds):
             order = roots if i % 2 == 0 else roots[::-1]  # each goes first in turn
