@@ -22,7 +22,8 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 from hybridkv.tiers.config import TierConfig  # noqa: E402
 from hybridkv.tiers.payload import swa_key  # noqa: E402
 from hybridkv.spec import AttnKind  # noqa: E402
-from hybridkv_sglang.radix_cache import HybridKVRadixCache  # noqa: E402
+from hybridkv.tiers.keys import page_keys  # noqa: E402
+from hybridkv_sglang.radix_cache import HybridKVRadixCache, namespace_of  # noqa: E402
 from hybridkv_sglang.tiers import SGLangTierPool, spec_from_pools, tiers_from_env  # noqa: E402
 
 W = 128
@@ -90,6 +91,30 @@ def test_with_l2_cleared_the_prompt_hits_from_l3_with_its_own_content(page_size,
     st = cache.tier_stats()
     assert st["l3_hit_tokens"] == _hit_of(len(p), page_size) and st["tier_errors"] == 0
     assert st["l3_to_l2_full_pages"] > 0
+    cache.close()
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_what_l1_evicts_stays_named_past_l2_as_l3_entries(page_size, tmp_path):
+    """The radix cache runs the core's tree and tiers: what L1 evicts stays in the tree as
+    evicted runs, and with L2 emptied the runs stay as L3 entries (their cap counts L3's
+    record): the repeat's walk reads every page's name off them, the names hashing gives,
+    and L3 serves the repeat with its own content."""
+    cache, pools = _cache(page_size, _tiers(tmp_path))
+    co, runs = cache.coordinator, cache.tree.runs
+    p = _prompt(4, 900)
+    _run(cache, pools, [p])
+    assert co.flush(30)
+    _drop_l1(cache, pools)
+    assert co.clear_l2() > 0 and co.host.num_full_pages == 0
+    hit = _hit_of(len(p), page_size)
+    ns = namespace_of(None, None)
+    keys, walk = co.walk_prompt(p.astype(np.int32), ns, hit // page_size)  # on the engine's thread: the cap applies
+    assert runs.cap == len(co.l3_record) > 0 and runs.pages >= hit // page_size
+    assert not walk.path and sum(k for _, k in walk.runs) == hit // page_size  # every name off the runs
+    assert keys == page_keys(p[:hit], page_size, namespace=ns, fingerprint=co.fingerprint)
+    assert _run(cache, pools, [p]) == [hit]  # oracle-checked
+    assert cache.tier_stats()["l3_hit_tokens"] == hit
     cache.close()
 
 
