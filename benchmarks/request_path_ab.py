@@ -37,6 +37,7 @@ the harness moved, ``hybridkv.replay`` before).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pickle
@@ -182,7 +183,7 @@ def main() -> None:
         path = os.path.join(tmp, "prompts.pkl")
         with open(path, "wb") as f:
             pickle.dump(prompts, f)
-        stores = iter(range(1 << 30))
+        stores = itertools.count()
 
         def child(root: str) -> list[str]:
             l3 = os.path.join(tmp, f"l3-{next(stores)}") if args.l3 else ""  # a fresh store per run

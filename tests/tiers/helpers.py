@@ -33,13 +33,10 @@ def raw_get(backend: Any, key: bytes) -> bytes:
     raise ValueError(scheme)
 
 
-def serve_once(cache: Any, tokens: Any) -> Any:
-    """One request on a cache: its hit, the rest computed in one step, finished
-    (cached).  Returns the request (its hit: ``computed`` at ``begin``, kept in
-    ``prefix_len``)."""
+def serve_once(cache: Any, tokens: Any) -> None:
+    """One request on a cache: its hit, the rest computed in one step, finished (cached)."""
     req = cache.begin(tokens)
     n = len(tokens) - req.computed
     cache.reserve(req, n)
     cache.commit(req, n)
     cache.finish(req)
-    return req

@@ -14,8 +14,6 @@ from hybridkv.eval.model.reference import tiny_spec
 from hybridkv.tiers.keys import page_keys
 from hybridkv.tiers.tiered import TierConfig, TieredCache
 
-from .helpers import serve_once
-
 
 def _cache(spec, l1_pages: int, l2_pages: int, policy: str) -> TieredCache:
     fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
@@ -177,18 +175,8 @@ def test_with_l3_runs_outlive_l2_as_l3_entries(tmp_path):
                                          write_policy="write_through", l3_timeout_s=30.0))
     runs, co = cache.tree.runs, cache.lower_tiers
     try:
-        rng = np.random.default_rng(11)
-        stems = [rng.integers(0, 500, 200).astype(np.int32) for _ in range(8)]
-        for _ in range(120):
-            stem = stems[int(rng.integers(0, len(stems)))]
-            tokens = np.concatenate([stem[:int(rng.integers(8, len(stem)))], rng.integers(0, 500, 9).astype(np.int32)])
-            assert cache.flush(30.0)
-            n = (len(tokens) - 1) // spec.page_size
-            keys = co.walk_prompt(tokens, "default", n)[0]
-            assert keys == page_keys(tokens[:n * spec.page_size], spec.page_size, namespace="default",
-                                     fingerprint=co.fingerprint)
-            serve_once(cache, tokens)
-            cache.check_invariants()
+        _replay(cache, seed=11, steps=120)  # every walk's names checked against hashing
+        assert cache.flush(30.0)
         co.walk_prompt(np.arange(9, dtype=np.int32), "default", 2)  # a walk applies the cap
         assert runs.cap == co.host.num_full_pages + len(co.l3_record) and runs.pages <= runs.cap
         assert runs.pages > co.host.num_full_pages  # more than L2 alone would allow
