@@ -15,14 +15,20 @@ run is never wrong about a key, whatever the tiers hold meanwhile.  A run also
 keeps where L2 held each page when last recorded (``host_at``, taken over from
 the node; :mod:`hybridkv.tiers.records`): a record is only believed while L2's
 stamp of its slot matches, so a stale one reads as "ask L2", never as a wrong
-answer.  The runs are kept within a cap (:meth:`EvictedRuns.cap_by`; the owner,
-:class:`~hybridkv.tiers.coordinator.TierCoordinator` or vLLM's prefix manager
-with hybridkv's connector, gives the pages the tiers below hold as far as it
-knows, L2's full pages plus the keys of L3's record, read each time a run is
-made and at each walk: the runs are the tree's L2 and L3 entries): past it the
-oldest runs go first, with what hangs below them.  Each run is dropped at most
-once, so that costs O(1) per run made, amortized: no sweep over the tree, no
-lookup in a tier.
+answer.  A page the tiers below let go leaves its run (:meth:`EvictedRuns.let_go`:
+the owner, :class:`~hybridkv.tiers.coordinator.TierCoordinator`, hears L2 let
+a page go by its key, and cuts the run naming it before the next walk unless L3
+holds it): the run is cut before that page, with what hangs past it, so the
+runs name what the tiers hold, as HiCache's host nodes do, and not what they
+held.  The runs are also kept within a cap (:meth:`EvictedRuns.cap_by`; the
+owner, or vLLM's prefix manager with hybridkv's connector, gives the pages the
+tiers below hold as far as it knows, L2's full pages plus the keys of L3's
+record, read each time a run is made and at each walk: the runs are the tree's
+L2 and L3 entries): past it the oldest runs go first, with what hangs below
+them.  Each run is dropped at most once, so that costs O(1) per run made,
+amortized: no sweep over the tree, no lookup in a tier.  A page's name is
+unique in a tree (it spells the namespace and the whole prefix), so the runs
+keep a map from each name they hold to its run, for :meth:`EvictedRuns.let_go`.
 
 Runs also hang inside a node or a run, after its page ``j`` (``inner``), where
 the entry would be split if they were L1 nodes: an insert that adds an L1 leaf
@@ -33,9 +39,10 @@ split or an eviction moves a node's inner runs with the pages they leave.
 Invariants (:meth:`EvictedRuns.check`): at each point a run's first page
 differs from every L1 child's there and from the page of the entry it hangs
 inside, runs hang only at node or run ends or strictly inside them, every
-page of a run is named, each run knows the map it hangs in, and ``pages`` counts
-them all.  The cap is a bound the runs are brought back within whenever a run is
-made or :meth:`EvictedRuns.trim` runs (a tier may shrink in between).
+page of a run is named and mapped to its run (and no other name is mapped),
+each run knows the map it hangs in, and ``pages`` counts them all.  The cap
+is a bound the runs are brought back within whenever a run is made or
+:meth:`EvictedRuns.trim` runs (a tier may shrink in between).
 
 The tree changes the runs only on the engine's thread (its evictions and
 inserts; the owner sets the cap there too), like the L1 tree itself.
@@ -81,7 +88,8 @@ class EvictedRuns:
         page_size: tokens per page.
 
     Off (no run is kept) until :meth:`enable`.  Attributes: ``pages`` (pages the
-    runs name), ``dropped`` (pages dropped to stay within the cap).
+    runs name), ``dropped`` (pages dropped to stay within the cap),
+    ``let_go_pages`` (pages cut as the tiers below let them go).
     """
 
     def __init__(self, page_size: int) -> None:
@@ -97,6 +105,8 @@ class EvictedRuns:
         self.on_drop: Callable[[EvictedRun], None] | None = None
         self._holds = 0  # :meth:`hold` calls not yet settled
         self._made: list[EvictedRun] = []  # runs made while held and kept nowhere (off)
+        self._named: dict[bytes, EvictedRun] = {}  # each page a kept run names -> that run
+        self.let_go_pages = 0  # pages cut because the tiers below let them go (:meth:`let_go`)
 
     def enable(self, on: bool = True) -> None:
         """Keep runs from now on (``on``), or keep no new one."""
@@ -176,6 +186,7 @@ class EvictedRuns:
             host.evicted = {}
         host.evicted[run.key[:self.page_size].tobytes()] = run
         run.home = host.evicted
+        self._named.update(dict.fromkeys(run.names, run))
         self._order.append(run)
         self._live += 1
         self.pages += len(run.names)
@@ -230,6 +241,7 @@ class EvictedRuns:
             if rows is not None and rows.shape[1] == r.host_at.shape[1]:
                 take_records(rows[j:j + k], r.host_at[:k], fill=True)  # pairs the leaf lacks
             self.pages -= k
+            self._unname(r.names[:k])
             spelled, at_k, rest = _cut(r.inner, k)  # rest: inside what is left of the run
             r.inner = None
             for i, at in (spelled or {}).items():  # they leave the leaf where they leave the run
@@ -336,6 +348,68 @@ class EvictedRuns:
         if len(order) > 2 * self._live + 64:
             self._order = deque(r for r in order if r.home is not None)
 
+    def let_go(self, keys: Iterable[bytes]) -> int:
+        """The tiers below no longer hold the pages named ``keys`` (L2 let them go
+        and L3 does not hold them, as the owner knows): each run naming one is cut
+        before the first of them, with what hangs below and inside the part cut
+        (:attr:`on_drop` hears of what is cut: a page L2 holds again there stays
+        known as an orphan).  So the runs name what the tiers hold, not what they
+        held, and the cap is not spent on pages no tier serves.  Keys no run names
+        are ignored.  Only on the engine's thread, before a walk (a walk taken
+        earlier may read a run cut since).  Returns the pages cut.  O(keys + pages
+        cut): each run is scanned from its end to its first page cut."""
+        before = self.pages
+        named = self._named
+        per: dict[int, tuple[EvictedRun, set[bytes]]] = {}
+        for key in keys:
+            run = named.get(key)
+            if run is not None:
+                per.setdefault(id(run), (run, set()))[1].add(key)
+        for run, gone in per.values():
+            if run.home is None:
+                continue  # dropped with a run cut before it
+            names, left, i = run.names, len(gone), len(run.names)
+            while left:  # from the end (L2 lets a run's last pages go first)
+                i -= 1
+                if names[i] in gone:
+                    left -= 1
+            self._cut(run, i)
+        cut = before - self.pages
+        self.let_go_pages += cut
+        return cut
+
+    def _cut(self, run: EvictedRun, i: int) -> None:
+        """Cut kept ``run`` before its page ``i``: what it names from there, and
+        every run below it or inside the part cut, go (:attr:`on_drop` hears of
+        each); a run cut before its first page goes whole.  O(pages and runs cut)."""
+        if i == 0:
+            first = run.key[:self.page_size].tobytes()
+            if run.home is not None and run.home.get(first) is run:
+                del run.home[first]
+            self._drop_all((run,))
+            return
+        P = self.page_size
+        tail = EvictedRun(run.key[i * P:], run.names[i:], run.host_at[i:])
+        run.inner, at_i, past = _cut(run.inner, i)
+        drop = list(run.below.values()) if run.below else []
+        run.below = None
+        for at in (at_i, *(past or {}).values()):
+            drop += at.values() if at else ()
+        run.key, run.host_at = run.key[:i * P], run.host_at[:i]
+        del run.names[i:]  # the run's own list (the tail took a copy)
+        if self.on_drop is not None:
+            self.on_drop(tail)
+        self.pages -= len(tail.names)
+        self._unname(tail.names)
+        if drop:
+            self._drop_all(drop)
+
+    def _unname(self, names: Iterable[bytes]) -> None:
+        """``names`` are no run's any more.  O(n)."""
+        pop = self._named.pop
+        for nm in names:
+            pop(nm, None)
+
     def _drop_all(self, runs: Iterable[EvictedRun]) -> None:
         """Forget ``runs`` and everything below and inside them; :attr:`on_drop`
         hears of each.  O(runs dropped)."""
@@ -346,6 +420,7 @@ class EvictedRuns:
             if hook is not None:
                 hook(run)
             self.pages -= len(run.names)
+            self._unname(run.names)
             self._live -= 1
             run.home = None
             if run.below:
@@ -392,6 +467,7 @@ class EvictedRuns:
                     assert n > 0 and None not in run.names and run.host_at.ndim == 2 and len(run.host_at) == n, run
                     assert len(run.key) == n * P and first == run.key[:P].tobytes(), run
                     assert run.home is at, f"{run} does not know the map it hangs in"
+                    assert all(self._named.get(nm) is run for nm in run.names), f"{run}'s pages not named to it"
                     total += n
                     runs_seen += 1
                     if run.below:
@@ -400,6 +476,7 @@ class EvictedRuns:
                         stack += self._inner_maps(run.inner, run.key, n, run)
         assert total == self.pages, (total, self.pages)
         assert runs_seen == self._live, (runs_seen, self._live)
+        assert len(self._named) == total, "the runs' pages by name differ from the runs"
 
     def _inner_maps(self, inner: dict[int, dict[bytes, EvictedRun]], key: np.ndarray, n: int,
                     owner: object) -> list[dict[bytes, EvictedRun]]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field, replace
+from itertools import filterfalse
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -134,11 +135,16 @@ class TierCoordinator:
         # what L3 holds as far as this cache knows (the record the vLLM connector keeps
         # too); the read-ahead probes the store only for keys it has no answer for
         self.l3_record = StoreIndex(self.l3.backend_exists if self.l3 is not None else None)
-        # what L1 evicts stays in its tree as evicted runs, L2 and L3 entries, naming at most as
-        # many pages as the tiers below hold as far as this cache knows: L2's full pages and
-        # the keys of L3's record (size reads: no lock; the engine's thread makes the runs)
+        # what L1 evicts stays in its tree as evicted runs, L2 and L3 entries: a page L2 lets
+        # go (and L3 does not hold) leaves its run at the next walk on the engine's thread
+        # (:meth:`walk_prompt`; L2 also lets pages go on the tiers' threads), so the runs name
+        # what the tiers below hold.  They name at most as many pages as those tiers hold as
+        # far as this cache knows: L2's full pages and the keys of L3's record, plus the pages
+        # let go that have yet to leave (size reads: no lock; the engine's thread makes the runs)
+        self._let_go: list[bytes] = []  # full keys L2 let go since the last walk (under the mutex)
+        self.host.gone_listeners.append(self._let_go.append)
         tree.runs.enable()
-        tree.runs.cap_by(lambda: self.host.num_full_pages + len(self.l3_record))
+        tree.runs.cap_by(lambda: self.host.num_full_pages + len(self.l3_record) + len(self._let_go))
         self.writes = L3WriteQueue(self.l3, self.codec, self.mutex, self.l3_record, self.counters)
         self.landing = Landing(self.host, self.codec, self.l3, self.l3_record, self.writes.predates, self.counters)
         self.reads = (ReadAhead(self.l3, self.mutex, self.page_size, spec.window_pages, self.writes, self.landing,
@@ -191,6 +197,8 @@ class TierCoordinator:
         if n_pages > 0:
             tree, limit = self.tree, n_pages * self.page_size
             with self.mutex:  # as resident: the walk and the names read together
+                if engine and self._let_go:
+                    self._runs_let_go()
                 have, walk.path = tree.walk_names(tokens, namespace, limit, trim=engine, runs=walk.runs)
         return self.page_keys(tokens, namespace, n_pages, have), walk
 
@@ -503,6 +511,17 @@ class TierCoordinator:
         return names
 
     # ============================================================== misc
+    def _runs_let_go(self) -> None:
+        """Cut the runs naming the pages L2 let go since the last walk, but for those
+        L2 holds again or L3 holds as far as this cache knows (under the mutex, on the
+        engine's thread, before a walk).  O(keys + pages cut)."""
+        gone = set(filterfalse(self.host.__contains__, self._let_go))
+        self._let_go.clear()  # the same list: L2's listener appends to it
+        if self.l3 is not None:
+            state = self.l3_record.state
+            gone = {k for k in gone if state(k) is None}
+        self.tree.runs.let_go(gone)
+
     def _run_dropped(self, run: EvictedRun) -> None:
         """The tree dropped ``run`` (on the engine's thread): its pages L2 still holds
         become orphans, under the mutex (an L3 landing writes them too).  O(pages)."""
@@ -512,6 +531,7 @@ class TierCoordinator:
     def clear_l2(self) -> int:
         """Drop every L2 page under the mutex; returns pages dropped.  O(pages)."""
         with self.mutex:
+            self._let_go += self.host.full_keys()  # (L2 tells its listeners key by key only as it evicts)
             return self.host.clear()
 
     def l3_last_error(self) -> str | None:
@@ -532,9 +552,12 @@ class TierCoordinator:
     def stats(self) -> dict[str, Any]:
         """Tier counters, ``l2_*`` host figures, ``l3_*`` manager/backend counters and
         the L1 tree's evicted runs (``evicted_run_pages`` named, ``evicted_run_pages_dropped``
-        to stay within their cap)."""
+        to stay within their cap, ``evicted_run_pages_let_go`` cut as the tiers below let
+        them go)."""
         out = dict(self.counters)
-        out.update(evicted_run_pages=self.tree.runs.pages, evicted_run_pages_dropped=self.tree.runs.dropped)
+        runs = self.tree.runs
+        out.update(evicted_run_pages=runs.pages, evicted_run_pages_dropped=runs.dropped,
+                   evicted_run_pages_let_go=runs.let_go_pages)
         out.update({f"l2_{k}": v for k, v in self.host.stats().items()})
         if self.l3 is not None:
             out.update(self.l3.stats())

@@ -113,13 +113,14 @@ class HostTier:
         # Called with (kind, int32 page ids) just before pages go back to ``pool``: the
         # owner encodes a page with a queued L3 write before its data is reused.
         self.free_listeners: list[Callable[[AttnKind, np.ndarray], None]] = []
+        #: told each full-KV key L2 evicts or discards, once gone (the owner's tree cuts its runs)
+        self.gone_listeners: list[Callable[[bytes], None]] = []
         #: each slot's stamp, per kind (:mod:`.slots`: the tree's entries record where L2 holds a page)
         self.stamps = {AttnKind.FULL: SlotStamps(self.pool.full.capacity), AttnKind.SWA: SlotStamps(self.pool.swa.capacity)}
         self.free_listeners.append(lambda kind, pages: self.stamps[kind].clear(pages))
         self._freeing: tuple[list[int], list[int]] | None = None  # alloc's victims' pages (full, SWA)
-        self.counters = {"evicted_full_pages": 0, "evicted_swa_pages": 0, "stored_full_pages": 0,
-                         "stored_swa_pages": 0, "demoted_swa_pages": 0, "dropped_paired_swa_pages": 0,
-                         "evicted_l1_copy_pages": 0}
+        self.counters = dict.fromkeys(("evicted_full_pages", "evicted_swa_pages", "stored_full_pages", "stored_swa_pages",
+                                       "demoted_swa_pages", "dropped_paired_swa_pages", "evicted_l1_copy_pages"), 0)
 
     # ---------------------------------------------------------------- lookup
     def _free_full(self, pages: np.ndarray, *, own: bool = False) -> None:
@@ -239,6 +240,8 @@ class HostTier:
                     heapq.heappush(self._leaves, (stamp[parent], parent))
         self._drop_page(0, page)
         self.counters["evicted_full_pages"] += 1
+        for hook in self.gone_listeners:
+            hook(key)
         if self.listeners:
             emit(self.listeners, TierEvent("L2", "remove", (key,)))
         self._drop_paired_swa(key, protect_swa)
@@ -308,10 +311,6 @@ class HostTier:
         finally:
             self._give_back_gathered()
         return self.pool.alloc(n_full, n_swa)
-
-    def _evict_one(self, stage: str, protect_full: set[int], protect_swa: set[int]) -> bool:
-        """Evict class ``stage``'s LRU unprotected page (:meth:`_evict`); False: none."""
-        return self._evict(stage, protect_full, protect_swa, limit=1) == 1
 
     def _evict(self, stage: str, protect_full: set[int], protect_swa: set[int],
                need: tuple[int, int, int] | None = None, limit: int | None = None) -> int:

@@ -31,10 +31,12 @@ happens:
 * vLLM: a save's or load's placement on the tree pages spelling the request's
   tokens, orphans past them until the insert adopts them
   (:meth:`HostRecords.adopted`); copy-downs (keys only): orphans;
-* a run the tree drops (its cap, runs off) leaves its held
+* a run the tree drops (its cap, runs off) or cuts (:meth:`EvictedRuns.let_go
+  <hybridkv.radix.evicted.EvictedRuns.let_go>`: L2 let a page go) leaves its held
   pages as orphans (:attr:`EvictedRuns.on_drop
   <hybridkv.radix.evicted.EvictedRuns.on_drop>`; an eviction's runs are capped
-  after its listeners recorded on them).
+  after its listeners recorded on them).  In the core a page L2 lets go leaves
+  its run, so the cap no longer drops pages L2 holds.
 
 Orphans are believed only while L2's stamp of their slot matches, and swept
 of stale ones as they grow.  :meth:`HostRecords.check` holds every record to

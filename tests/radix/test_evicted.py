@@ -16,9 +16,9 @@ from helpers import RecordingPool as Pool
 P = 2  # tokens per page
 
 
-def _names(tokens: np.ndarray) -> PageNames:
-    """A name per page spelling its whole prefix (what chained keys are)."""
-    keys = [tokens[:(i + 1) * P].tobytes() for i in range(len(tokens) // P)]
+def _names(tokens: np.ndarray, namespace: str = "default") -> PageNames:
+    """A name per page spelling its namespace and whole prefix (what chained keys are)."""
+    keys = [namespace.encode() + tokens[:(i + 1) * P].tobytes() for i in range(len(tokens) // P)]
     return PageNames(keys, np.zeros(len(keys), dtype=bool))
 
 
@@ -233,7 +233,7 @@ def test_random_inserts_matches_and_evictions_keep_every_walk_named_right(seed):
             n = len(tokens) // P
             ids = np.arange(next_page, next_page + n, dtype=np.int32)
             next_page += n
-            t.insert(tokens, ids, ids, namespace=ns, names=_names(tokens))
+            t.insert(tokens, ids, ids, namespace=ns, names=_names(tokens, ns))
         elif op < 0.7:
             m = t.match(tokens, ns, split=True)
             if m.node is not None and rng.random() < 0.5:
@@ -250,6 +250,53 @@ def test_random_inserts_matches_and_evictions_keep_every_walk_named_right(seed):
         more = t.runs.names(end, probe, len(got) * P, len(probe), at=path[-1][1] if path else None)
         from_runs += len(more)
         got += more
-        assert got == _names(probe).keys[:len(got)]
+        assert got == _names(probe, ns).keys[:len(got)]
     assert t.runs.pages > 0 and from_runs > 0
     assert any(nd.inner for nd in t.iter_nodes()) or any(r.inner for r in t.runs.iter_runs(t.iter_nodes()))
+
+
+def test_let_go_cuts_a_run_before_the_first_page_let_go_with_what_hangs_past_it():
+    """A run is cut before the first of its pages the tiers let go: from the end
+    (L2's usual order), in the middle (the runs below it go too) or at its first
+    page (the run goes whole); the hook hears each part cut, names it knew
+    nothing of are ignored, and every walk still gives the names hashing gives."""
+    t = _tree()
+    heard: list[list[bytes]] = []
+    t.runs.on_drop = lambda run: heard.append(list(run.names))
+    a = np.arange(40, dtype=np.int32)
+    b = np.concatenate([a[:30], np.arange(300, 310, dtype=np.int32)])
+    _insert(t, a, 0)
+    _insert(t, b, 100)
+    t.evict(full_pages=t.full_pages_cached)  # a's and b's tails below the run of what they share
+    t.check_invariants()
+    assert t.runs.pages == 25
+    na, nb = _names(a).keys, _names(b).keys
+    assert t.runs.let_go([b"no run names this"]) == 0 and t.runs.pages == 25 and not heard
+    assert t.runs.let_go([na[19], na[18]]) == 2  # a's last two pages, in L2's order
+    t.check_invariants()
+    assert heard == [na[18:20]] and _walk(t, a) == na[:18] and _walk(t, b) == nb
+    heard.clear()
+    assert t.runs.let_go([na[10], na[12]]) == 13  # inside the shared run: both tails hang past it
+    t.check_invariants()
+    assert sorted(heard) == sorted([na[10:15], na[15:18], nb[15:20]])
+    assert _walk(t, a) == na[:10] and _walk(t, b) == nb[:10] and t.runs.pages == 10
+    heard.clear()
+    assert t.runs.let_go([na[0]]) == 10 and t.runs.pages == 0  # its first page: the run goes whole
+    t.check_invariants()
+    assert heard == [na[:10]] and _walk(t, a) == [] and t.runs.let_go_pages == 25
+    _insert(t, a, 200)  # the cut runs left nothing behind
+    t.evict(full_pages=t.full_pages_cached)
+    t.check_invariants()
+    assert t.runs.pages == 20 and _walk(t, a) == na
+
+
+def test_the_check_catches_a_run_page_named_to_another_run():
+    t = _tree()
+    a = np.arange(20, dtype=np.int32)
+    _insert(t, a, 0)
+    t.evict(full_pages=4)
+    t.check_invariants()
+    run = next(iter(next(t.iter_nodes()).evicted.values()))
+    run.names[0] = b"a name no map holds"
+    with pytest.raises(AssertionError, match="not named to it"):
+        t.check_invariants()

@@ -96,7 +96,7 @@ def test_tier_events_predict_what_l2_and_l3_serve(tmp_path, policy, l2_pages):
     assert index.pages(0, "L2")[0] == cache.host.num_full_pages
     # An L2 eviction removes its entry: evict one full page (the LRU leaf) by hand.
     before = set(cache.host.full_keys())
-    assert cache.host._evict_one("full", set(), set())
+    assert cache.host._evict("full", set(), set(), limit=1) == 1
     (victim,) = before - set(cache.host.full_keys())
     pub.flush()
     index.poll()

@@ -111,19 +111,30 @@ def _run_names(cache: TieredCache) -> list[list[bytes]]:
     return out
 
 
-def test_runs_stay_within_the_full_pages_l2_holds_the_oldest_going_first():
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_runs_name_what_l2_holds_cut_as_l2_lets_pages_go(policy):
+    """Without L3 the runs are L2's entries: a page L2 lets go leaves its run at
+    the next walk, so after one every page a run names is one L2 holds, recorded
+    where it holds it, and the cap (L2's full pages) never has to drop a run."""
     spec = tiny_spec()
-    cache = _cache(spec, l1_pages=120, l2_pages=40, policy="write_through")
+    cache = _cache(spec, l1_pages=120, l2_pages=40, policy=policy)
     runs, co = cache.tree.runs, cache.lower_tiers
     try:
         _replay(cache, seed=8, steps=200)
-        assert runs.dropped > 0 and 0 < runs.pages <= runs.cap
-        co.walk_prompt(np.arange(9, dtype=np.int32), "default", 2)  # a walk sets the cap: L2's full pages
+        co.walk_prompt(np.arange(9, dtype=np.int32), "default", 2)  # a walk cuts what L2 let go
         assert len(co.l3_record) == 0 and runs.cap == co.host.num_full_pages  # (no L3: L2's alone)
-        named = sum(len(n) for n in _run_names(cache))
+        assert runs.let_go_pages > 0 and runs.dropped == 0 and 0 < runs.pages <= runs.cap
+        names = [nm for n in _run_names(cache) for nm in n]
+        assert len(names) == runs.pages and all(nm in co.host for nm in names)
+        slots = co.host.lookup_full(names)
+        for run in runs.iter_runs([cache.tree.root("default"), *cache.tree.iter_nodes()]):
+            assert (run.host_at[:, 0] == co.host.lookup_full(run.names)).all()  # recorded where L2 holds it
+        assert np.unique(slots).size == len(names)
         st = cache.stats()
-        assert st["evicted_run_pages"] == named == runs.pages
-        assert st["evicted_run_pages_dropped"] == runs.dropped
+        assert st["evicted_run_pages"] == runs.pages and st["evicted_run_pages_let_go"] == runs.let_go_pages
+        assert st["evicted_run_pages_dropped"] == 0
+        l1 = [nm for nd in cache.tree.iter_nodes() for nm in nd.page_keys or ()]
+        assert set(co.host.full_keys()) <= set(l1) | set(names)  # every full page L2 holds: on the tree
     finally:
         cache.close()
 

@@ -87,7 +87,7 @@ class _PerVictim(HostTier):
             frees_full = stage in ("copy", "full")  # else a stage of SWA pages
             while not self.pool.can_alloc(n_full, n_swa):
                 short = self.pool.shortfall(n_full, n_swa)  # what is missing now: pages were freed
-                if not (short[0 if frees_full else 1] or short[2]) or not self._evict_one(stage, pf, ps):
+                if not (short[0 if frees_full else 1] or short[2]) or self._evict(stage, pf, ps, limit=1) != 1:
                     break
         return self.pool.alloc(n_full, n_swa)
 
