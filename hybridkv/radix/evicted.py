@@ -15,12 +15,12 @@ run is never wrong about a key, whatever the tiers hold meanwhile.  A run also
 keeps where L2 held each page when last recorded (``host_at``, taken over from
 the node; :mod:`hybridkv.tiers.records`): a record is only believed while L2's
 stamp of its slot matches, so a stale one reads as "ask L2", never as a wrong
-answer.  A page the tiers below let go leaves its run (:meth:`EvictedRuns.let_go`:
+answer.  What the tiers below let go leaves its run (:meth:`EvictedRuns.let_go`:
 the owner, :class:`~hybridkv.tiers.coordinator.TierCoordinator`, hears L2 let
-a page go by its key, and cuts the run naming it before the next walk unless L3
-holds it): the run is cut before that page, with what hangs past it, so the
-runs name what the tiers hold, as HiCache's host nodes do, and not what they
-held.  The runs are also kept within a cap (:meth:`EvictedRuns.cap_by`; the
+a page go by its key, and before the next walk cuts a run that ends with it
+back to its last page L2 or L3 still holds, with what hangs past the cut), so
+the runs name what the tiers hold, as HiCache's host nodes do, and not what
+they held.  The runs are also kept within a cap (:meth:`EvictedRuns.cap_by`; the
 owner, or vLLM's prefix manager with hybridkv's connector, gives the pages the
 tiers below hold as far as it knows, L2's full pages plus the keys of L3's
 record, read each time a run is made and at each walk: the runs are the tree's
@@ -28,7 +28,7 @@ L2 and L3 entries): past it the oldest runs go first, with what hangs below
 them.  Each run is dropped at most once, so that costs O(1) per run made,
 amortized: no sweep over the tree, no lookup in a tier.  A page's name is
 unique in a tree (it spells the namespace and the whole prefix), so the runs
-keep a map from each name they hold to its run, for :meth:`EvictedRuns.let_go`.
+keep a map from each run's last page's name to the run, for :meth:`EvictedRuns.let_go`.
 
 Runs also hang inside a node or a run, after its page ``j`` (``inner``), where
 the entry would be split if they were L1 nodes: an insert that adds an L1 leaf
@@ -39,7 +39,7 @@ split or an eviction moves a node's inner runs with the pages they leave.
 Invariants (:meth:`EvictedRuns.check`): at each point a run's first page
 differs from every L1 child's there and from the page of the entry it hangs
 inside, runs hang only at node or run ends or strictly inside them, every
-page of a run is named and mapped to its run (and no other name is mapped),
+page of a run is named, each run is found by its last page's name (and no other),
 each run knows the map it hangs in, and ``pages`` counts them all.  The cap
 is a bound the runs are brought back within whenever a run is made or
 :meth:`EvictedRuns.trim` runs (a tier may shrink in between).
@@ -105,7 +105,7 @@ class EvictedRuns:
         self.on_drop: Callable[[EvictedRun], None] | None = None
         self._holds = 0  # :meth:`hold` calls not yet settled
         self._made: list[EvictedRun] = []  # runs made while held and kept nowhere (off)
-        self._named: dict[bytes, EvictedRun] = {}  # each page a kept run names -> that run
+        self._tails: dict[bytes, EvictedRun] = {}  # the last page's name of each kept run -> the run
         self.let_go_pages = 0  # pages cut because the tiers below let them go (:meth:`let_go`)
 
     def enable(self, on: bool = True) -> None:
@@ -186,7 +186,7 @@ class EvictedRuns:
             host.evicted = {}
         host.evicted[run.key[:self.page_size].tobytes()] = run
         run.home = host.evicted
-        self._named.update(dict.fromkeys(run.names, run))
+        self._tails[run.names[-1]] = run
         self._order.append(run)
         self._live += 1
         self.pages += len(run.names)
@@ -241,7 +241,6 @@ class EvictedRuns:
             if rows is not None and rows.shape[1] == r.host_at.shape[1]:
                 take_records(rows[j:j + k], r.host_at[:k], fill=True)  # pairs the leaf lacks
             self.pages -= k
-            self._unname(r.names[:k])
             spelled, at_k, rest = _cut(r.inner, k)  # rest: inside what is left of the run
             r.inner = None
             for i, at in (spelled or {}).items():  # they leave the leaf where they leave the run
@@ -253,6 +252,7 @@ class EvictedRuns:
                 work.append((r, j + k))
                 continue
             r.home = None  # spelled whole by the leaf
+            self._untail(r)
             self._live -= 1
             if r.below:
                 work.extend((b, j + k) for b in r.below.values())
@@ -348,31 +348,30 @@ class EvictedRuns:
         if len(order) > 2 * self._live + 64:
             self._order = deque(r for r in order if r.home is not None)
 
-    def let_go(self, keys: Iterable[bytes]) -> int:
-        """The tiers below no longer hold the pages named ``keys`` (L2 let them go
-        and L3 does not hold them, as the owner knows): each run naming one is cut
-        before the first of them, with what hangs below and inside the part cut
-        (:attr:`on_drop` hears of what is cut: a page L2 holds again there stays
-        known as an orphan).  So the runs name what the tiers hold, not what they
-        held, and the cap is not spent on pages no tier serves.  Keys no run names
-        are ignored.  Only on the engine's thread, before a walk (a walk taken
-        earlier may read a run cut since).  Returns the pages cut.  O(keys + pages
-        cut): each run is scanned from its end to its first page cut."""
+    def let_go(self, keys: Iterable[bytes], held: Callable[[bytes], bool] | None = None) -> int:
+        """The tiers below let go the pages named ``keys`` (L2 evicted them): a run
+        whose last page is one of them is cut back to its last page a tier below
+        still holds (``held(name)``: L2 holds it again, or L3 does, as the owner
+        knows; without ``held``, back past the pages ``keys`` name), with what
+        hangs past the cut (:attr:`on_drop` hears of what is cut: a page L2 holds
+        there stays known as an orphan).  So the runs name what the tiers hold,
+        as HiCache's host nodes do, and the cap is not spent on pages no tier
+        serves.  L2 lets a run's pages go from its end (leaf first), so a key
+        inside a run is not looked for: that page leaves when the pages after it
+        have.  Keys that end no run are ignored.  Only on the engine's thread,
+        before a walk (a walk taken earlier may read a run cut since).  Returns
+        the pages cut.  O(keys + pages cut)."""
         before = self.pages
-        named = self._named
-        per: dict[int, tuple[EvictedRun, set[bytes]]] = {}
-        for key in keys:
-            run = named.get(key)
-            if run is not None:
-                per.setdefault(id(run), (run, set()))[1].add(key)
-        for run, gone in per.values():
-            if run.home is None:
-                continue  # dropped with a run cut before it
-            names, left, i = run.names, len(gone), len(run.names)
-            while left:  # from the end (L2 lets a run's last pages go first)
+        tails = self._tails
+        gone = None if held is not None else set(keys)
+        for key in (keys if gone is None else gone):
+            run = tails.get(key)
+            if run is None or (held is not None and held(key)):
+                continue
+            names = run.names
+            i = len(names) - 1
+            while i and (not held(names[i - 1]) if held is not None else names[i - 1] in gone):
                 i -= 1
-                if names[i] in gone:
-                    left -= 1
             self._cut(run, i)
         cut = before - self.pages
         self.let_go_pages += cut
@@ -395,20 +394,20 @@ class EvictedRuns:
         run.below = None
         for at in (at_i, *(past or {}).values()):
             drop += at.values() if at else ()
+        self._untail(run)
         run.key, run.host_at = run.key[:i * P], run.host_at[:i]
         del run.names[i:]  # the run's own list (the tail took a copy)
+        self._tails[run.names[-1]] = run
         if self.on_drop is not None:
             self.on_drop(tail)
         self.pages -= len(tail.names)
-        self._unname(tail.names)
         if drop:
             self._drop_all(drop)
 
-    def _unname(self, names: Iterable[bytes]) -> None:
-        """``names`` are no run's any more.  O(n)."""
-        pop = self._named.pop
-        for nm in names:
-            pop(nm, None)
+    def _untail(self, run: EvictedRun) -> None:
+        """``run`` is no longer found by its last page's name.  O(1)."""
+        if self._tails.get(run.names[-1]) is run:
+            del self._tails[run.names[-1]]
 
     def _drop_all(self, runs: Iterable[EvictedRun]) -> None:
         """Forget ``runs`` and everything below and inside them; :attr:`on_drop`
@@ -420,7 +419,7 @@ class EvictedRuns:
             if hook is not None:
                 hook(run)
             self.pages -= len(run.names)
-            self._unname(run.names)
+            self._untail(run)
             self._live -= 1
             run.home = None
             if run.below:
@@ -467,7 +466,7 @@ class EvictedRuns:
                     assert n > 0 and None not in run.names and run.host_at.ndim == 2 and len(run.host_at) == n, run
                     assert len(run.key) == n * P and first == run.key[:P].tobytes(), run
                     assert run.home is at, f"{run} does not know the map it hangs in"
-                    assert all(self._named.get(nm) is run for nm in run.names), f"{run}'s pages not named to it"
+                    assert self._tails.get(run.names[-1]) is run, f"{run} is not found by its last page"
                     total += n
                     runs_seen += 1
                     if run.below:
@@ -476,7 +475,7 @@ class EvictedRuns:
                         stack += self._inner_maps(run.inner, run.key, n, run)
         assert total == self.pages, (total, self.pages)
         assert runs_seen == self._live, (runs_seen, self._live)
-        assert len(self._named) == total, "the runs' pages by name differ from the runs"
+        assert len(self._tails) == runs_seen, "runs found by their last page that the tree does not hold"
 
     def _inner_maps(self, inner: dict[int, dict[bytes, EvictedRun]], key: np.ndarray, n: int,
                     owner: object) -> list[dict[bytes, EvictedRun]]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field, replace
-from itertools import filterfalse
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -512,15 +511,13 @@ class TierCoordinator:
 
     # ============================================================== misc
     def _runs_let_go(self) -> None:
-        """Cut the runs naming the pages L2 let go since the last walk, but for those
-        L2 holds again or L3 holds as far as this cache knows (under the mutex, on the
-        engine's thread, before a walk).  O(keys + pages cut)."""
-        gone = set(filterfalse(self.host.__contains__, self._let_go))
+        """Cut the runs that end with pages L2 let go since the last walk back to
+        their last page L2 or L3 (as this cache knows) still holds (under the
+        mutex, on the engine's thread, before a walk).  O(keys + pages cut)."""
+        host, state = self.host, self.l3_record.state
+        held = host.__contains__ if self.l3 is None else (lambda k: k in host or state(k) is not None)
+        self.tree.runs.let_go(self._let_go, held)
         self._let_go.clear()  # the same list: L2's listener appends to it
-        if self.l3 is not None:
-            state = self.l3_record.state
-            gone = {k for k in gone if state(k) is None}
-        self.tree.runs.let_go(gone)
 
     def _run_dropped(self, run: EvictedRun) -> None:
         """The tree dropped ``run`` (on the engine's thread): its pages L2 still holds

@@ -255,11 +255,12 @@ def test_random_inserts_matches_and_evictions_keep_every_walk_named_right(seed):
     assert any(nd.inner for nd in t.iter_nodes()) or any(r.inner for r in t.runs.iter_runs(t.iter_nodes()))
 
 
-def test_let_go_cuts_a_run_before_the_first_page_let_go_with_what_hangs_past_it():
-    """A run is cut before the first of its pages the tiers let go: from the end
-    (L2's usual order), in the middle (the runs below it go too) or at its first
-    page (the run goes whole); the hook hears each part cut, names it knew
-    nothing of are ignored, and every walk still gives the names hashing gives."""
+def test_let_go_cuts_a_run_that_ends_with_a_page_let_go_back_to_a_held_page():
+    """A run that ends with a page the tiers let go is cut back to its last page
+    a tier still holds (``held``; without it, back past the pages let go), with
+    what hangs past the cut, and goes whole when none is held; a page inside a
+    run is not looked for (it leaves once the pages after it have).  The hook
+    hears each part cut, and every walk still gives the names hashing gives."""
     t = _tree()
     heard: list[list[bytes]] = []
     t.runs.on_drop = lambda run: heard.append(list(run.names))
@@ -271,32 +272,35 @@ def test_let_go_cuts_a_run_before_the_first_page_let_go_with_what_hangs_past_it(
     t.check_invariants()
     assert t.runs.pages == 25
     na, nb = _names(a).keys, _names(b).keys
-    assert t.runs.let_go([b"no run names this"]) == 0 and t.runs.pages == 25 and not heard
+    assert t.runs.let_go([b"no run names this", na[12]]) == 0 and t.runs.pages == 25 and not heard
     assert t.runs.let_go([na[19], na[18]]) == 2  # a's last two pages, in L2's order
     t.check_invariants()
     assert heard == [na[18:20]] and _walk(t, a) == na[:18] and _walk(t, b) == nb
     heard.clear()
-    assert t.runs.let_go([na[10], na[12]]) == 13  # inside the shared run: both tails hang past it
+    first12 = set(na[:12])  # the pages a tier still holds from now on
+    assert t.runs.let_go([nb[19]], first12.__contains__) == 5  # b's tail: none held, it goes whole
+    assert t.runs.let_go([na[17]], first12.__contains__) == 3
+    assert t.runs.pages == 15 and _walk(t, b) == nb[:15]  # the shared run: its last page not let go
+    assert t.runs.let_go([na[14]], first12.__contains__) == 3  # back to its last page held
     t.check_invariants()
-    assert sorted(heard) == sorted([na[10:15], na[15:18], nb[15:20]])
-    assert _walk(t, a) == na[:10] and _walk(t, b) == nb[:10] and t.runs.pages == 10
+    assert heard == [nb[15:20], na[15:18], na[12:15]] and _walk(t, a) == na[:12] and t.runs.pages == 12
     heard.clear()
-    assert t.runs.let_go([na[0]]) == 10 and t.runs.pages == 0  # its first page: the run goes whole
+    assert t.runs.let_go([na[11]], lambda name: False) == 12 and t.runs.pages == 0  # none held: whole
     t.check_invariants()
-    assert heard == [na[:10]] and _walk(t, a) == [] and t.runs.let_go_pages == 25
+    assert heard == [na[:12]] and _walk(t, a) == [] and t.runs.let_go_pages == 25
     _insert(t, a, 200)  # the cut runs left nothing behind
     t.evict(full_pages=t.full_pages_cached)
     t.check_invariants()
     assert t.runs.pages == 20 and _walk(t, a) == na
 
 
-def test_the_check_catches_a_run_page_named_to_another_run():
+def test_the_check_catches_a_run_not_found_by_its_last_page():
     t = _tree()
     a = np.arange(20, dtype=np.int32)
     _insert(t, a, 0)
     t.evict(full_pages=4)
     t.check_invariants()
     run = next(iter(next(t.iter_nodes()).evicted.values()))
-    run.names[0] = b"a name no map holds"
-    with pytest.raises(AssertionError, match="not named to it"):
+    run.names[-1] = b"a name no map holds"
+    with pytest.raises(AssertionError, match="not found by its last page"):
         t.check_invariants()

@@ -113,9 +113,12 @@ def _run_names(cache: TieredCache) -> list[list[bytes]]:
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_runs_name_what_l2_holds_cut_as_l2_lets_pages_go(policy):
-    """Without L3 the runs are L2's entries: a page L2 lets go leaves its run at
-    the next walk, so after one every page a run names is one L2 holds, recorded
-    where it holds it, and the cap (L2's full pages) never has to drop a run."""
+    """Without L3 the runs are L2's entries: a run that ends with a page L2 lets
+    go is cut back to a page L2 holds at the next walk, so after one every page a
+    run names is one L2 holds, recorded where it holds it.  Under write-through L2
+    lets pages go leaf first, so the cap (L2's full pages) never drops a run;
+    under write-back (L2's plain LRU) a page inside a run may go first, and the cap
+    drops a few."""
     spec = tiny_spec()
     cache = _cache(spec, l1_pages=120, l2_pages=40, policy=policy)
     runs, co = cache.tree.runs, cache.lower_tiers
@@ -123,7 +126,8 @@ def test_runs_name_what_l2_holds_cut_as_l2_lets_pages_go(policy):
         _replay(cache, seed=8, steps=200)
         co.walk_prompt(np.arange(9, dtype=np.int32), "default", 2)  # a walk cuts what L2 let go
         assert len(co.l3_record) == 0 and runs.cap == co.host.num_full_pages  # (no L3: L2's alone)
-        assert runs.let_go_pages > 0 and runs.dropped == 0 and 0 < runs.pages <= runs.cap
+        assert runs.let_go_pages > 0 and 0 < runs.pages <= runs.cap
+        assert runs.dropped == 0 if policy == "write_through" else runs.dropped < runs.let_go_pages / 4
         names = [nm for n in _run_names(cache) for nm in n]
         assert len(names) == runs.pages and all(nm in co.host for nm in names)
         slots = co.host.lookup_full(names)
@@ -132,7 +136,7 @@ def test_runs_name_what_l2_holds_cut_as_l2_lets_pages_go(policy):
         assert np.unique(slots).size == len(names)
         st = cache.stats()
         assert st["evicted_run_pages"] == runs.pages and st["evicted_run_pages_let_go"] == runs.let_go_pages
-        assert st["evicted_run_pages_dropped"] == 0
+        assert st["evicted_run_pages_dropped"] == runs.dropped
         l1 = [nm for nd in cache.tree.iter_nodes() for nm in nd.page_keys or ()]
         assert set(co.host.full_keys()) <= set(l1) | set(names)  # every full page L2 holds: on the tree
     finally:
