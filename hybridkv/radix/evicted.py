@@ -51,6 +51,7 @@ inserts; the owner sets the cap there too), like the L1 tree itself.
 from __future__ import annotations
 
 from collections import deque
+from itertools import takewhile
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -349,28 +350,28 @@ class EvictedRuns:
             self._order = deque(r for r in order if r.home is not None)
 
     def let_go(self, keys: Iterable[bytes], held: Callable[[bytes], bool] | None = None) -> int:
-        """The tiers below let go the pages named ``keys`` (L2 evicted them): a run
-        whose last page is one of them is cut back to its last page a tier below
-        still holds (``held(name)``: L2 holds it again, or L3 does, as the owner
-        knows; without ``held``, back past the pages ``keys`` name), with what
-        hangs past the cut (:attr:`on_drop` hears of what is cut: a page L2 holds
-        there stays known as an orphan).  So the runs name what the tiers hold,
-        as HiCache's host nodes do, and the cap is not spent on pages no tier
-        serves.  L2 lets a run's pages go from its end (leaf first), so a key
-        inside a run is not looked for: that page leaves when the pages after it
-        have.  Keys that end no run are ignored.  Only on the engine's thread,
-        before a walk (a walk taken earlier may read a run cut since).  Returns
-        the pages cut.  O(keys + pages cut)."""
+        """The tiers below let go the pages named ``keys`` (L2 evicted them, and no
+        tier holds them now): a run that ends with one of them is cut back past
+        the pages ``keys`` name at its end and, with ``held``, past those before
+        them no tier holds either (``held(name)`` False: let go earlier, while
+        pages after them were kept), with what hangs past the cut
+        (:attr:`on_drop` hears of what is cut: a page L2 holds there stays
+        known as an orphan).  So the runs name what the tiers hold, as HiCache's
+        host nodes do, and the cap is not spent on pages no tier serves.  L2
+        lets a run's pages go from its end (leaf first), so a key inside a run
+        is not looked for: that page leaves with the pages after it.  Keys that
+        end no run are ignored.  Only on the engine's thread, before a walk (a
+        walk taken earlier may read a run cut since).  Returns the pages cut.
+        O(keys + pages cut), in C loops but for one ``held`` call per run cut."""
         before = self.pages
-        tails = self._tails
-        gone = None if held is not None else set(keys)
-        for key in (keys if gone is None else gone):
+        tails, gone = self._tails, set(keys)
+        for key in tails.keys() & gone:
             run = tails.get(key)
-            if run is None or (held is not None and held(key)):
-                continue
+            if run is None:
+                continue  # dropped with a run cut before it
             names = run.names
-            i = len(names) - 1
-            while i and (not held(names[i - 1]) if held is not None else names[i - 1] in gone):
+            i = len(names) - len(list(takewhile(gone.__contains__, reversed(names))))
+            while held is not None and i and not held(names[i - 1]):
                 i -= 1
             self._cut(run, i)
         cut = before - self.pages

@@ -512,11 +512,15 @@ class TierCoordinator:
     # ============================================================== misc
     def _runs_let_go(self) -> None:
         """Cut the runs that end with pages L2 let go since the last walk back to
-        their last page L2 or L3 (as this cache knows) still holds (under the
+        their last page L2 (again) or L3 (as this cache knows) holds (under the
         mutex, on the engine's thread, before a walk).  O(keys + pages cut)."""
-        host, state = self.host, self.l3_record.state
-        held = host.__contains__ if self.l3 is None else (lambda k: k in host or state(k) is not None)
-        self.tree.runs.let_go(self._let_go, held)
+        holds, gone = self.host.holds, self._let_go
+        if self.l3 is not None:  # (without L3 a run's page comes back to L2 only through L1)
+            state = self.l3_record.state
+            gone = [k for k in gone if not holds(k) and state(k) is None]
+            self.tree.runs.let_go(gone, lambda k: holds(k) or state(k) is not None)
+        else:
+            self.tree.runs.let_go(gone, holds)
         self._let_go.clear()  # the same list: L2's listener appends to it
 
     def _run_dropped(self, run: EvictedRun) -> None:

@@ -93,6 +93,7 @@ class HostTier:
         # one arena of real host memory (pinned where CUDA exists) or accounting only
         self.pool = DualPool(spec, budget_bytes=budget_bytes, device=device, pin=True)
         self._full: OrderedDict[bytes, int] = OrderedDict()
+        self.holds: Callable[[bytes], bool] = self._full.__contains__  #: ``key in self``, as a (C) callable
         self._swa: OrderedDict[bytes, int] = OrderedDict()       # plain SWA (evicted first)
         self._anchor: OrderedDict[bytes, int] = OrderedDict()    # tails / checkpoints (last)
         self._class = {"swa": self._swa, "copy": self._full, "full": self._full, "anchor": self._anchor}
@@ -113,7 +114,7 @@ class HostTier:
         # Called with (kind, int32 page ids) just before pages go back to ``pool``: the
         # owner encodes a page with a queued L3 write before its data is reused.
         self.free_listeners: list[Callable[[AttnKind, np.ndarray], None]] = []
-        #: told each full-KV key L2 evicts or discards, once gone (the owner's tree cuts its runs)
+        #: told each full-KV key L2 evicts or discards that L1 lacks, once gone (the owner cuts its runs)
         self.gone_listeners: list[Callable[[bytes], None]] = []
         #: each slot's stamp, per kind (:mod:`.slots`: the tree's entries record where L2 holds a page)
         self.stamps = {AttnKind.FULL: SlotStamps(self.pool.full.capacity), AttnKind.SWA: SlotStamps(self.pool.swa.capacity)}
@@ -226,7 +227,7 @@ class HostTier:
         the page is freed (gathered, inside :meth:`alloc`), its parent may become a
         leaf, the SWA pages based on it go along (protected ones stay), listeners
         hear it.  O(log n + SWA pages dropped)."""
-        self._copies.pop(key, None)
+        in_l1 = self._copies.pop(key, 0) is None  # L1 holds it too (so no run names it): not told
         stamp = self._stamp
         stamp.pop(key, None)
         parent = self._parent.pop(key, None)
@@ -240,7 +241,7 @@ class HostTier:
                     heapq.heappush(self._leaves, (stamp[parent], parent))
         self._drop_page(0, page)
         self.counters["evicted_full_pages"] += 1
-        for hook in self.gone_listeners:
+        for hook in () if in_l1 else self.gone_listeners:
             hook(key)
         if self.listeners:
             emit(self.listeners, TierEvent("L2", "remove", (key,)))
@@ -265,7 +266,7 @@ class HostTier:
         return victim
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._full
+        return self.holds(key)
 
     @property
     def num_full_pages(self) -> int:
