@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field, replace
+from itertools import compress, filterfalse
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -517,7 +518,8 @@ class TierCoordinator:
         holds, gone = self.host.holds, self._let_go
         if self.l3 is not None:  # (without L3 a run's page comes back to L2 only through L1)
             state = self.l3_record.state
-            gone = [k for k in gone if not holds(k) and state(k) is None]
+            gone = list(filterfalse(holds, gone))
+            gone = list(compress(gone, (~self.l3_record.held(gone)).tolist()))  # one lock for them all
             self.tree.runs.let_go(gone, lambda k: holds(k) or state(k) is not None)
         else:
             self.tree.runs.let_go(gone, holds)
