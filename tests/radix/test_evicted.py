@@ -114,7 +114,7 @@ def test_a_run_inside_a_leaf_moves_with_the_pages_it_leaves_when_l1_evicts_them(
     assert t.runs.pages == 30
 
 
-def test_the_check_catches_a_run_beside_an_l1_child_and_a_wrong_count():
+def test_the_check_catches_a_run_beside_an_l1_child_a_wrong_count_or_a_run_lost_by_its_last_page():
     t = _tree()
     a = np.arange(20, dtype=np.int32)
     _insert(t, a, 0)
@@ -132,9 +132,16 @@ def test_the_check_catches_a_run_beside_an_l1_child_and_a_wrong_count():
     with pytest.raises(AssertionError):
         t.check_invariants()
     t.runs.pages -= 1
-    run.home = {}
+    home, run.home = run.home, {}
     with pytest.raises(AssertionError, match="does not know the map"):
         t.check_invariants()
+    run.home = home
+    t.check_invariants()
+    last, run.names[-1] = run.names[-1], b"a name no map holds"
+    with pytest.raises(AssertionError, match="not found by its last page"):
+        t.check_invariants()
+    run.names[-1] = last
+    t.check_invariants()
 
 
 def test_the_check_catches_a_run_inside_a_node_that_it_spells_or_outside_its_pages():
@@ -292,15 +299,3 @@ def test_let_go_cuts_a_run_that_ends_with_a_page_let_go_back_to_a_held_page():
     t.evict(full_pages=t.full_pages_cached)
     t.check_invariants()
     assert t.runs.pages == 20 and _walk(t, a) == na
-
-
-def test_the_check_catches_a_run_not_found_by_its_last_page():
-    t = _tree()
-    a = np.arange(20, dtype=np.int32)
-    _insert(t, a, 0)
-    t.evict(full_pages=4)
-    t.check_invariants()
-    run = next(iter(next(t.iter_nodes()).evicted.values()))
-    run.names[-1] = b"a name no map holds"
-    with pytest.raises(AssertionError, match="not found by its last page"):
-        t.check_invariants()
