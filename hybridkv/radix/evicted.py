@@ -28,7 +28,9 @@ L2 and L3 entries): past it the oldest runs go first, with what hangs below
 them.  Each run is dropped at most once, so that costs O(1) per run made,
 amortized: no sweep over the tree, no lookup in a tier.  A page's name is
 unique in a tree (it spells the namespace and the whole prefix), so the runs
-keep a map from each run's last page's name to the run, for :meth:`EvictedRuns.let_go`.
+keep a map from each run's last page's name to the run, for :meth:`EvictedRuns.let_go`
+(or from the key the tiers below let that page go by, where a page's name joins
+several keys: :meth:`EvictedRuns.key_pages_by`, vLLM's blocks).
 
 Runs also hang inside a node or a run, after its page ``j`` (``inner``), where
 the entry would be split if they were L1 nodes: an insert that adds an L1 leaf
@@ -106,7 +108,8 @@ class EvictedRuns:
         self.on_drop: Callable[[EvictedRun], None] | None = None
         self._holds = 0  # :meth:`hold` calls not yet settled
         self._made: list[EvictedRun] = []  # runs made while held and kept nowhere (off)
-        self._tails: dict[bytes, EvictedRun] = {}  # the last page's name of each kept run -> the run
+        self._tails: dict[bytes, EvictedRun] = {}  # the last page's key of each kept run -> the run
+        self._page_key: Callable[[bytes], bytes] | None = None  # a page's key off its name (None: the name)
         self.let_go_pages = 0  # pages cut because the tiers below let them go (:meth:`let_go`)
 
     def enable(self, on: bool = True) -> None:
@@ -130,6 +133,19 @@ class EvictedRuns:
             raise TypeError(f"cap_of must be callable, got {type(cap_of).__name__}")
         self._cap_of = cap_of
         self.trim()
+
+    def key_pages_by(self, page_key: Callable[[bytes], bytes] | None) -> None:
+        """The tiers below let a page go by ``page_key(name)`` (None: by its name), as
+        :meth:`let_go` hears: vLLM's connector names a tree page by the keys of its
+        blocks, group by group, and L2 lets it go by its last full block's.  O(runs)."""
+        if page_key is not None and not callable(page_key):
+            raise TypeError(f"page_key must be callable or None, got {type(page_key).__name__}")
+        self._page_key = page_key
+        self._tails = {self._key(r.names[-1]): r for r in self._order if r.home is not None}
+
+    def _key(self, name: bytes) -> bytes:
+        """The key page ``name`` is let go by.  O(1)."""
+        return name if self._page_key is None else self._page_key(name)
 
     @property
     def cap(self) -> int | None:
@@ -187,7 +203,7 @@ class EvictedRuns:
             host.evicted = {}
         host.evicted[run.key[:self.page_size].tobytes()] = run
         run.home = host.evicted
-        self._tails[run.names[-1]] = run
+        self._tails[self._key(run.names[-1])] = run
         self._order.append(run)
         self._live += 1
         self.pages += len(run.names)
@@ -337,24 +353,21 @@ class EvictedRuns:
         order, cap = self._order, self.cap
         while cap is not None and self.pages > cap and order:
             run = order.popleft()
-            home = run.home
-            if home is None:
+            if run.home is None:
                 continue  # dropped already (covered, or under a dropped run)
-            first = run.key[:self.page_size].tobytes()
-            if home.get(first) is run:
-                del home[first]
             before = self.pages
-            self._drop_all((run,))
+            self._drop(run)
             self.dropped += before - self.pages
         if len(order) > 2 * self._live + 64:
             self._order = deque(r for r in order if r.home is not None)
 
     def let_go(self, keys: Iterable[bytes], held: Callable[[bytes], bool] | None = None) -> int:
-        """The tiers below let go the pages named ``keys`` (L2 evicted them, and no
-        tier holds them now): a run that ends with one of them is cut back past
-        the pages ``keys`` name at its end and, with ``held``, past those before
-        them no tier holds either (``held(name)`` False: let go earlier, while
-        pages after them were kept), with what hangs past the cut
+        """The tiers below let go the pages of ``keys`` (their names, or their keys
+        by :meth:`key_pages_by`; L2 evicted them, and no tier holds them now): a run
+        that ends with one of them is cut back past the pages of ``keys`` at its
+        end and, with ``held``, past those before them no tier holds either
+        (``held(key)`` False: let go earlier, while pages after them were kept),
+        with what hangs past the cut
         (:attr:`on_drop` hears of what is cut: a page L2 holds there stays
         known as an orphan).  So the runs name what the tiers hold, as HiCache's
         host nodes do, and the cap is not spent on pages no tier serves.  L2
@@ -362,14 +375,15 @@ class EvictedRuns:
         is not looked for: that page leaves with the pages after it.  Keys that
         end no run are ignored.  Only on the engine's thread, before a walk (a
         walk taken earlier may read a run cut since).  Returns the pages cut.
-        O(keys + pages cut), in C loops but for one ``held`` call per run cut."""
+        O(keys + pages cut), in C loops but for one ``held`` call per run cut (and
+        a key per page of a run cut, with :meth:`key_pages_by`)."""
         before = self.pages
-        tails, gone = self._tails, set(keys)
-        for key in tails.keys() & gone:
-            run = tails.get(key)
+        tails, gone, key = self._tails, set(keys), self._page_key
+        for tail in tails.keys() & gone:
+            run = tails.get(tail)
             if run is None:
                 continue  # dropped with a run cut before it
-            names = run.names
+            names = run.names if key is None else list(map(key, run.names))
             i = len(names) - len(list(takewhile(gone.__contains__, reversed(names))))
             while held is not None and i and not held(names[i - 1]):
                 i -= 1
@@ -383,10 +397,7 @@ class EvictedRuns:
         every run below it or inside the part cut, go (:attr:`on_drop` hears of
         each); a run cut before its first page goes whole.  O(pages and runs cut)."""
         if i == 0:
-            first = run.key[:self.page_size].tobytes()
-            if run.home is not None and run.home.get(first) is run:
-                del run.home[first]
-            self._drop_all((run,))
+            self._drop(run)
             return
         P = self.page_size
         tail = EvictedRun(run.key[i * P:], run.names[i:], run.host_at[i:])
@@ -398,7 +409,7 @@ class EvictedRuns:
         self._untail(run)
         run.key, run.host_at = run.key[:i * P], run.host_at[:i]
         del run.names[i:]  # the run's own list (the tail took a copy)
-        self._tails[run.names[-1]] = run
+        self._tails[self._key(run.names[-1])] = run
         if self.on_drop is not None:
             self.on_drop(tail)
         self.pages -= len(tail.names)
@@ -406,9 +417,18 @@ class EvictedRuns:
             self._drop_all(drop)
 
     def _untail(self, run: EvictedRun) -> None:
-        """``run`` is no longer found by its last page's name.  O(1)."""
-        if self._tails.get(run.names[-1]) is run:
-            del self._tails[run.names[-1]]
+        """``run`` is no longer found by its last page's key.  O(1)."""
+        tail = self._key(run.names[-1])
+        if self._tails.get(tail) is run:
+            del self._tails[tail]
+
+    def _drop(self, run: EvictedRun) -> None:
+        """Take kept ``run`` out of the map it hangs in and forget it, with what hangs
+        below and inside it (:meth:`_drop_all`).  O(runs dropped)."""
+        first = run.key[:self.page_size].tobytes()
+        if run.home is not None and run.home.get(first) is run:
+            del run.home[first]
+        self._drop_all((run,))
 
     def _drop_all(self, runs: Iterable[EvictedRun]) -> None:
         """Forget ``runs`` and everything below and inside them; :attr:`on_drop`
@@ -467,7 +487,7 @@ class EvictedRuns:
                     assert n > 0 and None not in run.names and run.host_at.ndim == 2 and len(run.host_at) == n, run
                     assert len(run.key) == n * P and first == run.key[:P].tobytes(), run
                     assert run.home is at, f"{run} does not know the map it hangs in"
-                    assert self._tails.get(run.names[-1]) is run, f"{run} is not found by its last page"
+                    assert self._tails.get(self._key(run.names[-1])) is run, f"{run} is not found by its last page"
                     total += n
                     runs_seen += 1
                     if run.below:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field, replace
-from itertools import compress, filterfalse
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,7 +46,7 @@ from .index import StoreIndex
 from .keys import page_keys
 from .manager import TierManager
 from .payload import PayloadCodec, RealPayload, ScaledPayload, swa_key
-from .records import HostRecords, TreeWalk
+from .records import HostRecords, LetGo, TreeWalk
 from .reads import Landing, PrefetchHandle, ReadAhead, leading_true, window_safe
 from .storage import StorageBackend, open_backend
 from .writes import L3WriteQueue
@@ -141,8 +140,7 @@ class TierCoordinator:
         # what the tiers below hold.  They name at most as many pages as those tiers hold as
         # far as this cache knows: L2's full pages and the keys of L3's record, plus the pages
         # let go that have yet to leave (size reads: no lock; the engine's thread makes the runs)
-        self._let_go: list[bytes] = []  # full keys L2 let go since the last walk (under the mutex)
-        self.host.gone_listeners.append(self._let_go.append)
+        self._let_go = LetGo(self.host, self.l3_record if self.l3 is not None else None)  # (under the mutex)
         tree.runs.enable()
         tree.runs.cap_by(lambda: self.host.num_full_pages + len(self.l3_record) + len(self._let_go))
         self.writes = L3WriteQueue(self.l3, self.codec, self.mutex, self.l3_record, self.counters)
@@ -198,7 +196,7 @@ class TierCoordinator:
             tree, limit = self.tree, n_pages * self.page_size
             with self.mutex:  # as resident: the walk and the names read together
                 if engine and self._let_go:
-                    self._runs_let_go()
+                    self._let_go.drain(tree.runs)
                 have, walk.path = tree.walk_names(tokens, namespace, limit, trim=engine, runs=walk.runs)
         return self.page_keys(tokens, namespace, n_pages, have), walk
 
@@ -511,20 +509,6 @@ class TierCoordinator:
         return names
 
     # ============================================================== misc
-    def _runs_let_go(self) -> None:
-        """Cut the runs that end with pages L2 let go since the last walk back to
-        their last page L2 (again) or L3 (as this cache knows) holds (under the
-        mutex, on the engine's thread, before a walk).  O(keys + pages cut)."""
-        holds, gone = self.host.holds, self._let_go
-        if self.l3 is not None:  # (without L3 a run's page comes back to L2 only through L1)
-            state = self.l3_record.state
-            gone = list(filterfalse(holds, gone))
-            gone = list(compress(gone, (~self.l3_record.held(gone)).tolist()))  # one lock for them all
-            self.tree.runs.let_go(gone, lambda k: holds(k) or state(k) is not None)
-        else:
-            self.tree.runs.let_go(gone, holds)
-        self._let_go.clear()  # the same list: L2's listener appends to it
-
     def _run_dropped(self, run: EvictedRun) -> None:
         """The tree dropped ``run`` (on the engine's thread): its pages L2 still holds
         become orphans, under the mutex (an L3 landing writes them too).  O(pages)."""
@@ -534,7 +518,7 @@ class TierCoordinator:
     def clear_l2(self) -> int:
         """Drop every L2 page under the mutex; returns pages dropped.  O(pages)."""
         with self.mutex:
-            self._let_go += self.host.full_keys()  # (L2 tells its listeners key by key only as it evicts)
+            self._let_go.keys += self.host.full_keys()  # (L2 tells its listeners key by key only as it evicts)
             return self.host.clear()
 
     def l3_last_error(self) -> str | None:

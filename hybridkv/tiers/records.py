@@ -35,8 +35,9 @@ happens:
   <hybridkv.radix.evicted.EvictedRuns.let_go>`: L2 let a page go) leaves its held
   pages as orphans (:attr:`EvictedRuns.on_drop
   <hybridkv.radix.evicted.EvictedRuns.on_drop>`; an eviction's runs are capped
-  after its listeners recorded on them).  In the core a page L2 lets go leaves
-  its run, so the cap no longer drops pages L2 holds.
+  after its listeners recorded on them).  A page L2 lets go leaves its run
+  (:class:`LetGo`, in the core and in vLLM's connector alike), so the cap no
+  longer drops pages L2 holds.
 
 Orphans are believed only while L2's stamp of their slot matches, and swept
 of stale ones as they grow.  :meth:`HostRecords.check` holds every record to
@@ -51,18 +52,20 @@ for each admission path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from itertools import chain, compress
+from itertools import chain, compress, filterfalse
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from ..radix.evicted import EvictedRuns
 from ..radix.node import EvictedRun, TreeNode, unrecorded
 from ..radix.types import PageNames
 from ..spec import AttnKind
 from .host import HostTier
+from .index import StoreIndex
 from .payload import swa_key
 
-__all__ = ["ABSENT", "HostRecords", "TreeWalk", "record_rows"]
+__all__ = ["ABSENT", "HostRecords", "LetGo", "TreeWalk", "record_rows"]
 
 _SLOT = {AttnKind.FULL: 0, AttnKind.SWA: 2}  # a kind's columns in host_at: slot, then stamp
 
@@ -387,3 +390,45 @@ class HostRecords:
                 at = pages[a:b] - lo
                 rows[at, col] = slots[a:b]
                 rows[at, col + 1] = stamps[a:b]
+
+
+class LetGo:
+    """The full keys L2 let go since the last walk, to cut from a tree's evicted runs.
+
+    L2 tells it each full key it evicts or discards that L1 lacks
+    (:attr:`HostTier.gone_listeners <hybridkv.tiers.host.HostTier.gone_listeners>`,
+    possibly on a tiers' thread: its owner's lock covers both); before the next
+    walk, on the engine's thread, :meth:`drain` cuts the runs ending with them
+    back to their last page L2 (again) or L3 (as its record knows) holds
+    (:meth:`EvictedRuns.let_go <hybridkv.radix.evicted.EvictedRuns.let_go>`).
+    The core's coordinator and vLLM's connector (its tree's pages are let go by
+    their last full block's key) both keep one.
+
+    Args:
+        host: L2.
+        l3: L3's record, what L3 holds as far as the owner knows (None: no L3).
+    """
+
+    def __init__(self, host: HostTier, l3: StoreIndex | None = None) -> None:
+        self.keys: list[bytes] = []  # let go since the last drain (L2's listener appends)
+        self._holds = host.holds
+        self._l3 = l3
+        host.gone_listeners.append(self.keys.append)
+
+    def __len__(self) -> int:
+        """Keys not drained yet (they still count within the runs' cap).  O(1)."""
+        return len(self.keys)
+
+    def drain(self, runs: EvictedRuns) -> int:
+        """Cut ``runs`` as the keys let go since the last drain say; returns the pages
+        cut.  O(keys + pages cut), with one L3 record lookup for all the keys."""
+        holds, gone = self._holds, self.keys
+        if self._l3 is not None:  # (without L3 a run's page comes back to L2 only through L1)
+            state = self._l3.state
+            gone = list(filterfalse(holds, gone))
+            gone = list(compress(gone, (~self._l3.held(gone)).tolist()))  # one lock for them all
+            cut = runs.let_go(gone, lambda k: holds(k) or state(k) is not None)
+        else:
+            cut = runs.let_go(gone, holds)
+        self.keys.clear()  # the same list: L2's listener appends to it
+        return cut
