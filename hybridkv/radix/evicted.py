@@ -111,6 +111,7 @@ class EvictedRuns:
         self._tails: dict[bytes, EvictedRun] = {}  # the last page's key of each kept run -> the run
         self._page_key: Callable[[bytes], bytes] | None = None  # a page's key off its name (None: the name)
         self.let_go_pages = 0  # pages cut because the tiers below let them go (:meth:`let_go`)
+        self._fresh: list[EvictedRun] = []  # runs made since :meth:`let_go` last looked at them
 
     def enable(self, on: bool = True) -> None:
         """Keep runs from now on (``on``), or keep no new one."""
@@ -205,6 +206,7 @@ class EvictedRuns:
         run.home = host.evicted
         self._tails[self._key(run.names[-1])] = run
         self._order.append(run)
+        self._fresh.append(run)
         self._live += 1
         self.pages += len(run.names)
         if not self._holds:
@@ -360,8 +362,11 @@ class EvictedRuns:
             self.dropped += before - self.pages
         if len(order) > 2 * self._live + 64:
             self._order = deque(r for r in order if r.home is not None)
+        if len(self._fresh) > 2 * self._live + 64:
+            self._fresh = [r for r in self._fresh if r.home is not None]
 
-    def let_go(self, keys: Iterable[bytes], held: Callable[[bytes], bool] | None = None) -> int:
+    def let_go(self, keys: Iterable[bytes], held: Callable[[bytes], bool] | None = None, *,
+               fresh: bool = True) -> int:
         """The tiers below let go the pages of ``keys`` (their names, or their keys
         by :meth:`key_pages_by`; L2 evicted them, and no tier holds them now): a run
         that ends with one of them is cut back past the pages of ``keys`` at its
@@ -373,10 +378,14 @@ class EvictedRuns:
         host nodes do, and the cap is not spent on pages no tier serves.  L2
         lets a run's pages go from its end (leaf first), so a key inside a run
         is not looked for: that page leaves with the pages after it.  Keys that
-        end no run are ignored.  Only on the engine's thread, before a walk (a
+        end no run are ignored.  A run made since the last call (``fresh``, with
+        ``held``) is cut back the same way from its last page: L2 may have let
+        its pages go before L1 gave them up (vLLM's pool holds pages L2 does not
+        know it holds).  ``fresh`` False leaves them for a later call (copy-downs
+        of what L1 gave up still pending).  Only on the engine's thread, before a walk (a
         walk taken earlier may read a run cut since).  Returns the pages cut.
-        O(keys + pages cut), in C loops but for one ``held`` call per run cut (and
-        a key per page of a run cut, with :meth:`key_pages_by`)."""
+        O(keys + runs made + pages cut), in C loops but for one ``held`` call per
+        run cut or made (and a key per page of a run cut, with :meth:`key_pages_by`)."""
         before = self.pages
         tails, gone, key = self._tails, set(keys), self._page_key
         for tail in tails.keys() & gone:
@@ -388,6 +397,16 @@ class EvictedRuns:
             while held is not None and i and not held(names[i - 1]):
                 i -= 1
             self._cut(run, i)
+        if held is not None and fresh:
+            for run in self._fresh:
+                names = run.names
+                if run.home is None or held(names[-1] if key is None else key(names[-1])):
+                    continue  # dropped, or its last page held (then as the tiers tell)
+                i = len(names) - 1
+                while i and not held(names[i - 1] if key is None else key(names[i - 1])):
+                    i -= 1
+                self._cut(run, i)
+            self._fresh.clear()
         cut = before - self.pages
         self.let_go_pages += cut
         return cut

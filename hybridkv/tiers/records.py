@@ -419,16 +419,18 @@ class LetGo:
         """Keys not drained yet (they still count within the runs' cap).  O(1)."""
         return len(self.keys)
 
-    def drain(self, runs: EvictedRuns) -> int:
-        """Cut ``runs`` as the keys let go since the last drain say; returns the pages
-        cut.  O(keys + pages cut), with one L3 record lookup for all the keys."""
+    def drain(self, runs: EvictedRuns, *, fresh: bool = True) -> int:
+        """Cut ``runs`` as the keys let go since the last drain say, and (``fresh``) the
+        runs made since then whose last page neither L2 nor L3's record holds;
+        returns the pages cut.  O(keys + runs made + pages cut), with one L3
+        record lookup for all the keys."""
         holds, gone = self._holds, self.keys
         if self._l3 is not None:  # (without L3 a run's page comes back to L2 only through L1)
             state = self._l3.state
             gone = list(filterfalse(holds, gone))
             gone = list(compress(gone, (~self._l3.held(gone)).tolist()))  # one lock for them all
-            cut = runs.let_go(gone, lambda k: holds(k) or state(k) is not None)
+            cut = runs.let_go(gone, lambda k: holds(k) or state(k) is not None, fresh=fresh)
         else:
-            cut = runs.let_go(gone, holds)
+            cut = runs.let_go(gone, holds, fresh=fresh)
         self.keys.clear()  # the same list: L2's listener appends to it
         return cut

@@ -285,17 +285,48 @@ def test_let_go_cuts_a_run_that_ends_with_a_page_let_go_back_to_a_held_page():
     assert heard == [na[18:20]] and _walk(t, a) == na[:18] and _walk(t, b) == nb
     heard.clear()
     first12 = set(na[:12])  # the pages a tier still holds from now on
-    assert t.runs.let_go([nb[19]], first12.__contains__) == 5  # b's tail: none held, it goes whole
-    assert t.runs.let_go([na[17]], first12.__contains__) == 3
+    assert t.runs.let_go([nb[19]], first12.__contains__, fresh=False) == 5  # b's tail: none held, it goes whole
+    assert t.runs.let_go([na[17]], first12.__contains__, fresh=False) == 3
     assert t.runs.pages == 15 and _walk(t, b) == nb[:15]  # the shared run: its last page not let go
-    assert t.runs.let_go([na[14]], first12.__contains__) == 3  # back to its last page held
+    assert t.runs.let_go([na[14]], first12.__contains__, fresh=False) == 3  # back to its last page held
     t.check_invariants()
     assert heard == [nb[15:20], na[15:18], na[12:15]] and _walk(t, a) == na[:12] and t.runs.pages == 12
     heard.clear()
-    assert t.runs.let_go([na[11]], lambda name: False) == 12 and t.runs.pages == 0  # none held: whole
+    assert t.runs.let_go([na[11]], lambda name: False, fresh=False) == 12 and t.runs.pages == 0  # none held: whole
     t.check_invariants()
     assert heard == [na[:12]] and _walk(t, a) == [] and t.runs.let_go_pages == 25
     _insert(t, a, 200)  # the cut runs left nothing behind
     t.evict(full_pages=t.full_pages_cached)
     t.check_invariants()
     assert t.runs.pages == 20 and _walk(t, a) == na
+
+
+def test_let_go_looks_at_runs_made_since_and_keys_pages_as_told():
+    """A run made since the last let-go whose last page no tier holds (L2 let it go
+    while L1 held it) is cut back to its last page held, and only once looked at;
+    with ``fresh`` False it waits.  Runs keyed by what the tiers let a page go by
+    (``key_pages_by``: here a name's last 4 bytes) are cut by those keys, and the
+    check holds the map to the keys."""
+    t = _tree()
+    a = np.arange(40, dtype=np.int32)
+    _insert(t, a, 0)
+    t.evict(full_pages=t.full_pages_cached)
+    na = _names(a).keys
+    first12 = set(na[:12])
+    assert t.runs.pages == 20
+    assert t.runs.let_go([], first12.__contains__, fresh=False) == 0 and t.runs.pages == 20
+    assert t.runs.let_go([], first12.__contains__) == 8 and _walk(t, a) == na[:12]
+    t.check_invariants()
+    assert t.runs.let_go([], lambda name: False) == 0  # looked at once: as the tiers tell from now on
+    key = {n[-4:]: n for n in na}  # the 4 bytes of each page's last token: unique here
+    assert len(key) == len(na)
+    t.runs.key_pages_by(lambda name: name[-4:])
+    t.check_invariants()
+    assert t.runs.let_go([na[11][-4:], na[10][-4:]], lambda k: key[k] in first12) == 2
+    assert _walk(t, a) == na[:10]
+    t.check_invariants()
+    t.runs._tails = {n: r for n, r in zip((na[9],), t.runs._tails.values())}  # planted: keyed by the name
+    with pytest.raises(AssertionError, match="not found by its last page"):
+        t.check_invariants()
+    with pytest.raises(TypeError, match="page_key"):
+        t.runs.key_pages_by("last 4 bytes")

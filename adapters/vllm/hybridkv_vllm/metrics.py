@@ -49,6 +49,8 @@ COUNTERS: dict[str, str] = {
     "l2_pages_read_off_orphans": "of l2_pages_read_off_tree, the blocks found held in the list of L2 pages no "
                                  "tree entry records (placed before the insert, copy-downs, runs the tree "
                                  "dropped), then recorded on the entry naming them",
+    "tree_run_pages_let_go": "pages hybridkv's device tree stopped naming as evicted runs because L2 let them go "
+                             "(and L3's record lacks them), cut before a lookup's walk (--scheduler-cls)",
     "l2_pages_asked_by_key": "blocks a lookup asked L2's index about by key (0 with hybridkv's prefix cache: "
                              "its records are complete; kept for a host whose records are not)",
     "reloaded_held_tokens": "hit tokens whose full KV hybridkv's device tree holds, loaded again from L2 / L3 "

@@ -37,6 +37,19 @@ an orphan found is recorded on the entry naming it.  Counters
 ``l2_pages_read_off_tree`` (of them ``l2_pages_absent_off_tree`` and
 ``l2_pages_read_off_orphans``) and ``l2_pages_asked_by_key`` (0).  L3 is still
 asked through its record by key (:mod:`.sources`).
+
+The runs name what L2 and L3 hold, as in the core: L2 tells a
+:class:`~hybridkv.tiers.records.LetGo` each full block it lets go that vLLM's
+pool lacks, and before the next lookup's walk the runs ending with such a page
+are cut back to their last page L2 or L3's record still holds
+(:meth:`TreeNames.seed`; counter ``tree_run_pages_let_go``), and so are the
+runs made since then whose last page neither holds (L2 let it go while vLLM's
+pool held it, e.g. a page loaded into the device, which L2 does not count as
+L1's; checked once the copy-downs of what the pool gave up are in L2).  A tree page is
+let go by its first full group's last block (:meth:`TreeNames.page_key`): L2
+lets a page's blocks go from the last, leaf first; a page whose other full
+groups' blocks leave first stays named until that block does (its records say
+what L2 still holds of it).
 """
 
 from __future__ import annotations
@@ -52,7 +65,7 @@ from hybridkv.radix.node import EvictedRun, unrecorded
 from hybridkv.spec import AttnKind
 from hybridkv.tiers.index import StoreIndex
 from hybridkv.tiers.keys import KEY_BYTES
-from hybridkv.tiers.records import HostRecords, TreeWalk
+from hybridkv.tiers.records import HostRecords, LetGo, TreeWalk
 
 from .jobs import ReqState
 from .l1 import L1View
@@ -76,6 +89,7 @@ class TreeNames:
         page_size: tokens per tree page (a multiple of every group's block size:
             :meth:`fits`).
         l2: L2's index, whose records the tree keeps (None: no L2, nothing recorded).
+        store: L3's record, what L3 holds as the connector knows (None: no L3).
 
     Attributes: ``width`` (bytes of one page's name), ``record_width`` (columns
     of one page's ``host_at`` record), ``counts`` (the two record counters'
@@ -83,7 +97,7 @@ class TreeNames:
     """
 
     def __init__(self, groups: Sequence[GroupInfo], manager: Any, page_size: int,
-                 l2: HostPageIndex | None = None) -> None:
+                 l2: HostPageIndex | None = None, store: StoreIndex | None = None) -> None:
         if not self.fits(groups, page_size):
             raise ValueError(f"page_size {page_size} is not a multiple of every group's block size")
         self.groups = list(groups)
@@ -98,7 +112,20 @@ class TreeNames:
         self.counts: dict[str, int] = {}
         # complete: every L2 admission (a save's or a load's placement) is recorded on the tree
         self.records = HostRecords(l2.tier, self.counts, complete=True) if l2 is not None else None
+        # the full blocks L2 lets go, cut from the runs before the next walk (none without a full group)
+        full = next((g for g in self.groups if not g.is_swa), None)
+        self.let_go = LetGo(l2.tier, store) if l2 is not None and full is not None else None
+        self.copy_downs_pending: Callable[[], bool] = lambda: False  # L1's pages given up, not in L2 yet
+        if full is not None:
+            at = (self._first_pair[full.index] + self._per_page[full.index] - 1) * KEY_BYTES
+            self._tail = slice(at, at + KEY_BYTES)
         self._finishing: OrderedDict[str, ReqState] = OrderedDict()
+
+    def page_key(self, name: bytes) -> bytes:
+        """The key L2 lets the tree page named ``name`` go by: its first full group's
+        last block's (:meth:`EvictedRuns.key_pages_by
+        <hybridkv.radix.evicted.EvictedRuns.key_pages_by>`).  O(1)."""
+        return name[self._tail]
 
     @staticmethod
     def fits(groups: Sequence[GroupInfo], page_size: int) -> bool:
@@ -213,6 +240,9 @@ class TreeNames:
         else:
             tokens = np.asarray(st.request.all_token_ids[:limit], dtype=np.int32)  # the tree's token dtype
         runs: list = []
+        if self.let_go is not None:  # the runs name what the tiers hold: cut what L2 let go (then the cap's trim)
+            cut = self.let_go.drain(mgr.tree.runs, fresh=not self.copy_downs_pending())
+            self.counts["tree_run_pages_let_go"] = self.counts.get("tree_run_pages_let_go", 0) + cut
         names, path = mgr.tree.walk_names(tokens, mgr.namespace(st.request), limit, runs=runs)  # runs trimmed first
         if self.records is not None:  # the entries' records as they are now (later lookups read them too;
             st.walk = TreeWalk(path, runs).freeze(self.record_width)  # none: every page past the tree)
@@ -297,21 +327,21 @@ def bind_names(groups: Sequence[GroupInfo], manager: Any, live: dict[str, ReqSta
     page_size = getattr(manager, "page_size", 0)
     if not hasattr(manager, "name_pages") or not TreeNames.fits(groups, page_size):
         return None
-    names = TreeNames(groups, manager, page_size, l2)
-    if names.records is not None:
-        manager.tree.runs.on_drop = names.orphan_run
-        if l1 is not None:
-            l1.on_admit = names.rescued
+    names = TreeNames(groups, manager, page_size, l2, store)
+    if names.records is not None and l1 is not None:
+        l1.on_admit = names.rescued
+        names.copy_downs_pending = l1.pending
     per = sum(k for g, k in zip(names.groups, names.per_page) if not g.is_swa) or 1
     device = manager.block_pool.num_gpu_blocks
 
-    def cap() -> int:  # full blocks of every full group per tree page
+    def cap() -> int:  # full blocks of every full group per tree page (with those let go, not yet cut)
         held = l2.tier.num_full_pages if l2 is not None else device
-        return (held + (len(store) if store is not None else 0)) // per
+        return (held + (len(store) if store is not None else 0) + len(names.let_go or ())) // per
 
     def namer(request: Any, lo: int, n: int) -> PageNames | None:
         st = names.state(request.request_id, live)
         return None if st is None else names.names(keys_of(st, n * page_size), lo, n, st.l2_at)
 
-    manager.name_pages(namer, cap)
+    manager.name_pages(namer, cap, on_drop=names.orphan_run if names.records is not None else None,
+                       page_key=names.page_key if names.let_go is not None else None)
     return names

@@ -55,7 +55,7 @@ import numpy as np
 
 from hybridkv.lifecycle import Hit, Lifecycle
 from hybridkv.radix import LockHandle, PageNames, TreeConfig, WindowSafeTree
-from hybridkv.radix.node import parts_pages
+from hybridkv.radix.node import EvictedRun, parts_pages
 from hybridkv_vllm.blocks import BlockPagePool, HitRows, Layout, PrefixOptions, SwaHold, classify_groups
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.request import RequestStatus
@@ -163,6 +163,7 @@ class HybridKVCacheManager(KVCacheManager):
         self._live: dict[str, _Live] = {}
         self._namer: Namer | None = None  # the connector's names of inserted pages (:meth:`name_pages`)
         self._runs_cap: Callable[[], int] | None = None
+        self._runs_hooks: tuple[Callable[[EvictedRun], None] | None, Callable[[bytes], bytes] | None] = (None, None)
         self._window_hit: WindowHit | None = None  # repair case 2 (:meth:`repair_windows`)
         #: the last request ``get_computed_blocks`` looked up and its tokens (the connector's
         #: lookup, right after it, walks the tree with them: :mod:`.names`)
@@ -181,19 +182,32 @@ class HybridKVCacheManager(KVCacheManager):
         self._keep_runs()
 
     def _keep_runs(self) -> None:
-        """The tree keeps evicted runs within the connector's cap, once it names pages."""
+        """The tree keeps evicted runs within the connector's cap, once it names pages
+        (with its hooks: a new tree after a reset keeps them)."""
         if self._runs_cap is not None:
-            self.tree.runs.enable()
-            self.tree.runs.cap_by(self._runs_cap)
+            runs = self.tree.runs
+            runs.on_drop, page_key = self._runs_hooks
+            runs.key_pages_by(page_key)
+            runs.enable()
+            runs.cap_by(self._runs_cap)
 
-    def name_pages(self, namer: Namer, runs_cap: Callable[[], int]) -> None:
+    def name_pages(self, namer: Namer, runs_cap: Callable[[], int], *,
+                   on_drop: Callable[[EvictedRun], None] | None = None,
+                   page_key: Callable[[bytes], bytes] | None = None) -> None:
         """Keep the lower tiers' names of the pages the tree caches (``namer``, the
         connector's page keys) and, past eviction, as evicted runs named within
         ``runs_cap()`` pages (:mod:`hybridkv.radix.evicted`): the connector reads
-        them off the tree (:mod:`.names`) instead of hashing a prompt again."""
+        them off the tree (:mod:`.names`) instead of hashing a prompt again.
+        ``on_drop`` hears of each run dropped or cut (:attr:`EvictedRuns.on_drop
+        <hybridkv.radix.evicted.EvictedRuns.on_drop>`); ``page_key`` gives the key
+        L2 lets a page go by (:meth:`EvictedRuns.key_pages_by
+        <hybridkv.radix.evicted.EvictedRuns.key_pages_by>`)."""
         if not callable(namer) or not callable(runs_cap):
             raise TypeError("namer and runs_cap must be callable")
-        self._namer, self._runs_cap = namer, runs_cap
+        for arg, fn in (("on_drop", on_drop), ("page_key", page_key)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{arg} must be callable or None, got {type(fn).__name__}")
+        self._namer, self._runs_cap, self._runs_hooks = namer, runs_cap, (on_drop, page_key)
         self._keep_runs()
 
     def repair_windows(self, window_hit: WindowHit) -> None:

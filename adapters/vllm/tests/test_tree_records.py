@@ -7,12 +7,14 @@ where the save placed it or a lookup found it; a later lookup over those pages
 reads L2's answer there instead of asking L2's index by key.  Every answer read off the records
 equals asking L2's index by key, page by page, under eviction; a planted fault
 (stale records believed) is caught by the same check; and a lookup of a prompt
-the device evicted asks L2 nothing by key.
+the device evicted asks L2 nothing by key.  The evicted runs name only pages L2
+or L3's record holds, cut as L2 lets them go.
 """
 
 from __future__ import annotations
 
 import shutil
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,9 @@ import pytest
 from test_l2_demote import _conversations, _request, _run, stack  # noqa: F401
 from test_tree_names import _build, _evicted_prompt
 
+import hybridkv_vllm.connector as connector_mod
+from hybridkv.tiers.index import StoreIndex
+from hybridkv.tiers.records import LetGo
 from hybridkv.tiers.slots import SlotStamps
 from hybridkv_vllm.names import TreeNames
 
@@ -111,9 +116,11 @@ def test_a_load_from_l3_records_where_l2_admits_it(stack, monkeypatch, compared)
     mgr.check_invariants()
 
 
-def _replay(stack: Any, monkeypatch: Any, names: bool, seed: int) -> tuple[list[Any], dict[str, int], Any]:  # noqa: F811
-    sched, worker = _build(stack, names, monkeypatch, device_pages=70, host_pages=24, repair_windows=False)  # records go stale
-    last = _conversations(sched, worker, n_conv=3, seed=seed)
+def _replay(stack: Any, monkeypatch: Any, names: bool, seed: int, host_pages: int = 24, n_conv: int = 3  # noqa: F811
+            ) -> tuple[list[Any], dict[str, int], Any]:
+    sched, worker = _build(stack, names, monkeypatch, device_pages=70, host_pages=host_pages,
+                           repair_windows=False)  # records go stale
+    last = _conversations(sched, worker, n_conv=n_conv, seed=seed)
     per = sorted((rid, st.hit_tokens, st.local_tokens, sorted((str(k), v) for k, v in st.hit_sources.items()))
                  for rid, (_, st) in last.items())
     moved = {k: worker.stats.get(k, 0) for k in ("load_pages", "load_pages_l2", "load_pages_l3")}
@@ -167,3 +174,53 @@ def test_a_stale_record_believed_is_caught(stack, monkeypatch, compared) -> None
     monkeypatch.setattr(SlotStamps, "held", lambda self, slots, stamps: np.asarray(slots) >= 0)
     with pytest.raises(AssertionError, match="differs from asking by key"):
         _replay(stack, monkeypatch, True, 5)
+
+
+@pytest.mark.parametrize("drain", ["on", "off", "not_fresh"])
+def test_runs_name_what_l2_or_l3s_record_holds(stack, monkeypatch, compared, tmp_path, drain: str) -> None:  # noqa: ANN001, F811
+    """Ten conversations through a small device, an L2 not much larger and a short
+    L3 record (64 keys, so it lacks most pages L2 lets go): right after each
+    lookup's walk, every page an evicted run names is held by L2, or by the record
+    now or at an earlier walk (a drain kept it for L3: the record forgets keys,
+    not L3), by the key L2 lets it go by (its first full group's last block); pages
+    were cut (``tree_run_pages_let_go``); the hits and pages moved are those with
+    the names off.  Planted faults: the drain taken out, or its look at the runs
+    made since the last one (pages L2 let go while the device held them, not
+    counted as L1's); a run then names a page neither L2 nor the record held."""
+    monkeypatch.setattr(connector_mod, "StoreIndex", partial(StoreIndex, bound=64))
+    real_drain = LetGo.drain
+    if drain == "off":
+        monkeypatch.setattr(LetGo, "drain", lambda self, runs, fresh=True: self.keys.clear() or 0)
+    elif drain == "not_fresh":
+        monkeypatch.setattr(LetGo, "drain", lambda self, runs, fresh=True: real_drain(self, runs, fresh=False))
+    real, seen, stale, l3_kept = TreeNames.seed, [], [], set()
+
+    def seed(self: TreeNames, st: Any, limit: int) -> int:
+        n = real(self, st, limit)
+        if self.copy_downs_pending():  # fresh runs wait for them
+            return n
+        tree, store = self.manager.tree, self.manager.connector_under_test._tiers.store
+        root = tree.root(self.manager.namespace(st.request))
+        for run in tree.runs.iter_runs([root, *tree.iter_nodes()]):
+            keys = [self.page_key(nm) for nm in run.names]
+            seen.append(len(keys))
+            for k, h in zip(keys, (self.records.host.lookup_full(keys) >= 0).tolist()):
+                if not h and store.state(k) is not None:
+                    l3_kept.add(k)
+                elif not h and k not in l3_kept:
+                    stale.append(k)
+        return n
+
+    monkeypatch.setattr(TreeNames, "seed", seed)
+    on = _replay(stack, monkeypatch, True, 5, host_pages=120, n_conv=10)
+    stats = on[2].connector.stats
+    on[2].shutdown()
+    if drain != "on":
+        assert stale, f"with the drain {drain} no run named a page L2 and L3's record lacked"
+        return
+    assert sum(seen) > 0 and not stale, f"{len(stale)} run pages neither L2 nor L3's record held"
+    assert stats["tree_run_pages_let_go"] > 0
+    shutil.rmtree(tmp_path / "l3")
+    monkeypatch.setattr(TreeNames, "seed", real)
+    off = _replay(stack, monkeypatch, False, 5, host_pages=120, n_conv=10)
+    assert on[0] == off[0] and on[1] == off[1]
