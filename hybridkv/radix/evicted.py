@@ -16,9 +16,11 @@ keeps where L2 held each page when last recorded (``host_at``, taken over from
 the node; :mod:`hybridkv.tiers.records`): a record is only believed while L2's
 stamp of its slot matches, so a stale one reads as "ask L2", never as a wrong
 answer.  What the tiers below let go leaves its run (:meth:`EvictedRuns.let_go`:
-the owner, :class:`~hybridkv.tiers.coordinator.TierCoordinator`, hears L2 let
-a page go by its key, and before the next walk cuts a run that ends with it
-back to its last page L2 or L3 still holds, with what hangs past the cut), so
+the owner, the core's :class:`~hybridkv.tiers.coordinator.TierCoordinator` or
+vLLM's connector, hears L2 let a page go by its key
+(:class:`~hybridkv.tiers.records.LetGo`), and before the next walk cuts a run
+that ends with it, or a run made since whose last page no tier holds, back to
+its last page L2 or L3 still holds, with what hangs past the cut), so
 the runs name what the tiers hold, as HiCache's host nodes do, and not what
 they held.  The runs are also kept within a cap (:meth:`EvictedRuns.cap_by`; the
 owner, or vLLM's prefix manager with hybridkv's connector, gives the pages the
