@@ -147,8 +147,8 @@ def run_hybridkv_vllm(seqs: Sequence[tuple[Any, str]], meta: dict[str, Any], dev
             # device's full KV a hit loaded again, and what the window repair served from the device;
             # blocks whose L2 answer a lookup read off the tree's records, and those it asked by key
             named = ({k: sched.connector.stats.get(k, 0)
-                      for k in ("tree_named_pages", "reloaded_held_tokens", "repaired_tokens",
-                                "l2_pages_read_off_tree", "l2_pages_absent_off_tree",
+                      for k in ("tree_named_pages", "tree_run_pages_let_go", "reloaded_held_tokens",
+                                "repaired_tokens", "l2_pages_read_off_tree", "l2_pages_absent_off_tree",
                                 "l2_pages_read_off_orphans", "l2_pages_asked_by_key")} if tiers else {})
             if l2 and l1 is not None:
                 l2["rescued_full_pages"] = l1.rescued

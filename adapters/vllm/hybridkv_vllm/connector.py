@@ -232,7 +232,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if plan is not None and plan[1] == num_computed_tokens:  # the device's part is handed over
             st.hit_tokens, st.hit_sources, st.local_tokens = plan[2], {}, num_computed_tokens
             return plan[2] - num_computed_tokens, True
-        st.repair, st.hit_tokens, st.hit_sources, st.local_tokens = None, 0, {}, num_computed_tokens
+        st.repair, st.hit_tokens, st.hit_sources, st.local_tokens, st.l1_marked = None, 0, {}, num_computed_tokens, 0
         hit = self._hit(request, st, num_computed_tokens)
         if hit is None:
             return None, False
@@ -365,10 +365,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 pages = pages_to_save(g, st.saved_tokens // bs, end_tokens // bs, bs, final)
             sel = [i for i in pages if i < len(ids) and ids[i] != null_id and i not in done]
             done.update(sel if g.is_swa else ())
-            if self._l1 is not None and not g.is_swa:  # L1 holds these pages now
-                self._l1.held(g.index, [ids[i] for i in sel], keys[g.index], sel)
-            # Skipped: pages another job carries (a batch's shared system prompt) or that the
-            # store and L2 both hold; one only L2 lost is copied down again (repair case 1).
+            if self._l1 is not None and not g.is_swa:  # L1 holds these pages now, a load's too (repair case 1)
+                on = [i for i in range(st.l1_marked // bs, min(end_tokens // bs, len(ids))) if ids[i] != null_id]
+                self._l1.held(g.index, [ids[i] for i in on], keys[g.index], on)
+            # Skipped: pages another job carries or that store and L2 both hold (only L2 lost: copied again)
             ks = keys[g.index]
             done_l23 = self._tiers.stored_everywhere(g.is_swa, [ks[i] for i in sel])
             sel = [i for i, d in zip(sel, done_l23.tolist()) if not d and ks[i] not in self._claimed]
@@ -381,7 +381,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 if g.is_swa and len(on_grid) < len(ckpts):  # some checkpoint windows enter plain
                     kept = windows_before(g, swa_end // bs, bs, [a // bs for a in on_grid + [swa_end] * final])
                     job.plain += [ks[i] for i in sel if not kept[i]]
-        st.saved_tokens = max(st.saved_tokens, end_tokens)
+        st.saved_tokens, st.l1_marked = max(st.saved_tokens, end_tokens), end_tokens
         return job if job.groups else None
 
     def _null_block_id(self) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_l2_demote import _conversations, _request, _run, stack  # noqa: F401
+from test_l2_demote import _conversations, _request, _rows_agree, _run, stack  # noqa: F401
 from test_tree_names import _build, _evicted_prompt
 
 import hybridkv_vllm.connector as connector_mod
@@ -116,10 +116,10 @@ def test_a_load_from_l3_records_where_l2_admits_it(stack, monkeypatch, compared)
     mgr.check_invariants()
 
 
-def _replay(stack: Any, monkeypatch: Any, names: bool, seed: int, host_pages: int = 24, n_conv: int = 3  # noqa: F811
-            ) -> tuple[list[Any], dict[str, int], Any]:
+def _replay(stack: Any, monkeypatch: Any, names: bool, seed: int, host_pages: int = 24, n_conv: int = 3,  # noqa: F811
+            **extra: Any) -> tuple[list[Any], dict[str, int], Any]:
     sched, worker = _build(stack, names, monkeypatch, device_pages=70, host_pages=host_pages,
-                           repair_windows=False)  # records go stale
+                           repair_windows=False, **extra)  # records go stale
     last = _conversations(sched, worker, n_conv=n_conv, seed=seed)
     per = sorted((rid, st.hit_tokens, st.local_tokens, sorted((str(k), v) for k, v in st.hit_sources.items()))
                  for rid, (_, st) in last.items())
@@ -176,23 +176,21 @@ def test_a_stale_record_believed_is_caught(stack, monkeypatch, compared) -> None
         _replay(stack, monkeypatch, True, 5)
 
 
-@pytest.mark.parametrize("drain", ["on", "off", "not_fresh"])
-def test_runs_name_what_l2_or_l3s_record_holds(stack, monkeypatch, compared, tmp_path, drain: str) -> None:  # noqa: ANN001, F811
+@pytest.mark.parametrize(("drain", "copies_first"), [("on", True), ("on", False), ("off", True)])
+def test_runs_name_what_l2_or_l3s_record_holds(stack, monkeypatch, compared, tmp_path,  # noqa: ANN001, F811
+                                               drain: str, copies_first: bool) -> None:
     """Ten conversations through a small device, an L2 not much larger and a short
     L3 record (64 keys, so it lacks most pages L2 lets go): right after each
     lookup's walk, every page an evicted run names is held by L2, or by the record
     now or at an earlier walk (a drain kept it for L3: the record forgets keys,
     not L3), by the key L2 lets it go by (its first full group's last block); pages
     were cut (``tree_run_pages_let_go``); the hits and pages moved are those with
-    the names off.  Planted faults: the drain taken out, or its look at the runs
-    made since the last one (pages L2 let go while the device held them, not
-    counted as L1's); a run then names a page neither L2 nor the record held."""
+    the names off, with ``l1_copies_first`` (L2 knows which pages the device holds)
+    and without.  Planted fault: the drain taken out; a run then names a page
+    neither L2 nor the record held."""
     monkeypatch.setattr(connector_mod, "StoreIndex", partial(StoreIndex, bound=64))
-    real_drain = LetGo.drain
     if drain == "off":
         monkeypatch.setattr(LetGo, "drain", lambda self, runs, fresh=True: self.keys.clear() or 0)
-    elif drain == "not_fresh":
-        monkeypatch.setattr(LetGo, "drain", lambda self, runs, fresh=True: real_drain(self, runs, fresh=False))
     real, seen, stale, l3_kept = TreeNames.seed, [], [], set()
 
     def seed(self: TreeNames, st: Any, limit: int) -> int:
@@ -212,7 +210,7 @@ def test_runs_name_what_l2_or_l3s_record_holds(stack, monkeypatch, compared, tmp
         return n
 
     monkeypatch.setattr(TreeNames, "seed", seed)
-    on = _replay(stack, monkeypatch, True, 5, host_pages=120, n_conv=10)
+    on = _replay(stack, monkeypatch, True, 5, host_pages=120, n_conv=10, l1_copies_first=copies_first)
     stats = on[2].connector.stats
     on[2].shutdown()
     if drain != "on":
@@ -222,5 +220,40 @@ def test_runs_name_what_l2_or_l3s_record_holds(stack, monkeypatch, compared, tmp
     assert stats["tree_run_pages_let_go"] > 0
     shutil.rmtree(tmp_path / "l3")
     monkeypatch.setattr(TreeNames, "seed", real)
-    off = _replay(stack, monkeypatch, False, 5, host_pages=120, n_conv=10)
+    off = _replay(stack, monkeypatch, False, 5, host_pages=120, n_conv=10, l1_copies_first=copies_first)
     assert on[0] == off[0] and on[1] == off[1]
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_pages_a_load_puts_on_the_device_count_as_l1s(stack, monkeypatch, counted: bool) -> None:  # noqa: ANN001, F811
+    """a's prompt leaves the device (L2 keeps it); b's load puts it back there.  From
+    b's first save on, L2 counts those full pages as the device's (its copies, given
+    up first and told to no run), so when the device gives them up while L2 lacks
+    them they are copied down, as every page the core's L1 gives up is (repair case
+    1).  Planted fault: only the pages a save stores are counted (the loaded ones
+    are not); then none of them is copied down."""
+    if not counted:  # a load's pages count as stored already: the first save starts past them
+        real = connector_mod.HybridKVConnector._save_job
+
+        def save_job(self: Any, st: Any, *a: Any, **k: Any) -> Any:
+            st.l1_marked = max(st.l1_marked, st.hit_tokens)
+            return real(self, st, *a, **k)
+
+        monkeypatch.setattr(connector_mod.HybridKVConnector, "_save_job", save_job)
+    sched, worker, prompt = _evicted_prompt(stack, monkeypatch, True)
+    conn, tree = sched.connector, sched.kv_cache_manager.tree
+    tier, view = conn._tiers.l2.tier, conn._l1
+    b = _request(sched, "b", list(prompt))
+    st = conn._state(b)
+    _run(b, sched, worker)
+    assert st.hit_tokens > 0 and worker.stats["load_pages"] > 0
+    loaded = [k for g in conn.groups if not g.is_swa for k in st.keys[g.index][:st.hit_tokens // g.block_size]]
+    mine = {k for _, k in view._held.values()}
+    assert (set(loaded) <= mine) == counted and (set(loaded) & mine == set()) != counted
+    assert tier.discard(loaded, swa=False) > 0  # L2 loses them while the device holds them
+    tree.evict(full_pages=tree.full_pages_cached, swa_pages=tree.swa_pages_cached)
+    rescued = view.rescued
+    _run(_request(sched, "c", [7] * 300), sched, worker)  # a step: the copy-downs queued go out
+    back = (tier.lookup_full(loaded) >= 0).sum()
+    assert (back == len(loaded) and view.rescued - rescued >= len(loaded)) if counted else back == 0
+    assert _rows_agree(sched, worker) and worker.stats["load_failures"] == 0
