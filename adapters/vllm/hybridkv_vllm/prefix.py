@@ -198,10 +198,9 @@ class HybridKVCacheManager(KVCacheManager):
         connector's page keys) and, past eviction, as evicted runs named within
         ``runs_cap()`` pages (:mod:`hybridkv.radix.evicted`): the connector reads
         them off the tree (:mod:`.names`) instead of hashing a prompt again.
-        ``on_drop`` hears of each run dropped or cut (:attr:`EvictedRuns.on_drop
-        <hybridkv.radix.evicted.EvictedRuns.on_drop>`); ``page_key`` gives the key
-        L2 lets a page go by (:meth:`EvictedRuns.key_pages_by
-        <hybridkv.radix.evicted.EvictedRuns.key_pages_by>`)."""
+        ``on_drop`` and ``page_key``: the runs' hooks (:attr:`EvictedRuns.on_drop
+        <hybridkv.radix.evicted.EvictedRuns.on_drop>`, :meth:`EvictedRuns.key_pages_by
+        <hybridkv.radix.evicted.EvictedRuns.key_pages_by>`), kept across resets."""
         if not callable(namer) or not callable(runs_cap):
             raise TypeError("namer and runs_cap must be callable")
         for arg, fn in (("on_drop", on_drop), ("page_key", page_key)):
@@ -556,6 +555,7 @@ class HybridKVCacheManager(KVCacheManager):
         self.tree.evict(full_pages=self.tree.full_pages_cached, swa_pages=self.tree.swa_pages_cached)
         if self.tree.full_pages_cached:
             return False
+        self.tree.runs.keep_within(0)  # dropped: what L2 holds of them stays known (orphans: on_drop)
         self._new_tree()
         self.pool.more.clear()
         return super().reset_prefix_cache()

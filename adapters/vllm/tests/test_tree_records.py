@@ -23,6 +23,7 @@ from test_l2_demote import _conversations, _request, _rows_agree, _run, stack  #
 from test_tree_names import _build, _evicted_prompt
 
 import hybridkv_vllm.connector as connector_mod
+from hybridkv.radix.evicted import EvictedRuns
 from hybridkv.tiers.index import StoreIndex
 from hybridkv.tiers.records import LetGo
 from hybridkv.tiers.slots import SlotStamps
@@ -257,3 +258,36 @@ def test_pages_a_load_puts_on_the_device_count_as_l1s(stack, monkeypatch, counte
     back = (tier.lookup_full(loaded) >= 0).sum()
     assert (back == len(loaded) and view.rescued - rescued >= len(loaded)) if counted else back == 0
     assert _rows_agree(sched, worker) and worker.stats["load_failures"] == 0
+
+
+@pytest.mark.parametrize("orphaned", [True, False])
+def test_a_prefix_cache_reset_keeps_the_runs_hooks(stack, monkeypatch, compared, orphaned: bool) -> None:  # noqa: ANN001, F811
+    """A prefix-cache reset (the device's cache only: L2 and L3 keep their pages)
+    drops the old tree's runs first, so what L2 holds of them stays known as
+    orphans, then builds a new tree whose runs still tell the connector what they
+    drop, are keyed as L2 lets pages go, and stay capped: b's lookup reads L2 off
+    the records and orphans, and after the device evicts the prompt again, c's
+    lookup hits without asking L2's index by key.  Planted fault: the old runs
+    not dropped; b's lookup then misses blocks L2 holds (before this, a reset also
+    lost the drop hook)."""
+    if not orphaned:
+        monkeypatch.setattr(EvictedRuns, "keep_within", lambda self, cap: None)
+    sched, worker, prompt = _evicted_prompt(stack, monkeypatch, True)
+    mgr, names = sched.kv_cache_manager, sched.connector._names
+    old = mgr.tree
+    assert mgr.reset_prefix_cache() and mgr.tree is not old
+    runs = mgr.tree.runs
+    assert runs.on_drop == names.orphan_run and runs._page_key == names.page_key
+    assert runs.on and runs.cap is not None and runs.cap > 0
+    if not orphaned:
+        with pytest.raises(AssertionError, match="differs from asking by key"):
+            _run(_request(sched, "b", list(prompt)), sched, worker)
+        return
+    _run(_request(sched, "b", list(prompt)), sched, worker)
+    mgr.tree.evict(full_pages=mgr.tree.full_pages_cached, swa_pages=mgr.tree.swa_pages_cached)
+    assert runs.pages > 0
+    asked = sched.connector.stats.get("l2_pages_asked_by_key", 0)
+    hit = (len(prompt) - 1) // sched.connector.unit * sched.connector.unit
+    assert sched.connector.get_num_new_matched_tokens(_request(sched, "c", list(prompt)), 0) == (hit, True)
+    assert sched.connector.stats.get("l2_pages_asked_by_key", 0) == asked
+    mgr.check_invariants()
