@@ -395,23 +395,23 @@ class EvictedRuns:
             if run is None:
                 continue  # dropped with a run cut before it
             names = run.names if key is None else list(map(key, run.names))
-            i = len(names) - len(list(takewhile(gone.__contains__, reversed(names))))
-            while held is not None and i and not held(names[i - 1]):
-                i -= 1
-            self._cut(run, i)
+            self._cut_back(run, len(names) - len(list(takewhile(gone.__contains__, reversed(names)))), held)
         if held is not None and fresh:
-            for run in self._fresh:
-                names = run.names
-                if run.home is None or held(names[-1] if key is None else key(names[-1])):
-                    continue  # dropped, or its last page held (then as the tiers tell)
-                i = len(names) - 1
-                while i and not held(names[i - 1] if key is None else key(names[i - 1])):
-                    i -= 1
-                self._cut(run, i)
+            for run in self._fresh:  # dropped, or its last page held: then as the tiers tell
+                if run.home is not None and not held(self._key(run.names[-1])):
+                    self._cut_back(run, len(run.names) - 1, held)
             self._fresh.clear()
         cut = before - self.pages
         self.let_go_pages += cut
         return cut
+
+    def _cut_back(self, run: EvictedRun, i: int, held: Callable[[bytes], bool] | None) -> None:
+        """Cut kept ``run`` before its page ``i`` or, with ``held``, further back past
+        the pages before it that ``held`` (by their keys) says no tier holds.
+        O(pages walked back and cut)."""
+        while held is not None and i and not held(self._key(run.names[i - 1])):
+            i -= 1
+        self._cut(run, i)
 
     def _cut(self, run: EvictedRun, i: int) -> None:
         """Cut kept ``run`` before its page ``i``: what it names from there, and
