@@ -230,7 +230,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         st = self._state(request)  # every request gets state: its pages are saved later
         plan = st.repair
         if plan is not None and plan[1] == num_computed_tokens:  # the device's part is handed over
-            st.hit_tokens, st.hit_sources, st.local_tokens = plan[2], {}, num_computed_tokens
+            st.hit_tokens, st.hit_sources, st.local_tokens, st.l1_marked = plan[2], {}, num_computed_tokens, 0
             return plan[2] - num_computed_tokens, True
         st.repair, st.hit_tokens, st.hit_sources, st.local_tokens, st.l1_marked = None, 0, {}, num_computed_tokens, 0
         hit = self._hit(request, st, num_computed_tokens)

@@ -86,7 +86,7 @@ class ReqState:
     local_tokens: int = 0  # the engine's own hit at the last lookup
     hit_sources: dict[CacheHitSource, int] = field(default_factory=dict)  # of the last load job
     saved_tokens: int = 0     # full-group KV up to here already handed to a save job
-    l1_marked: int = 0  # full-group KV up to here told to L1's view as held (a lookup starts it over)
+    l1_marked: int = 0  # full-group KV up to here told to L1's view as held (each lookup starts it over)
     saved_swa: dict[int, set[int]] = field(default_factory=dict)  # per SWA group: pages saved
     reported: bool = False
     #: a window repair the lookup planned (``(safe, local, end)`` tokens: the device's

@@ -61,6 +61,47 @@ def test_a_repaired_window_stays_on_the_device(stack) -> None:  # noqa: ANN001
     mgr.check_invariants()
 
 
+@pytest.mark.parametrize("started_over", [True, False])
+def test_a_window_repair_tells_l1s_view_anew(stack, monkeypatch, started_over: bool) -> None:  # noqa: ANN001
+    """A request saved before a preemption has told L1's view its full pages up to
+    where it was (``l1_marked``); taken again through a window repair it holds new
+    blocks, so the handover starts that count over, as a plain lookup does: its
+    first save tells the view every full block it holds, the loaded ones included
+    (repair case 1 then covers them).  Planted fault: the handover keeps the old
+    count (as before the mend); then no loaded block is told."""
+    if not started_over:
+        real = connector_mod.HybridKVConnector.get_num_new_matched_tokens
+
+        def keep(self: Any, request: Any, n: int) -> Any:
+            st = self._reqs.get(request.request_id)
+            old = st.l1_marked if st is not None else 0
+            out = real(self, request, n)
+            if st is not None and st.repair is not None:
+                st.l1_marked = old
+            return out
+
+        monkeypatch.setattr(connector_mod.HybridKVConnector, "get_num_new_matched_tokens", keep)
+    sched, worker, prompt, hit = _case_2(stack, 4)
+    conn, mgr = sched.connector, sched.kv_cache_manager
+    g = next(g for g in conn.groups if not g.is_swa)
+    told: list[int] = []
+    tell = conn._l1.held
+
+    def held(gi: int, ids: Any, keys: Any, pages: Any) -> None:
+        pages = list(pages)
+        told.extend(pages if gi == g.index else ())
+        tell(gi, ids, keys, pages)
+
+    monkeypatch.setattr(conn._l1, "held", held)
+    req_b = _request(sched, "b", list(prompt))
+    st_b = conn._state(req_b)
+    st_b.l1_marked = len(prompt)  # as a save before a preemption leaves it
+    _run(req_b, sched, worker)
+    assert mgr.counters["window_repairs"] == 1 and 0 < st_b.local_tokens < hit == st_b.hit_tokens
+    loaded = set(range(st_b.local_tokens // g.block_size, hit // g.block_size))
+    assert loaded and (loaded <= set(told)) == started_over and (not loaded & set(told)) != started_over
+
+
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 @pytest.mark.parametrize("repair", [True, False])
 def test_a_failed_load_caches_and_saves_nothing_it_did_not_fill(stack, monkeypatch, policy: str,  # noqa: ANN001
