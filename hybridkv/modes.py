@@ -12,7 +12,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import TypeVar
 
-__all__ = ["EvictionRanking", "L3Swa", "StrMode", "SwaEviction", "SwaRelease", "WritePolicy"]
+__all__ = ["EvictionRanking", "L2Eviction", "L3Swa", "StrMode", "SwaEviction", "SwaRelease", "WritePolicy"]
 
 _M = TypeVar("_M", bound="StrMode")
 
@@ -74,6 +74,13 @@ class WritePolicy(StrMode):
 
     WRITE_THROUGH = "write_through"  #: a request's pages when it finishes
     WRITE_BACK = "write_back"        #: a page when the L1 tree frees it
+
+
+class L2Eviction(StrMode):
+    """Whose order L2 gives up its full pages in (``TierConfig.l2_eviction``)."""
+
+    OWN = "own"    #: L2's own: the least recently used leaf of its key tree (copies of L1's pages first)
+    TREE = "tree"  #: the tree's: its runs below L1, least recently used first (HiCache's host eviction)
 
 
 class L3Swa(StrMode):

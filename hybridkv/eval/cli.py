@@ -318,6 +318,9 @@ def _tier_args(sp: argparse.ArgumentParser) -> None:
                     help="exit 1 if any L3 read or write failed (the run itself degrades to misses)")
     sp.add_argument("--write-policy", default="write_through", choices=("write_through", "write_back"),
                     help="L1 -> L2 write policy (default write_through)")
+    sp.add_argument("--l2-eviction", default="own", choices=("own", "tree"),
+                    help="the order L2 gives up full pages in: its own, or the L1 tree's evicted runs "
+                         "(HiCache's host eviction; write_through only); default own")
 
 
 def _tier_config(args: argparse.Namespace) -> Any:
@@ -329,7 +332,7 @@ def _tier_config(args: argparse.Namespace) -> Any:
     # A replay is not real time: L3 is assumed to keep up with the writes (an engine's
     # bounded queue drops them instead, counted), so the figures do not depend on timing.
     return TierConfig(l2_bytes=int(args.l2_gb * _GB), l3=args.l3, write_policy=args.write_policy,
-                      l3_timeout_s=60.0, max_queued_writes=1 << 26)
+                      l3_timeout_s=60.0, max_queued_writes=1 << 26, l2_eviction=getattr(args, "l2_eviction", "own"))
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -473,7 +476,8 @@ def _verify(args: argparse.Namespace) -> int:
         if args.l2_gb is None:
             raise ValueError("--l3 needs --l2-gb (L3 loads go through the L2 host tier)")
         out = run_tier_verify(args.trace, requests=args.requests, seed=args.seed, l2_gb=args.l2_gb,
-                              l3=args.l3, write_policy=args.write_policy, progress=progress, spec=spec)
+                              l3=args.l3, write_policy=args.write_policy, progress=progress, spec=spec,
+                              l2_eviction=args.l2_eviction)
     else:
         out = run_verify(args.trace, requests=args.requests, seed=args.seed, progress=progress, spec=spec)
     ok = out["mismatched_requests"] == 0

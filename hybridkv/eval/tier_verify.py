@@ -39,10 +39,12 @@ def flush_l2(cache: TieredCache) -> int:
 
 def run_tier_verify(trace: str | None = None, *, requests: int = 60, seed: int = 0, l2_gb: float = 1.0,
                     l3: str | None = None, write_policy: str = "write_back", l1_flush_every: int = 3,
-                    l2_flush_every: int = 7, progress: Any = None, spec: ModelSpec | None = None) -> dict[str, Any]:
+                    l2_flush_every: int = 7, progress: Any = None, spec: ModelSpec | None = None,
+                    l2_eviction: str = "own") -> dict[str, Any]:
     """Run the verify workload through L1/L2/L3 with forced reloads; returns its JSON dict
     (``progress(done, total)`` is called after each request; ``spec``: the float64
-    model, default :func:`~hybridkv.eval.model.reference.tiny_spec`)."""
+    model, default :func:`~hybridkv.eval.model.reference.tiny_spec`; ``l2_eviction``:
+    :attr:`TierConfig.l2_eviction <hybridkv.tiers.config.TierConfig.l2_eviction>`)."""
     if l2_gb <= 0:
         raise ValueError(f"l2_gb must be > 0, got {l2_gb}")
     if spec is not None and not isinstance(spec, ModelSpec):
@@ -56,7 +58,7 @@ def run_tier_verify(trace: str | None = None, *, requests: int = 60, seed: int =
     l1 = CacheConfig(budget_bytes=150 * fpb + 40 * spb, full_pages=300, swa_pages=80, device="cpu",
                      swa_checkpoint=32)
     cache = TieredCache(spec, l1, tiers=TierConfig(l2_bytes=l2_bytes, l3=l3, write_policy=write_policy,
-                                                   l3_timeout_s=30.0))
+                                                   l3_timeout_s=30.0, l2_eviction=l2_eviction))
     cycles = {"l1_flushes": 0, "l2_flushes": 0}
 
     def on_request(idx: int) -> None:

@@ -54,6 +54,7 @@ inserts; the owner sets the cap there too), like the L1 tree itself.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from itertools import takewhile
 from typing import Callable, Iterable, Iterator
@@ -114,6 +115,9 @@ class EvictedRuns:
         self._page_key: Callable[[bytes], bytes] | None = None  # a page's key off its name (None: the name)
         self.let_go_pages = 0  # pages cut because the tiers below let them go (:meth:`let_go`)
         self._fresh: list[EvictedRun] = []  # runs made since :meth:`let_go` last looked at them
+        # (last use, made, run) of the runs that may name pages a tier holds: L2's victims off the tree
+        self._by_use: list[tuple[int, int, EvictedRun]] = []
+        self._made_n = 0  # runs made so far (ties in ``_by_use``)
 
     def enable(self, on: bool = True) -> None:
         """Keep runs from now on (``on``), or keep no new one."""
@@ -209,6 +213,8 @@ class EvictedRuns:
         self._tails[self._key(run.names[-1])] = run
         self._order.append(run)
         self._fresh.append(run)
+        self._made_n += 1
+        heapq.heappush(self._by_use, (node.last_access, self._made_n, run))
         self._live += 1
         self.pages += len(run.names)
         if not self._holds:
@@ -364,6 +370,9 @@ class EvictedRuns:
             self.dropped += before - self.pages
         if len(order) > 2 * self._live + 64:
             self._order = deque(r for r in order if r.home is not None)
+        if len(self._by_use) > 2 * self._live + 64:
+            self._by_use = [e for e in self._by_use if e[2].home is not None]
+            heapq.heapify(self._by_use)
         if len(self._fresh) > 2 * self._live + 64:
             self._fresh = [r for r in self._fresh if r.home is not None]
 
@@ -404,6 +413,36 @@ class EvictedRuns:
         cut = before - self.pages
         self.let_go_pages += cut
         return cut
+
+    def oldest_pages(self, held: Callable[[bytes], bool]) -> Iterator[bytes]:
+        """The keys (:meth:`key_pages_by`) of the pages the runs name that ``held``
+        says a tier holds, the least recently used run first (the last use of the
+        L1 pages it was made of) and each run from its last page back: the order
+        L2 gives up what it holds below L1, off the tree's L2 entries, as HiCache's
+        host eviction walks its host nodes by their last access.  A run found
+        naming no held page is passed over from then on (but while an eviction's
+        listeners still store pages: :meth:`hold`); a page a tier takes on for it
+        later is left to that tier's own order.  A hint, read lazily: the tier
+        checks each key (read on a tier's thread while the engine's thread changes
+        the runs, it may end early).  O(log runs) per run read, plus its pages."""
+        heap, key, back = self._by_use, self._key, []
+        try:
+            while heap:
+                top = heap[0]
+                run = top[2]
+                found = False
+                if run.home is not None:
+                    for name in reversed(run.names):
+                        if held(k := key(name)):
+                            found = True
+                            yield k
+                if heap and heap[0] is top:
+                    heapq.heappop(heap)
+                    if run.home is not None and (found or self._holds):
+                        back.append(top)
+        finally:
+            for top in back:
+                heapq.heappush(heap, top)
 
     def _cut_back(self, run: EvictedRun, i: int, held: Callable[[bytes], bool] | None) -> None:
         """Cut kept ``run`` before its page ``i`` or, with ``held``, further back past

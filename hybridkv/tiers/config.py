@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from ..modes import L3Swa, WritePolicy
+from ..modes import L2Eviction, L3Swa, WritePolicy
 from .storage import backend_lacks
 
-__all__ = ["L3Swa", "PageOrigin", "TierConfig", "WritePolicy"]
+__all__ = ["L2Eviction", "L3Swa", "PageOrigin", "TierConfig", "WritePolicy"]
 
 
 class PageOrigin(IntEnum):
@@ -49,6 +49,11 @@ class TierConfig:
         max_queued_writes: pending L3 write pages before writes are dropped.
         l3_swa: a :class:`~hybridkv.modes.L3Swa` (or its string), ``"anchored"``
             (tails and checkpoint windows only) or ``"all"``.
+        l2_eviction: a :class:`~hybridkv.modes.L2Eviction` (or its string): the
+            order L2 gives up full pages in, ``"own"`` (its key tree's) or
+            ``"tree"`` (the L1 tree's evicted runs, as HiCache's host eviction;
+            write-through only: under write-back L2 takes pages in the tree's
+            eviction order already).  Measured: ``benchmarks/l2_order.py``.
     """
 
     l2_bytes: int
@@ -60,6 +65,7 @@ class TierConfig:
     max_queued_writes: int = 65536
     l3_swa: L3Swa = L3Swa.ANCHORED
     l3_read_breaker: tuple = (3, 5.0)
+    l2_eviction: L2Eviction = L2Eviction.OWN
 
     def __post_init__(self) -> None:
         if not isinstance(self.l2_bytes, (int, np.integer)) or isinstance(self.l2_bytes, bool):
@@ -68,6 +74,10 @@ class TierConfig:
             raise ValueError(f"l2_bytes must be > 0, got {self.l2_bytes}")
         object.__setattr__(self, "write_policy", WritePolicy.parse(self.write_policy, "write_policy"))
         object.__setattr__(self, "l3_swa", L3Swa.parse(self.l3_swa, "l3_swa"))
+        object.__setattr__(self, "l2_eviction", L2Eviction.parse(self.l2_eviction, "l2_eviction"))
+        if self.l2_eviction is L2Eviction.TREE and self.write_policy is not WritePolicy.WRITE_THROUGH:
+            raise ValueError(
+                f"l2_eviction 'tree' needs write_policy 'write_through', got {self.write_policy.value!r}")
         rb = self.l3_read_breaker
         if (not isinstance(rb, tuple) or len(rb) != 2 or not isinstance(rb[0], int) or rb[0] < 1
                 or not isinstance(rb[1], (int, float)) or rb[1] < 0):

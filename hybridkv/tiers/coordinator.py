@@ -33,7 +33,7 @@ import torch
 
 from .._validate import as_token_array
 from ..lifecycle import TierPlan
-from ..modes import WritePolicy
+from ..modes import L2Eviction, WritePolicy
 from ..radix.node import NO_PAGE, EvictedRun, TreeNode, parts_side
 from ..radix import PageNames
 from ..radix.types import node_names
@@ -142,6 +142,8 @@ class TierCoordinator:
         # let go that have yet to leave (size reads: no lock; the engine's thread makes the runs)
         self._let_go = LetGo(self.host, self.l3_record if self.l3 is not None else None)  # (under the mutex)
         tree.runs.enable()
+        if tiers.l2_eviction is L2Eviction.TREE:  # L2 gives up what the runs name first, least recently used first
+            self.host.victims_by = tree.runs.oldest_pages
         tree.runs.cap_by(lambda: self.host.num_full_pages + len(self.l3_record) + len(self._let_go))
         self.writes = L3WriteQueue(self.l3, self.codec, self.mutex, self.l3_record, self.counters)
         self.landing = Landing(self.host, self.codec, self.l3, self.l3_record, self.writes.predates, self.counters)

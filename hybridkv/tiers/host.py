@@ -1,13 +1,11 @@
 """L2: dual Full/SWA page pools in host memory, indexed by page keys.
 
-The L2 tier knows which page prefixes it holds a host copy of: full KV per
-page key and SWA KV per page (its own validity, independent of the full
-copy).  It is indexed by the chained page keys of :mod:`hybridkv.tiers.keys`
-(the same names L3 uses), not by a second token radix tree: a key already
-names its whole prefix, so "is page i of this prompt in L2" is one dict lookup
-and an L1 page can be backed up when the L1 tree frees it, knowing only its key.
-Each full page also names its parent's key when stored, so the full pages form a
-tree of keys, which eviction follows (below).
+L2 holds full KV per page key and SWA KV per page (its own validity,
+independent of the full copy), under the chained page keys of
+:mod:`hybridkv.tiers.keys` (the names L3 uses): a key names its whole prefix,
+so "is page i of this prompt in L2" is one dict lookup, and an L1 page can be
+backed up as the L1 tree frees it, knowing only its key.  Each full page also
+names its parent's key when stored: the full pages form a tree of keys.
 
 Memory: a :class:`~hybridkv.pools.DualPool` with one shared byte budget
 (``device="cpu"``, pinned when CUDA exists, for real KV; ``"meta"`` for
@@ -16,17 +14,17 @@ accounting-only replays).
 Eviction (LRU within each class), cheapest loss first:
 
 1. *plain* SWA pages (not a sequence tail or retention checkpoint window);
-2. full pages, the least recently used *leaf* first: the full pages form a tree
-   of page keys (each names the key of the page before it, its parent, when
-   stored), and a page goes only once no page L2 holds extends it.  A plain LRU
-   over keys gave up a sequence's first page first (a sequence is stored and
-   touched front to back), which left every later page unreachable while it
-   still took room; a tree gives up tails first, as HiCache's host tree does.
-   ``leaf_first = False`` keeps the plain LRU: its owner sets that under
-   write-back, where pages enter L2 as the L1 tree frees them, leaves first,
-   so L2's LRU order already follows the tree (measured: the key tree there
-   served slightly fewer hit tokens; see the changelog).  Without it the
-   leaves are not filed (switching it on files them again).
+2. full pages, the least recently used *leaf* first: a page goes only once no
+   page L2 holds extends it (a plain LRU over keys gave up a sequence's first
+   page first, as a sequence is stored and touched front to back, which left
+   the later pages unreachable while they took room; HiCache's host tree gives
+   up tails first too).  ``leaf_first = False`` keeps the plain LRU (its owner
+   sets that under write-back, where pages enter L2 as the L1 tree frees them,
+   so L2's LRU already follows the tree; measured in the changelog), and files
+   no leaves.  With ``victims_by`` (``TierConfig(l2_eviction="tree")``) the
+   pages the owner's tree names below L1 go first, in its order (its evicted
+   runs, least recently used first, as HiCache's host eviction), leaves only,
+   then the rest in L2's own.
    Each full page leaves with the SWA pages *based* on it (inserted with its
    key as ``base_keys``: one per sliding group whose window ends in the page):
    left alone, orphaned SWA (much larger than full KV per token) filled L2 with
@@ -34,32 +32,28 @@ Eviction (LRU within each class), cheapest loss first:
    is not lost (``pair_swa = False`` keeps them, for comparisons);
 3. *anchored* SWA pages (tails, checkpoint windows, windows that ended a hit).
 
-With ``l1_copies_first`` (its owner sets it under write-through, where L2 holds a
-copy of everything L1 cached), full pages L1 also holds go before the other full
-pages (LRU among them): such a copy costs nothing while L1 keeps the page, and the
-owner copies the page down again when L1 frees it (:meth:`mark_l1` tells L2 which
-full keys L1 holds).  Otherwise L2 spends its bytes on the pages L1 has too, and L1
-keeps the sequences' first pages, so a plain LRU evicts the tails L1 lacks.
+With ``l1_copies_first`` (set under write-through, where L2 holds a copy of all
+L1 cached) full pages L1 also holds (:meth:`mark_l1`) go before the other full
+pages, LRU among them: such a copy costs nothing while L1 keeps the page, and the
+owner copies it down again when L1 frees it.  Otherwise L2 spends its bytes on
+pages L1 has too, and a plain LRU evicts the tails L1 lacks.
 
 The owner demotes (:meth:`demote` by full-KV key, :meth:`demote_swa` by SWA key)
-anchored windows a longer sequence has moved past (its earlier tails): they become
-plain SWA, most recently used.
-
-Pages listed in ``protect`` are never evicted (a load in progress reads them).
+anchored windows a longer sequence has moved past: they become plain SWA, most
+recently used.  Pages in ``protect`` are never evicted (a load reads them).
 
 Events: ``listeners`` (callables taking a :class:`~hybridkv.tiers.events.TierEvent`
-of tier ``"L2"``, like the tree's ``listeners``) hear every full/SWA page
-stored or evicted, keyed by full-KV page keys: SWA entries inserted with
-``base_keys`` remember the full key they belong to.
-Not thread-safe: the owner (:class:`~hybridkv.tiers.tiered.TieredCache`)
-serialises access with its lock.
+of tier ``"L2"``) hear every full/SWA page stored or evicted, keyed by full-KV
+page keys (SWA entries inserted with ``base_keys`` remember theirs).  Not
+thread-safe: the owner (:class:`~hybridkv.tiers.tiered.TieredCache`) serialises
+access with its lock.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter, OrderedDict
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -110,6 +104,10 @@ class HostTier:
         #: evict the full pages L1 also holds before the others (see the module docstring)
         self.l1_copies_first = False
         self._leaf_first = True  # see leaf_first
+        #: the owner's tree's order (None: L2's own): given :attr:`holds`, it yields the full keys L2
+        #: holds below L1 in the order to give them up (:meth:`EvictedRuns.oldest_pages
+        #: <hybridkv.radix.evicted.EvictedRuns.oldest_pages>`), leaves only, before L2's own order
+        self.victims_by: Callable[[Callable[[bytes], bool]], Iterator[bytes]] | None = None
         self.listeners: list[TierListener] = []
         # Called with (kind, int32 page ids) just before pages go back to ``pool``: the
         # owner encodes a page with a queued L3 write before its data is reused.
@@ -327,6 +325,8 @@ class HostTier:
         counters, gone = self.counters, self._gone_full
         prot = protect_full if full_kind else protect_swa
         leaves = stage == "full" and self._leaf_first
+        by_tree = self.victims_by if stage == "full" else None
+        kids, tree = self._kids, (by_tree(self.holds) if by_tree is not None else None)
         fpb, spb = self.pool.full_page_bytes, self.pool.swa_page_bytes
         need_full, need_swa, need_bytes = need if need is not None else (0, 0, 0)
         taken = 0
@@ -336,9 +336,14 @@ class HostTier:
                     nf, ns = len(got_full), len(got_swa)
                     if not (need_bytes > nf * fpb + ns * spb or (need_full > nf if full_kind else need_swa > ns)):
                         break
-                if leaves:  # a page before the pages that extend it never goes first
-                    victim = self._lru_leaf(protect_full)
+                # the owner's tree's order first, leaves only (as below), then L2's own
+                victim = next((k for k in tree if not kids.get(k) and table[k] not in prot), None) if tree else None
+                if victim is not None:
+                    counters["evicted_off_tree_pages"] = counters.get("evicted_off_tree_pages", 0) + 1
+                elif leaves:  # a page before the pages that extend it never goes first
+                    victim, tree = self._lru_leaf(protect_full), None
                 else:  # the LRU page not protected
+                    tree = None
                     victim = next((k for k in order if table[k] not in prot), None) if prot else next(iter(order), None)
                 if victim is None:
                     break
@@ -351,6 +356,8 @@ class HostTier:
                     counters["evicted_l1_copy_pages"] += 1
                 gone(victim, page, protect_swa)
         finally:
+            if tree is not None:
+                tree.close()  # (the runs it read stay filed)
             if own:
                 self._give_back_gathered()
         return taken
@@ -454,13 +461,9 @@ class HostTier:
     def insert_full(self, keys: Sequence[bytes], pages: np.ndarray,
                     parents: Sequence[bytes | None] | None = None) -> None:
         """Index allocated ``pages`` (data already written) under ``keys`` (MRU).
-
-        ``parents[i]``: the key of the page before ``keys[i]`` in its sequence (None:
-        the first page, or not known).  L2 evicts a full page only when no page it
-        holds names it as parent (a leaf), so a prefix outlives its extensions, as
-        in a radix tree; a page inserted without a parent is a root.
-        A key already present keeps its old page and the new one is freed.  O(n log n).
-        """
+        ``parents[i]``: the key of the page before ``keys[i]`` (None: the first page,
+        or not known: a root); L2 evicts a page only once none it holds names it as
+        parent.  A key already present keeps its old page (the new one is freed).  O(n log n)."""
         dup, new, fresh = [], [], []
         ups = parents if parents is not None else [None] * len(keys)
         if len(ups) != len(keys):
@@ -519,8 +522,7 @@ class HostTier:
             emit(self.listeners, TierEvent("L2", "swa_store", tuple(new), (True,) * len(new)))
 
     def anchor(self, keys: Sequence[bytes]) -> int:
-        """Move plain SWA ``keys`` to the anchored class (absent/anchored keys are
-        ignored); returns how many moved.  O(n)."""
+        """Move plain SWA ``keys`` to the anchored class (others ignored); returns how many moved.  O(n)."""
         moved = 0
         for k in keys:
             if k in self._swa:
@@ -547,10 +549,8 @@ class HostTier:
         return moved
 
     def demote_swa(self, keys: Sequence[bytes]) -> int:
-        """Move anchored SWA entries named by their SWA ``keys`` to the plain class,
-        most recently used there (for an owner whose SWA keys have no full-KV key:
-        :meth:`demote` names pages by theirs); plain and absent keys are ignored.
-        Returns how many moved.  O(n)."""
+        """:meth:`demote` by SWA ``keys`` (an owner whose SWA keys have no full-KV
+        key); plain and absent keys are ignored.  Returns how many moved.  O(n)."""
         moved = 0
         for k in keys:
             page = self._anchor.pop(k, None)

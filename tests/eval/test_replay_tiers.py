@@ -55,11 +55,12 @@ def test_replay_survives_redis_kill_and_restart(redis_server):
     assert res["l1_hit_tokens"] + res["l2_hit_tokens"] + res["l3_hit_tokens"] == res["hit_tokens"]
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_verify_through_l2_and_l3_has_no_mismatch(tmp_path, policy):
+@pytest.mark.parametrize("policy, l2_eviction", [("write_through", "own"), ("write_back", "own"),
+                                                 ("write_through", "tree")])
+def test_verify_through_l2_and_l3_has_no_mismatch(tmp_path, policy, l2_eviction):
     from hybridkv.eval.tier_verify import run_tier_verify
     out = run_tier_verify(requests=10, l3=f"file://{tmp_path / 'l3'}", write_policy=policy,
-                          l1_flush_every=2, l2_flush_every=4)
+                          l1_flush_every=2, l2_flush_every=4, l2_eviction=l2_eviction)
     assert out["mismatched_requests"] == 0 and out["tier_errors"] == 0
     assert out["l2_hit_tokens"] > 0 and out["l1_flushes"] > 0 and out["l2_flushes"] > 0
     assert out["l3_hit_tokens"] > 0 and out["l3_backend_corrupt"] == 0  # both policies reach L3

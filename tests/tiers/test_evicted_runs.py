@@ -75,6 +75,7 @@ def test_walks_read_evicted_names_and_the_cache_decides_as_without_them(policy, 
         monkeypatch.setattr(co, "walk_prompt", walk_counted)
         if not runs:
             cache.tree.runs.enable(False)  # off: every page past L1 is hashed
+        co.host.victims_by = None  # L2's own order in both (the runs' order: test_l2_gives_up_the_oldest_runs_first)
         named = cache.tree.runs.names
 
         def names_counted(*args, **kw):
@@ -201,3 +202,55 @@ def test_with_l3_runs_outlive_l2_as_l3_entries(tmp_path):
         assert len(l3_only) > 0, runs.pages
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("order", ["tree", "own"])
+def test_l2_gives_up_the_least_recently_used_runs_first(order):
+    """``l2_eviction="tree"``: L2 gives up the pages the tree's runs name, the run
+    of the least recently used L1 pages first, tail first (HiCache's host
+    eviction), whatever L2's own use of its keys says.  Prompt a is used before
+    b, both leave L1 as runs, then L2 is touched on a's pages: when L2 must give
+    up four full pages, its own order (the contrast) gives up b's, the tree's
+    a's, and every record stays checked."""
+    spec = tiny_spec()
+    fpb, spb = spec.bytes_per_page("full"), spec.bytes_per_page("swa")
+    cache = TieredCache(spec, CacheConfig(budget_bytes=60 * (fpb + spb), device="meta"),
+                        tiers=TierConfig(l2_bytes=24 * (fpb + spb), l2_eviction=order))
+    co, P = cache.lower_tiers, spec.page_size
+    rng = np.random.default_rng(5)
+    try:
+        prompts = {n: rng.integers(0, 500, 8 * P + 1).astype(np.int32) for n in "abc"}
+        keys = {n: page_keys(t[:8 * P], P, namespace="default", fingerprint=co.fingerprint) for n, t in prompts.items()}
+        for n in "ab":
+            req = cache.begin(prompts[n])
+            left = len(prompts[n]) - req.computed
+            cache.reserve(req, left)
+            cache.commit(req, left)
+            cache.finish(req)
+        cache.tree.evict(full_pages=cache.tree.full_pages_cached, swa_pages=cache.tree.swa_pages_cached)
+        assert cache.tree.runs.pages >= 16 and all(k in co.host for n in "ab" for k in keys[n])
+        host = co.host
+        host.lookup_full(keys["a"], touch=True)  # L2's own use: a most recently
+        room = (host.pool.budget_bytes - host.pool.used_bytes()) // fpb
+        got = host.alloc(room + 4, 0, protect_swa=range(host.pool.swa.capacity))  # 4 full pages must go
+        assert got is not None
+        host.free(*got)
+        co.walk_prompt(prompts["c"], "default", 8)  # the runs cut as L2 let pages go
+        cache.check_invariants()
+        kept = {n: int((co.host.lookup_full(keys[n]) >= 0).sum()) for n in "ab"}
+        first = "a" if order == "tree" else "b"
+        assert kept[first] == 4 and kept["b" if first == "a" else "a"] == 8, kept
+        assert co.host.counters.get("evicted_off_tree_pages", 0) == (4 if order == "tree" else 0)
+        lost = [k for k in keys[first] if k not in co.host]
+        assert lost == keys[first][-len(lost):]  # tail first
+    finally:
+        cache.close()
+
+
+def test_l2_eviction_is_validated():
+    spec = tiny_spec()
+    with pytest.raises(ValueError, match="l2_eviction"):
+        TierConfig(l2_bytes=spec.bytes_per_page("full"), l2_eviction="lfu")
+    with pytest.raises(ValueError, match="needs write_policy 'write_through'"):
+        TierConfig(l2_bytes=spec.bytes_per_page("full"), l2_eviction="tree", write_policy="write_back")
+    assert TierConfig(l2_bytes=spec.bytes_per_page("full"), l2_eviction="tree").l2_eviction == "tree"

@@ -203,3 +203,41 @@ def test_the_cache_evicts_l2_leaves_first_under_write_through(tmp_path, policy, 
                         tiers=TierConfig(l2_bytes=32 * page, write_policy=policy))
     assert cache.host.leaf_first is leaf_first
     cache.close()
+
+
+@pytest.mark.parametrize("by_tree", [True, False])
+def test_the_owners_tree_order_goes_first_leaves_only(by_tree: bool) -> None:
+    """With ``victims_by`` L2 gives up the keys its owner's tree yields, in that order,
+    passing over those it does not hold, a page another held page extends, and a
+    protected page, then turns to its own order once the tree's runs out.  Without it
+    (the planted contrast) L2's own least recently used leaf goes first."""
+    tier = _tier(8)
+    a, pa = _chain("a", 3)
+    b, pb = _chain("b", 3)
+    _store(tier, a, pa)
+    _store(tier, b, pb)
+    _store(tier, [b"x", b"y"], None)
+    tier.lookup_full(a, touch=True)  # L2's own order: b's tail, then b, x, y before a
+    asked: list[list[bytes]] = []
+
+    def order(holds):
+        asked.append([])
+        for k in [b"gone", a[1], a[2], a[1], b[0], b"x"]:  # a[1] extended by a[2] until a[2] goes
+            asked[-1].append(k)
+            if holds(k):
+                yield k
+
+    if by_tree:
+        tier.victims_by = order
+    got = tier.alloc(4, 0, protect=[tier.lookup_full([b"x"])[0]])
+    assert got is not None
+    held = {k for k in a + b + [b"x", b"y"] if k in tier}
+    if by_tree:  # a's tail, then a[1] (a leaf once a[2] went); b[0] is extended, x protected;
+        # then L2's own order: b's tail, b[1]
+        assert held == {a[0], b[0], b"x", b"y"} and asked[0][0] == b"gone"
+        assert tier.counters["evicted_off_tree_pages"] == 2
+    else:
+        assert held == {*a, b"x"} and not asked and "evicted_off_tree_pages" not in tier.counters
+    assert tier.counters["evicted_full_pages"] == 4
+    tier.free(got[0], got[1])
+    tier.check_invariants()
