@@ -36,7 +36,7 @@ import torch
 from hybridkv.lifecycle import TierPlan
 from hybridkv.radix import PageNames
 from hybridkv.spec import AttnKind, KVShape, ModelSpec
-from hybridkv.tiers.config import TierConfig
+from hybridkv.tiers.config import L2Eviction, TierConfig
 from hybridkv.tiers.coordinator import TierCoordinator
 
 from .layer_loads import LayerLoads
@@ -49,8 +49,9 @@ _EMPTY = np.zeros(0, dtype=np.int32)
 
 def tiers_from_env(l2_bytes: int | None = None, write_policy: str | None = None) -> TierConfig | None:
     """The :class:`TierConfig` named by ``$HYBRIDKV_L2_BYTES`` (host bytes),
-    ``$HYBRIDKV_L3`` (L3 URL, e.g. ``file:///path``) and
-    ``$HYBRIDKV_WRITE_POLICY``; ``l2_bytes`` / ``write_policy`` (from SGLang's
+    ``$HYBRIDKV_L3`` (L3 URL, e.g. ``file:///path``), ``$HYBRIDKV_WRITE_POLICY``
+    and ``$HYBRIDKV_L2_EVICTION`` (``own`` or ``tree``: :attr:`TierConfig.l2_eviction
+    <hybridkv.tiers.config.TierConfig.l2_eviction>`); ``l2_bytes`` / ``write_policy`` (from SGLang's
     ``--hicache-*`` flags) are used where the variables are unset.  None when
     neither L2 bytes nor an L3 URL is given.  Raises ValueError naming the
     variable for a malformed value."""
@@ -66,7 +67,8 @@ def tiers_from_env(l2_bytes: int | None = None, write_policy: str | None = None)
     if l2_bytes is None:
         raise ValueError("HYBRIDKV_L3 needs an L2 size: set HYBRIDKV_L2_BYTES (or --hicache-size)")
     policy = os.environ.get("HYBRIDKV_WRITE_POLICY") or write_policy or "write_through"
-    return TierConfig(l2_bytes=l2_bytes, l3=l3, write_policy=policy, l2_device="cpu")
+    eviction = L2Eviction.parse(os.environ.get("HYBRIDKV_L2_EVICTION") or "own", "HYBRIDKV_L2_EVICTION")
+    return TierConfig(l2_bytes=l2_bytes, l3=l3, write_policy=policy, l2_device="cpu", l2_eviction=eviction)
 
 
 def spec_from_pools(kv_pool: Any, page_size: int, window: int, name: str = "sglang") -> ModelSpec:

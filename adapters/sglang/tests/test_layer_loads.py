@@ -147,7 +147,7 @@ def test_the_plugin_registers_sglang_s_counter_with_the_pool_and_the_worker(monk
 
     from hybridkv_sglang.plugin import create_hybridkv_radix_cache
 
-    for var in ("HYBRIDKV_L2_BYTES", "HYBRIDKV_L3", "HYBRIDKV_WRITE_POLICY"):
+    for var in ("HYBRIDKV_L2_BYTES", "HYBRIDKV_L3", "HYBRIDKV_WRITE_POLICY", "HYBRIDKV_L2_EVICTION"):
         monkeypatch.delenv(var, raising=False)
     registered = []
     worker = SimpleNamespace(register_hicache_layer_transfer_counter=registered.append)

@@ -329,6 +329,9 @@ def test_bad_tier_arguments_raise_naming_them(monkeypatch):
     monkeypatch.setenv("HYBRIDKV_L2_BYTES", str(1 << 20))
     with pytest.raises(ValueError, match="scheme|nosuch"):
         HybridKVRadixCache(pools.init_params(W))
+    monkeypatch.setenv("HYBRIDKV_L2_EVICTION", "lfu")
+    with pytest.raises(ValueError, match="HYBRIDKV_L2_EVICTION"):
+        tiers_from_env()
 
 
 def test_env_selects_the_tiers(monkeypatch, tmp_path):
@@ -338,7 +341,15 @@ def test_env_selects_the_tiers(monkeypatch, tmp_path):
     cache, _ = _cache(1, None)
     assert cache.coordinator is not None and cache.coordinator.l3 is not None
     assert cache.tier_config.l2_bytes == 1 << 20 and cache.tier_config.write_policy.value == "write_back"
+    assert cache.tier_config.l2_eviction == "own" and cache.coordinator.host.victims_by is None
     cache.close()
+    monkeypatch.setenv("HYBRIDKV_WRITE_POLICY", "write_through")
+    monkeypatch.setenv("HYBRIDKV_L2_EVICTION", "tree")  # L2 evicts in the tree's order
+    cache, _ = _cache(1, None)
+    assert cache.tier_config.l2_eviction == "tree"
+    assert cache.coordinator.host.victims_by == cache.coordinator.tree.runs.oldest_pages
+    cache.close()
+    monkeypatch.delenv("HYBRIDKV_L2_EVICTION")
     monkeypatch.delenv("HYBRIDKV_L2_BYTES")
     monkeypatch.delenv("HYBRIDKV_L3")
     assert _cache(1, None)[0].coordinator is None
@@ -361,7 +372,7 @@ def _ctx(pools, hicache: bool, **args):
 def test_plugin_enable_hierarchical_cache_turns_on_hybridkv_l2(monkeypatch):
     from hybridkv_sglang.plugin import create_hybridkv_radix_cache
 
-    for var in ("HYBRIDKV_L2_BYTES", "HYBRIDKV_L3", "HYBRIDKV_WRITE_POLICY"):
+    for var in ("HYBRIDKV_L2_BYTES", "HYBRIDKV_L3", "HYBRIDKV_WRITE_POLICY", "HYBRIDKV_L2_EVICTION"):
         monkeypatch.delenv(var, raising=False)
     pools = Pools(full_tokens=2000, swa_tokens=1000)
     assert create_hybridkv_radix_cache(_ctx(pools, False)).coordinator is None
