@@ -71,6 +71,7 @@ ENGINE_STEP = "benchmarks/results/engine_step.json"
 SOAK = "benchmarks/results/soak.json"
 TIERS_VLLM = "benchmarks/peers/results/tiers_vllm.json"
 TIERS = "benchmarks/results/tiers.json"
+L2_ORDER = "benchmarks/results/l2_order.json"
 TIER_STALL = "benchmarks/results/tier_stall.json"
 LOOKUP_STALL = "benchmarks/results/lookup_stall_vllm.json"
 LOOKUP_KEYS = "benchmarks/results/lookup_keys_vllm.json"
@@ -868,6 +869,29 @@ def render_tiers(load: Loader) -> str:
             + source_line(load, TIERS) + "\n")
 
 
+def _tokens(n: int) -> str:
+    """Tokens in millions, or as they are below 100,000."""
+    return f"{n / 1e6:.2f} M" if n >= 100_000 else f"{n:,}"
+
+
+def render_l2_order(load: Loader) -> str:
+    """benchmarks/l2_order.py: L2's own eviction order against the L1 tree's, per split of the budget."""
+    out = load(L2_ORDER)
+    lines = ["| L1 | L2 | L3 | own order | tree order | tree / own (hit tokens) | L2 hits, own / tree |",
+             "|---|---|---|---|---|---|---|"]
+    for r in out["rows"]:
+        own, tree = r["own"], r["tree"]
+        lines.append(f"| {r['l1_gb']:g} GB | {r['l2_gb']:g} GB | {r['l3'] or 'none'} | {pct(own['token_hit_rate'])} "
+                     f"| {pct(tree['token_hit_rate'])} | {r['tree_over_own']:.4f} "
+                     f"| {_tokens(own['l2_hit_tokens'])} / {_tokens(tree['l2_hit_tokens'])} |")
+    worse = sum(1 for r in out["rows"] if r["tree"]["hit_tokens"] < r["own"]["hit_tokens"])
+    better = sum(1 for r in out["rows"] if r["tree"]["hit_tokens"] > r["own"]["hit_tokens"])
+    return (f"{out['trace']}, {out['model']}, write-through, prefix bound {pct(out['prefix_bound_hit_rate'])}; "
+            f"hit rate per order:\n\n" + "\n".join(lines) + "\n\n"
+            f"The tree's order serves fewer hit tokens at {worse} of {len(out['rows'])} splits and more at "
+            f"{better}.\n\n" + source_line(load, L2_ORDER) + "\n")
+
+
 def render_tier_stall(load: Loader) -> str:
     """benchmarks/tier_stall.py: begin p99 of L1/L2-resident prefixes, healthy vs slow L3."""
     out = load(TIER_STALL)
@@ -1121,6 +1145,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[[Loader], str]]] = {
     "tiers-vllm-conclusions": ((TIERS_VLLM,), render_tiers_vllm_conclusions),
     "kv-groups": (tuple(GROUPS.values()), render_kv_groups),
     "tiers": ((TIERS,), render_tiers),
+    "l2-order": ((L2_ORDER,), render_l2_order),
     "tier-stall": ((TIER_STALL,), render_tier_stall),
     "lookup-stall": ((LOOKUP_STALL,), render_lookup_stall),
     "lookup-keys": ((LOOKUP_KEYS,), render_lookup_keys),
