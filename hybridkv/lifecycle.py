@@ -31,7 +31,7 @@ three calls a request makes on them).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -71,7 +71,7 @@ class TierHooks(Protocol):
         policy asks; returns their names for the insert (None: unnamed)."""
         ...
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         """The tiers' counters (merged into the host's stats)."""
         ...
 

@@ -262,6 +262,36 @@ def test_the_library_does_not_import_the_harness():
     assert harness_imports() == [], f"the library imports its evaluation harness ({HARNESS})"
 
 
+#: the protocols each host supplies the core through (issue: "typed protocol (no Any)")
+HOST_PROTOCOLS = ("PagePool", "TierHooks")
+
+
+def protocol_anys() -> list[str]:
+    """Annotations in the host protocols (:data:`HOST_PROTOCOLS`) that name ``Any``."""
+    out = []
+    for name in HOST_PROTOCOLS:
+        path, node = _library_classes()[name]
+        for fn in node.body:
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                notes = [a.annotation for a in fn.args.args + fn.args.kwonlyargs if a.annotation] + [fn.returns]
+                if any(isinstance(n, ast.Name) and n.id == "Any" for note in notes if note for n in ast.walk(note)):
+                    out.append(f"{_rel(path)}:{fn.lineno} {name}.{fn.name}")
+    return out
+
+
+def test_the_host_protocols_name_no_any():
+    assert protocol_anys() == [], "a host protocol method typed with Any: name the type"
+
+
+def test_the_any_check_catches_any(tmp_path, monkeypatch):
+    _plant(tmp_path, monkeypatch, {
+        "types.py": "from typing import Any, Protocol\n\nclass PagePool(Protocol):\n"
+                    "    def alloc(self, n: int) -> list[int]: ...\n",
+        "hooks.py": "from typing import Any, Protocol\n\nclass TierHooks(Protocol):\n"
+                    "    def stats(self) -> dict[str, Any]: ...\n    def fine(self, x: int) -> None: ...\n"})
+    assert protocol_anys() == ["fakepkg/hooks.py:4 TierHooks.stats"]
+
+
 def test_no_dict_copies():
     assert dict_copies() == [], "an object built by copying another's __dict__: compose or delegate"
 
