@@ -115,8 +115,9 @@ class EvictedRuns:
         self._page_key: Callable[[bytes], bytes] | None = None  # a page's key off its name (None: the name)
         self.let_go_pages = 0  # pages cut because the tiers below let them go (:meth:`let_go`)
         self._fresh: list[EvictedRun] = []  # runs made since :meth:`let_go` last looked at them
-        # (last use, made, run) of the runs that may name pages a tier holds: L2's victims off the tree
-        self._by_use: list[tuple[int, int, EvictedRun]] = []
+        # (last use, made, run) of the runs that may name pages a tier holds: L2's victims off the
+        # tree (None: not filed, no one asks: :meth:`file_by_use`)
+        self._by_use: list[tuple[int, int, EvictedRun]] | None = None
         self._made_n = 0  # runs made so far (ties in ``_by_use``)
 
     def enable(self, on: bool = True) -> None:
@@ -213,8 +214,9 @@ class EvictedRuns:
         self._tails[self._key(run.names[-1])] = run
         self._order.append(run)
         self._fresh.append(run)
-        self._made_n += 1
-        heapq.heappush(self._by_use, (node.last_access, self._made_n, run))
+        if self._by_use is not None:
+            self._made_n += 1
+            heapq.heappush(self._by_use, (node.last_access, self._made_n, run))
         self._live += 1
         self.pages += len(run.names)
         if not self._holds:
@@ -370,7 +372,7 @@ class EvictedRuns:
             self.dropped += before - self.pages
         if len(order) > 2 * self._live + 64:
             self._order = deque(r for r in order if r.home is not None)
-        if len(self._by_use) > 2 * self._live + 64:
+        if self._by_use is not None and len(self._by_use) > 2 * self._live + 64:
             self._by_use = [e for e in self._by_use if e[2].home is not None]
             heapq.heapify(self._by_use)
         if len(self._fresh) > 2 * self._live + 64:
@@ -414,6 +416,14 @@ class EvictedRuns:
         self.let_go_pages += cut
         return cut
 
+    def file_by_use(self) -> Callable[[Callable[[bytes], bool]], Iterator[bytes]]:
+        """File every run made from now on by the last use of its L1 pages, for
+        :meth:`oldest_pages`, which it returns (an owner asks before any run is made:
+        the runs made before are not filed).  O(1)."""
+        if self._by_use is None:
+            self._by_use = []
+        return self.oldest_pages
+
     def oldest_pages(self, held: Callable[[bytes], bool]) -> Iterator[bytes]:
         """The keys (:meth:`key_pages_by`) of the pages the runs name that ``held``
         says a tier holds, the least recently used run first (the last use of the
@@ -424,8 +434,11 @@ class EvictedRuns:
         listeners still store pages: :meth:`hold`); a page a tier takes on for it
         later is left to that tier's own order.  A hint, read lazily: the tier
         checks each key (read on a tier's thread while the engine's thread changes
-        the runs, it may end early).  O(log runs) per run read, plus its pages."""
+        the runs, it may end early).  Nothing until :meth:`file_by_use`.  O(log runs)
+        per run read, plus its pages."""
         heap, key, back = self._by_use, self._key, []
+        if heap is None:
+            return
         try:
             while heap:
                 top = heap[0]

@@ -143,7 +143,7 @@ class TierCoordinator:
         self._let_go = LetGo(self.host, self.l3_record if self.l3 is not None else None)  # (under the mutex)
         tree.runs.enable()
         if tiers.l2_eviction is L2Eviction.TREE:  # L2 gives up what the runs name first, least recently used first
-            self.host.victims_by = tree.runs.oldest_pages
+            self.host.victims_by = tree.runs.file_by_use()
         tree.runs.cap_by(lambda: self.host.num_full_pages + len(self.l3_record) + len(self._let_go))
         self.writes = L3WriteQueue(self.l3, self.codec, self.mutex, self.l3_record, self.counters)
         self.landing = Landing(self.host, self.codec, self.l3, self.l3_record, self.writes.predates, self.counters)
